@@ -1,0 +1,1 @@
+"""One module per verb; each returns a result dataclass that cli.py renders."""

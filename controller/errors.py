@@ -1,0 +1,131 @@
+"""One exception tree for ctl, and the exit codes the CLI turns it into.
+
+Every error carries what the user needs to act (the file and key, the host, the command and the
+last lines of its output); `cli.main` catches `CtlError` in one place and prints one line.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Documented exit codes of `ctl` (README, "Exit codes"). Runbooks branch on these."""
+
+    OK = 0
+    FAILURE = 1  # an operation failed (a remote command, a verify, one of several containers)
+    USAGE = 2  # bad command line (typer/click uses 2 as well)
+    INVENTORY = 3  # inventory file missing, unparsable or invalid
+    INPUT = 4  # bad user input: a name, a path, a payload source, a template variable
+    CONNECTION = 5  # SSH / API unreachable, authentication refused, connection dropped
+    HOST_KEY = 6  # host key unknown or changed: refused
+    NOT_RUNNING = 7  # the container is stopped (or does not exist on its host)
+    DRIFT = 8  # deployed files differ from the pinned manifest
+    BUSY = 9  # GPUs busy, tmux session exists, run name taken
+    CLOBBER = 10  # the operation would overwrite a log, cache or record: refused
+    ENV_MISMATCH = 11  # environment differs from its lock
+    DISK = 12  # not enough free disk
+    VERIFY = 13  # content verification failed after a transfer
+    RUN_FAILED = 20  # a followed run ended non-zero or with a crash signature
+    SLOW = 21  # a run's throughput is below its baseline
+    STALLED = 22  # a run's log stopped moving
+    API = 30  # Proxmox API error or failed UPID task
+
+
+class CtlError(Exception):
+    """Base of every error ctl reports to the user."""
+
+    exit_code: ExitCode = ExitCode.FAILURE
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+
+class InventoryError(CtlError):
+    """The inventory is unreadable or invalid. The message names file, line and key."""
+
+    exit_code = ExitCode.INVENTORY
+
+    def __init__(self, path: str, message: str, *, line: int | None = None, key: str | None = None) -> None:
+        where = path if line is None else f"{path}:{line}"
+        text = f"{where}: {message}" if key is None else f"{where}: {key}: {message}"
+        super().__init__(text)
+        self.path = path
+        self.line = line
+        self.key = key
+
+
+class InputError(CtlError):
+    """A user-supplied value is invalid (name, path, option); refused before any command is built."""
+
+    exit_code = ExitCode.INPUT
+
+
+class ConnectionFailed(CtlError):
+    exit_code = ExitCode.CONNECTION
+
+
+class HostKeyError(CtlError):
+    exit_code = ExitCode.HOST_KEY
+
+
+class NotRunning(CtlError):
+    exit_code = ExitCode.NOT_RUNNING
+
+
+class DriftError(CtlError):
+    exit_code = ExitCode.DRIFT
+
+
+class BusyError(CtlError):
+    exit_code = ExitCode.BUSY
+
+
+class ClobberError(CtlError):
+    exit_code = ExitCode.CLOBBER
+
+
+class EnvMismatch(CtlError):
+    exit_code = ExitCode.ENV_MISMATCH
+
+
+class DiskError(CtlError):
+    exit_code = ExitCode.DISK
+
+
+class VerifyError(CtlError):
+    exit_code = ExitCode.VERIFY
+
+
+class ApiError(CtlError):
+    exit_code = ExitCode.API
+
+
+class RemoteCommandError(CtlError):
+    """A remote command exited non-zero. Shows where, what, the exit code and the last lines of stderr."""
+
+    exit_code = ExitCode.FAILURE
+
+    def __init__(
+        self, where: str, argv: Sequence[str], returncode: int, stderr: str = "", *, what: str | None = None
+    ) -> None:
+        tail = " | ".join(line for line in stderr.strip().splitlines()[-3:] if line.strip())
+        cmd = shlex.join(argv)
+        if len(cmd) > 160:
+            cmd = cmd[:157] + "..."
+        head = f"{where}: {what}: " if what else f"{where}: "
+        text = f"{head}`{cmd}` exited {returncode}"
+        if tail:
+            text += f": {tail}"
+        super().__init__(text)
+        self.where = where
+        self.argv = list(argv)
+        self.returncode = returncode
+        self.stderr = stderr

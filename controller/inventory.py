@@ -1,0 +1,339 @@
+"""The inventory: hosts, containers, the pinned payload and run naming, validated.
+
+A bad inventory ends in one line naming the file, the line and the key (`InventoryError`), never a
+traceback. Precedence: defaults < inventory < CTL_* variables < flags (see `load`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from controller.errors import InputError, InventoryError
+from controller.names import check_container_path, check_name
+
+DEFAULT_INVENTORY = "inventory.yaml"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ApiSpec(_Model):
+    url: str
+    node: str
+    token_id: str
+    token_secret_env: str = "PVE_TOKEN"
+    ca_file: str | None = None
+    verify: bool = True
+    timeout: float = 30.0
+
+    @field_validator("url")
+    @classmethod
+    def _https(cls, v: str) -> str:
+        if not v.startswith("https://"):
+            raise ValueError("must start with https://")
+        return v.rstrip("/")
+
+    @field_validator("token_id")
+    @classmethod
+    def _token(cls, v: str) -> str:
+        if "@" not in v or "!" not in v:
+            raise ValueError("must look like USER@REALM!TOKENID")
+        return v
+
+
+class HostSpec(_Model):
+    address: str
+    port: int = Field(22, ge=1, le=65535)
+    user: str = "root"
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    pct: str = "pct"
+    stage_dir: str = "/tmp"
+    api: ApiSpec | None = None
+
+
+class GpuSplit(_Model):
+    target: list[int] = Field(default_factory=list)
+    drafter: list[int] = Field(default_factory=list)
+
+    @field_validator("target", "drafter")
+    @classmethod
+    def _nonneg(cls, v: list[int]) -> list[int]:
+        if any(i < 0 for i in v):
+            raise ValueError("GPU indices must be >= 0")
+        return v
+
+    @property
+    def all(self) -> list[int]:
+        """Distinct GPUs in order of first use (targets first)."""
+        seen: list[int] = []
+        for i in [*self.target, *self.drafter]:
+            if i not in seen:
+                seen.append(i)
+        return seen
+
+
+class PayloadEntry(_Model):
+    src: str | None = None
+    template: str | None = None
+    dest: str
+    mode: str = "0644"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PayloadEntry:
+        if (self.src is None) == (self.template is None):
+            raise ValueError("give exactly one of 'src' or 'template'")
+        return self
+
+    @field_validator("dest")
+    @classmethod
+    def _dest(cls, v: str) -> str:
+        try:
+            return check_container_path(v, "dest")
+        except InputError as e:
+            raise ValueError(e.message) from None
+
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        try:
+            m = int(str(v), 8)
+        except ValueError:
+            raise ValueError(f"{v!r} is not an octal mode such as '0644'") from None
+        if not 0 <= m <= 0o7777:
+            raise ValueError(f"{v!r} is out of range")
+        return f"{m:04o}"
+
+    @property
+    def source(self) -> str:
+        return self.src if self.src is not None else str(self.template)
+
+
+class RunsSpec(_Model):
+    series: str = "run"
+    session: str = "ctl"
+    log: str = "/workspace/train_stdout_{run}.log"
+    dir: str = "/workspace/runs/{run}"
+
+    @field_validator("series", "session")
+    @classmethod
+    def _names(cls, v: str) -> str:
+        try:
+            return check_name(v)
+        except InputError as e:
+            raise ValueError(e.message) from None
+
+    @field_validator("log", "dir")
+    @classmethod
+    def _has_run(cls, v: str) -> str:
+        if "{run}" not in v:
+            raise ValueError("must contain {run} so that every run gets its own path")
+        return v
+
+
+class ContainerSpec(_Model):
+    host: str | None = None
+    vmid: int | None = Field(None, ge=100, le=999999999)
+    transport: Literal["pct", "ssh", "local"] = "pct"
+    address: str | None = None  # ssh transport
+    port: int = Field(22, ge=1, le=65535)
+    user: str = "root"
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    root: str | None = None  # local transport: directory that stands for the container's /
+    gpus: GpuSplit = Field(default_factory=GpuSplit)
+    vars: dict[str, Any] = Field(default_factory=dict)
+    lock: str | None = None
+    baseline: str | None = None
+    allowed_paths: list[str] = Field(default_factory=lambda: ["/root", "/workspace", "/opt", "/srv"])
+
+    @model_validator(mode="after")
+    def _transport_needs(self) -> ContainerSpec:
+        if self.transport == "pct" and (self.host is None or self.vmid is None):
+            raise ValueError("transport 'pct' needs 'host' and 'vmid'")
+        if self.transport == "ssh" and self.address is None:
+            raise ValueError("transport 'ssh' needs 'address'")
+        if self.transport == "local" and self.root is None:
+            raise ValueError("transport 'local' needs 'root' (a directory standing for the container's /)")
+        return self
+
+
+class InventoryModel(_Model):
+    hosts: dict[str, HostSpec] = Field(default_factory=dict)
+    containers: dict[str, ContainerSpec]
+    groups: dict[str, list[str]] = Field(default_factory=dict)
+    payload: list[PayloadEntry] = Field(default_factory=list)
+    runs: RunsSpec = Field(default_factory=RunsSpec)
+    vars: dict[str, Any] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Container:
+    """A container resolved against its host: everything a command needs to reach and describe it."""
+
+    name: str
+    spec: ContainerSpec
+    host_name: str | None
+    host: HostSpec | None
+    root: Path | None  # local transport only, absolute
+
+    @property
+    def label(self) -> str:
+        if self.spec.transport == "pct":
+            return f"{self.name} ({self.host_name}/{self.spec.vmid})"
+        return self.name
+
+
+@dataclass(frozen=True)
+class Inventory:
+    path: Path
+    model: InventoryModel
+
+    @property
+    def base_dir(self) -> Path:
+        """Relative sources (payload, templates, locks, local roots) are relative to the inventory file."""
+        return self.path.parent
+
+    def container(self, name: str) -> Container:
+        spec = self.model.containers.get(name)
+        if spec is None:
+            known = ", ".join(sorted(self.model.containers)) or "none"
+            raise InputError(f"unknown container {name!r} in {self.path} (known: {known})")
+        host = self.model.hosts.get(spec.host) if spec.host else None
+        root = None
+        if spec.root is not None:
+            root = (self.base_dir / os.path.expanduser(spec.root)).resolve()
+        return Container(name=name, spec=spec, host_name=spec.host, host=host, root=root)
+
+    def select(self, names: list[str]) -> list[Container]:
+        """Containers by name or group, in the order given, without repeats. Empty means all."""
+        if not names:
+            names = list(self.model.containers)
+        out: list[str] = []
+        for n in names:
+            members = self.model.groups.get(n, [n]) if n not in self.model.containers else [n]
+            for m in members:
+                if m not in out:
+                    out.append(m)
+        return [self.container(n) for n in out]
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], int]:
+    """Map every key path in the YAML document to the 1-based line where it appears."""
+    lines: dict[tuple[Any, ...], int] = {path: node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = k.value
+            lines[(*path, key)] = k.start_mark.line + 1
+            for sub, ln in _line_index(v, (*path, key)).items():
+                lines.setdefault(sub, ln)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            for sub, ln in _line_index(v, (*path, i)).items():
+                lines.setdefault(sub, ln)
+    return lines
+
+
+def _nearest_line(lines: dict[tuple[Any, ...], int], loc: tuple[Any, ...]) -> int | None:
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in lines:
+            return lines[loc[:n]]
+    return None
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def resolve_path(explicit: str | None = None) -> Path:
+    """Flag > CTL_INVENTORY > ./inventory.yaml."""
+    return Path(explicit or os.environ.get("CTL_INVENTORY") or DEFAULT_INVENTORY)
+
+
+def load(path: str | Path | None = None) -> Inventory:
+    p = resolve_path(str(path) if path is not None else None)
+    name = str(p)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InventoryError(name, "inventory file not found (give -i PATH or set CTL_INVENTORY)") from None
+    except OSError as e:
+        raise InventoryError(name, f"cannot read: {e.strerror}") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark is not None else None
+        raise InventoryError(name, f"YAML syntax error: {e.problem or e.context}", line=line) from None
+    except yaml.YAMLError as e:
+        raise InventoryError(name, f"YAML error: {e}") from None
+    if node is None or not isinstance(data, dict):
+        raise InventoryError(name, "expected a mapping with 'hosts' and 'containers'", line=1)
+    lines = _line_index(node)
+    try:
+        model = InventoryModel.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            msg = "required key is missing"
+        elif err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        raise InventoryError(name, msg, line=_nearest_line(lines, loc), key=_dotted(loc)) from None
+    _check_references(name, model, lines)
+    return Inventory(path=p.resolve(), model=model)
+
+
+def _check_references(name: str, model: InventoryModel, lines: dict[tuple[Any, ...], int]) -> None:
+    for cname in model.containers:
+        try:
+            check_name(cname, "container name")
+        except InputError as e:
+            raise InventoryError(name, e.message, line=lines.get(("containers", cname)),
+                                 key=f"containers.{cname}") from None
+    for hname in model.hosts:
+        try:
+            check_name(hname, "host name")
+        except InputError as e:
+            raise InventoryError(name, e.message, line=lines.get(("hosts", hname)), key=f"hosts.{hname}") from None
+    seen: dict[tuple[str, int], str] = {}
+    for cname, c in model.containers.items():
+        if c.host is not None and c.host not in model.hosts:
+            known = ", ".join(sorted(model.hosts)) or "none"
+            raise InventoryError(
+                name, f"unknown host {c.host!r} (hosts: {known})",
+                line=lines.get(("containers", cname, "host")), key=f"containers.{cname}.host",
+            )
+        if c.transport == "pct" and c.host is not None and c.vmid is not None:
+            other = seen.get((c.host, c.vmid))
+            if other is not None:
+                raise InventoryError(
+                    name, f"vmid {c.vmid} on host {c.host!r} is already used by {other!r}",
+                    line=lines.get(("containers", cname, "vmid")), key=f"containers.{cname}.vmid",
+                )
+            seen[(c.host, c.vmid)] = cname
+    for gname, members in model.groups.items():
+        for i, m in enumerate(members):
+            if m not in model.containers:
+                raise InventoryError(
+                    name, f"unknown container {m!r} in group", line=lines.get(("groups", gname, i)),
+                    key=f"groups.{gname}[{i}]",
+                )
+        if gname in model.containers:
+            raise InventoryError(name, "a group may not share a container's name",
+                                 line=lines.get(("groups", gname)), key=f"groups.{gname}")

@@ -1,0 +1,80 @@
+"""The one transport interface: run an argv, put a file, get a file.
+
+Implementations: a Proxmox host over SSH (`ssh.HostConnection`), a container through the host's
+`pct` (`pct.PctContainer`), a container over its own sshd (`ssh.SshContainer`) and this machine
+(`local.LocalContainer`). Commands above this layer never import paramiko or fabric.
+"""
+
+from __future__ import annotations
+
+import shlex
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controller.errors import RemoteCommandError
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a finished command left: its argv, exit code and both output streams (bytes)."""
+
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    @property
+    def out(self) -> str:
+        return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def err(self) -> str:
+        return self.stderr.decode("utf-8", "replace")
+
+
+class Transport(ABC):
+    """Somewhere commands run and files land: a host or a container."""
+
+    #: Human name used in every message about this endpoint ("kpro6", "ct200 (kpro6/200)").
+    name: str
+
+    @abstractmethod
+    def run(
+        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None
+    ) -> Result:
+        """Run argv (no shell unless argv itself starts one) and wait for it."""
+
+    @abstractmethod
+    def put(self, local_path: str, remote_path: str) -> None:
+        """Copy a local file to remote_path. Implementations document their atomicity."""
+
+    @abstractmethod
+    def get(self, remote_path: str, local_path: str) -> None:
+        """Copy remote_path to a local file."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; the default holds none."""
+
+    def check(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout: float | None = None,
+        what: str | None = None,
+    ) -> Result:
+        """run() and raise RemoteCommandError (where, argv, exit code, last stderr lines) on non-zero."""
+        res = self.run(argv, stdin=stdin, timeout=timeout)
+        if res.returncode != 0:
+            raise RemoteCommandError(self.name, argv, res.returncode, res.err, what=what)
+        return res
+
+    def script(self, argv: Sequence[str]) -> str:
+        """The copy-pasteable shell line that run(argv) amounts to (for --dry-run)."""
+        return shlex.join(argv)
