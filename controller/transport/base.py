@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shlex
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from controller.errors import RemoteCommandError
@@ -57,6 +57,22 @@ class Transport(ABC):
     @abstractmethod
     def get(self, remote_path: str, local_path: str) -> None:
         """Copy remote_path to a local file."""
+
+    def stream(self, argv: Sequence[str], *, timeout: float | None = None) -> Iterator[tuple[str, bytes]]:
+        """Yield ("out"|"err", chunk) as output arrives, then ("exit", b"<code>").
+
+        The default runs to completion first; transports that can stream override it.
+        """
+        res = self.run(argv, timeout=timeout)
+        if res.stdout:
+            yield "out", res.stdout
+        if res.stderr:
+            yield "err", res.stderr
+        yield "exit", str(res.returncode).encode()
+
+    def path(self, container_path: str) -> str:
+        """Where a container path is, as seen by commands run through this transport."""
+        return container_path
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the default holds none."""

@@ -1,0 +1,137 @@
+"""A container reached through its Proxmox host's `pct`.
+
+`pct exec VMID -- argv` runs argv with no shell inside the container; the argv is quoted once, for
+the host's login shell, by SshEndpoint. pct's own failures (missing CT, stopped CT) are told apart
+from the command's exit status by their messages (shared/pve-facts.md) and raised as such.
+`pct push` is neither atomic nor honest about failure, so `put` verifies the content afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shlex
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+from controller.errors import ConnectionFailed, NotRunning, RemoteCommandError, VerifyError
+from controller.transport.base import Result, Transport
+from controller.transport.ssh import SshEndpoint
+
+_NOT_RUNNING = re.compile(r"container '(\d+)' not running!|can only (push|pull) files (to|from) a running")
+_NO_CONFIG = re.compile(r"Configuration file '([^']+)' does not exist")
+
+Status = Literal["running", "stopped", "missing"]
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class PctContainer(Transport):
+    def __init__(self, name: str, host: SshEndpoint, vmid: int, *, pct: str = "pct", stage_dir: str = "/tmp"):
+        self.name = name
+        self.host = host
+        self.vmid = vmid
+        self.pct = pct
+        self.stage_dir = stage_dir
+
+    # --- pct-level ------------------------------------------------------------------------------
+
+    def pct_argv(self, *args: str) -> list[str]:
+        return [self.pct, *args]
+
+    def exec_argv(self, argv: Sequence[str]) -> list[str]:
+        """`pct exec VMID -- argv`: the `--` keeps options of argv away from pct."""
+        return [self.pct, "exec", str(self.vmid), "--", *argv]
+
+    def status(self) -> Status:
+        res = self.host.run(self.pct_argv("status", str(self.vmid)))
+        if res.returncode == 0:
+            return "running" if "status: running" in res.out else "stopped"
+        if _NO_CONFIG.search(res.err):
+            return "missing"
+        raise RemoteCommandError(self.host.name, res.argv, res.returncode, res.err, what=f"status of {self.name}")
+
+    def _raise_pct(self, res: Result) -> None:
+        """Turn pct's own refusals into the errors users act on; leave command failures alone."""
+        if res.returncode == 0:
+            return
+        if _NO_CONFIG.search(res.err):
+            raise NotRunning(
+                f"{self.name}: CT {self.vmid} does not exist on host {self.host.name}",
+                hint="check vmid/host in the inventory (`pct list` on the host)",
+            )
+        if _NOT_RUNNING.search(res.err):
+            raise NotRunning(
+                f"{self.name}: CT {self.vmid} on {self.host.name} is stopped",
+                hint=f"start it with `pct start {self.vmid}` on the host",
+            )
+
+    # --- Transport ------------------------------------------------------------------------------
+
+    def run(
+        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None
+    ) -> Result:
+        res = self.host.run(self.exec_argv(argv), stdin=stdin, timeout=timeout)
+        self._raise_pct(res)
+        return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)
+
+    def stream(self, argv: Sequence[str], *, timeout: float | None = None) -> Iterator[tuple[str, bytes]]:
+        err = b""
+        for kind, data in self.host.stream(self.exec_argv(argv), timeout=timeout):
+            if kind == "err":
+                err += data[:4096]
+            if kind == "exit" and data != b"0":
+                self._raise_pct(Result(tuple(argv), int(data), b"", err))
+            yield kind, data
+
+    def script(self, argv: Sequence[str]) -> str:
+        return self.host.script(self.exec_argv(argv))
+
+    def put(self, local_path: str, remote_path: str) -> None:
+        """Stage on the host (private dir), `pct push`, then verify the sha256 inside the container."""
+        stage = f"{self.stage_dir.rstrip('/')}/ctl-stage-{uuid.uuid4().hex}"
+        staged = f"{stage}/file"
+        conn = self.host.connection()
+        sftp = conn.sftp()
+        try:
+            sftp.mkdir(stage, mode=0o700)
+            sftp.put(local_path, staged)
+        except OSError as e:
+            raise ConnectionFailed(f"{self.host.name}: staging {local_path} in {stage} failed: {e}") from None
+        push = shlex.join(self.pct_argv("push", str(self.vmid), staged, remote_path))
+        verify = shlex.join(self.exec_argv(["sha256sum", "--", remote_path]))
+        script = f"{push}; rc=$?; rm -rf {shlex.quote(stage)}; [ $rc -eq 0 ] || exit $rc; {verify}"
+        res = self.host.run(["sh", "-c", script])
+        self._raise_pct(res)
+        want = file_sha256(local_path)
+        got = res.out.split(" ", 1)[0] if res.returncode == 0 else ""
+        if got != want:
+            detail = res.err.strip().splitlines()[-1] if res.err.strip() else "content differs"
+            raise VerifyError(
+                f"{self.name}: pct push of {local_path} to {remote_path} did not land intact ({detail}); "
+                f"sha256 wanted {want[:12]}, found {got[:12] or 'nothing'}"
+            )
+
+    def get(self, remote_path: str, local_path: str) -> None:
+        """Stream the file through `pct exec -- cat` (one round trip; avoids pull's empty-file trap)."""
+        err = b""
+        code = b"-1"
+        with open(local_path, "wb") as f:
+            for kind, data in self.host.stream(self.exec_argv(["cat", "--", remote_path])):
+                if kind == "out":
+                    f.write(data)
+                elif kind == "err":
+                    err += data
+                else:
+                    code = data
+        if code != b"0":
+            res = Result(("cat", remote_path), int(code), b"", err)
+            self._raise_pct(res)
+            raise RemoteCommandError(self.name, res.argv, res.returncode, res.err, what="download")

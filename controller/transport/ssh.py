@@ -1,0 +1,236 @@
+"""SSH endpoints: a Proxmox host, or a container running its own sshd.
+
+One Fabric `Connection` per endpoint, opened lazily and reused for every call of a command
+(exec channels are cheap; handshakes are not). Host keys are verified against known_hosts: an
+unknown or changed key is refused with a message that says how to accept it. Exec goes straight
+to a paramiko channel so that stdin/stdout stay binary-safe and stdout/stderr stay apart.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shlex
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from controller.errors import ConnectionFailed, HostKeyError
+from controller.transport.base import Result, Transport
+
+if TYPE_CHECKING:  # fabric/paramiko cost ~0.1-0.25 s to import: only when a connection opens
+    from fabric import Connection
+
+DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+_CHUNK = 1 << 16
+
+
+class SshEndpoint(Transport):
+    """Commands and files over one SSH connection (Fabric + paramiko)."""
+
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        *,
+        port: int = 22,
+        user: str = "root",
+        identity_file: str | None = None,
+        known_hosts: str | None = None,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.name = name
+        self.address = address
+        self.port = port
+        self.user = user
+        self.identity_file = os.path.expanduser(identity_file) if identity_file else None
+        self.known_hosts = os.path.expanduser(known_hosts or DEFAULT_KNOWN_HOSTS)
+        self.connect_timeout = connect_timeout
+        self._conn: Connection | None = None
+        self._lock = threading.Lock()
+        self.round_trips = 0  # exec channels opened: what the benchmarks count
+
+    # --- connection ------------------------------------------------------------------------------
+
+    def _host_key_label(self) -> str:
+        return self.address if self.port == 22 else f"[{self.address}]:{self.port}"
+
+    def connection(self) -> Connection:
+        with self._lock:
+            if self._conn is not None and self._conn.is_connected:
+                return self._conn
+            self._conn = self._open()
+            return self._conn
+
+    def _open(self) -> Connection:
+        import paramiko
+        from fabric import Connection
+
+        kwargs: dict[str, Any] = {"allow_agent": True, "look_for_keys": self.identity_file is None}
+        if self.identity_file:
+            kwargs["key_filename"] = [self.identity_file]
+        conn = Connection(
+            self.address, user=self.user, port=self.port, connect_timeout=int(self.connect_timeout),
+            connect_kwargs=kwargs,
+        )
+        client = conn.client
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        if os.path.exists(self.known_hosts):
+            try:
+                client.get_host_keys().load(self.known_hosts)
+            except (OSError, paramiko.SSHException) as e:
+                raise HostKeyError(f"{self.name}: cannot read known_hosts {self.known_hosts}: {e}") from None
+        accept = (
+            f"check the key out of band, then add it: ssh-keyscan -p {self.port} {self.address} "
+            f">> {self.known_hosts}"
+        )
+        try:
+            conn.open()
+        except paramiko.BadHostKeyException as e:
+            raise HostKeyError(
+                f"{self.name}: host key for {self._host_key_label()} CHANGED "
+                f"(got {e.key.get_name()} {e.key.fingerprint}); refusing to connect",
+                hint=f"if the host was reinstalled, remove the old line from {self.known_hosts} and {accept}",
+            ) from None
+        except paramiko.SSHException as e:
+            if "not found in known_hosts" in str(e):
+                raise HostKeyError(
+                    f"{self.name}: host key for {self._host_key_label()} is unknown "
+                    f"(not in {self.known_hosts}); refusing to connect",
+                    hint=accept,
+                ) from None
+            if isinstance(e, paramiko.AuthenticationException):
+                raise ConnectionFailed(
+                    f"{self.name}: authentication as {self.user}@{self.address}:{self.port} refused "
+                    f"({e}); check identity_file or your ssh agent"
+                ) from None
+            raise ConnectionFailed(f"{self.name}: SSH to {self.address}:{self.port} failed: {e}") from None
+        except (TimeoutError, OSError, EOFError) as e:
+            reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            raise ConnectionFailed(f"{self.name}: cannot reach {self.address}:{self.port}: {reason}") from None
+        return conn
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def _channel(self) -> Any:
+        conn = self.connection()
+        transport = conn.client.get_transport()
+        if transport is None or not transport.is_active():
+            self.close()
+            conn = self.connection()
+            transport = conn.client.get_transport()
+        try:
+            chan = transport.open_session(timeout=self.connect_timeout)
+        except Exception as e:  # paramiko raises SSHException/EOFError when the peer went away
+            self.close()
+            raise ConnectionFailed(f"{self.name}: SSH connection lost: {e or type(e).__name__}") from None
+        self.round_trips += 1
+        return chan
+
+    # --- exec ------------------------------------------------------------------------------------
+
+    def command_line(self, argv: Sequence[str]) -> str:
+        """The string the remote login shell receives: quoted once, here, at the edge."""
+        return shlex.join(argv)
+
+    def run(
+        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None
+    ) -> Result:
+        t0 = time.monotonic()
+        out: list[bytes] = []
+        err: list[bytes] = []
+        code = -1
+        for kind, data in self._exec(argv, stdin=stdin, timeout=timeout):
+            if kind == "out":
+                out.append(data)
+            elif kind == "err":
+                err.append(data)
+            else:
+                code = int(data)
+        return Result(tuple(argv), code, b"".join(out), b"".join(err), time.monotonic() - t0)
+
+    def stream(self, argv: Sequence[str], *, timeout: float | None = None) -> Iterator[tuple[str, bytes]]:
+        """Yield ("out"|"err", chunk) as they arrive, then ("exit", b"<code>")."""
+        yield from self._exec(argv, stdin=None, timeout=timeout)
+
+    def _exec(
+        self, argv: Sequence[str], *, stdin: bytes | None, timeout: float | None
+    ) -> Iterator[tuple[str, bytes]]:
+        chan = self._channel()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            chan.exec_command(self.command_line(argv))
+            if stdin is not None:
+                writer = threading.Thread(target=_feed, args=(chan, stdin), daemon=True)
+                writer.start()
+            else:
+                chan.shutdown_write()
+            while True:
+                got = False
+                while chan.recv_ready():
+                    yield "out", chan.recv(_CHUNK)
+                    got = True
+                while chan.recv_stderr_ready():
+                    yield "err", chan.recv_stderr(_CHUNK)
+                    got = True
+                drained = not chan.recv_ready() and not chan.recv_stderr_ready()
+                if chan.exit_status_ready() and drained and (chan.eof_received or chan.closed):
+                    break
+                if chan.closed and not got:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    raise ConnectionFailed(f"{self.name}: `{shlex.join(argv)[:120]}` timed out after {timeout}s")
+                if not got:
+                    select.select([chan], [], [], 0.05)
+            if not chan.exit_status_ready():
+                self.close()
+                raise ConnectionFailed(f"{self.name}: SSH connection dropped while running `{argv[0]}`")
+            yield "exit", str(chan.recv_exit_status()).encode()
+        except (OSError, EOFError) as e:
+            self.close()
+            raise ConnectionFailed(f"{self.name}: SSH connection dropped: {e or type(e).__name__}") from None
+        finally:
+            chan.close()
+
+    # --- files -----------------------------------------------------------------------------------
+
+    def put(self, local_path: str, remote_path: str) -> None:
+        """SFTP upload (not atomic: callers that need atomicity write a temp name and rename)."""
+        try:
+            self.connection().put(local_path, remote=remote_path)
+        except (OSError, EOFError) as e:
+            raise ConnectionFailed(f"{self.name}: upload of {local_path} to {remote_path} failed: {e}") from None
+
+    def get(self, remote_path: str, local_path: str) -> None:
+        try:
+            self.connection().get(remote_path, local=local_path)
+        except FileNotFoundError:
+            raise ConnectionFailed(f"{self.name}: {remote_path} does not exist") from None
+        except (OSError, EOFError) as e:
+            raise ConnectionFailed(f"{self.name}: download of {remote_path} failed: {e}") from None
+
+    def interactive_argv(self, argv: Sequence[str]) -> list[str]:
+        """An `ssh -t` command line for interactive use (attach): same host-key rules as ours."""
+        cmd = ["ssh", "-t", "-p", str(self.port), "-o", f"UserKnownHostsFile={self.known_hosts}",
+               "-o", "StrictHostKeyChecking=yes"]
+        if self.identity_file:
+            cmd += ["-i", self.identity_file]
+        return [*cmd, f"{self.user}@{self.address}", "--", self.command_line(argv)]
+
+
+def _feed(chan: Any, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            n = chan.send(view[:_CHUNK])
+            if n <= 0:
+                break
+            view = view[n:]
+        chan.shutdown_write()
+    except (OSError, EOFError):
+        pass
