@@ -1,0 +1,252 @@
+"""ctl's agent: runs INSIDE a container (stdlib only, Python >= 3.8), one invocation per operation.
+
+The controller never imports this module. It sends its source over the stdin of one exec
+(`python3 -c BOOT N verb ...`: BOOT reads N bytes of source from stdin and runs them; the rest of
+stdin is the verb's input), so a whole operation costs one `pct exec`, whatever the number of files.
+
+Verbs (each prints one JSON document on stdout; exit 0 when "ok" is true):
+  hashes   ROOT PATH...            sha256/size/mode of each path (null when missing)
+  apply    ROOT STORE DEPLOY_ID    stdin: a tar of manifest.json + file bodies. Every file is written
+                                   to a temporary name beside its destination and verified; the old
+                                   and new versions are kept in STORE/objects (content-addressed);
+                                   only when all of that succeeded is each file renamed into place
+                                   (atomic per file) and read back. Any failure removes the temporary
+                                   files and leaves every destination untouched.
+  probe    JSON-ARGS               launch preflight facts in one round trip (files, tmux, log, disk,
+                                   GPUs, next run number)
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tarfile
+import time
+
+BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-agent','exec'))"
+_BLOCK = 1 << 20
+
+
+def _under(root, path):
+    return os.path.join(root, path.lstrip("/")) if root not in ("", "/") else path
+
+
+def _sha(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(_BLOCK)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def _stat(path):
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return {"error": "not a regular file"}
+    return {"sha256": _sha(path), "size": st.st_size, "mode": "%04o" % stat.S_IMODE(st.st_mode)}
+
+
+def hashes(root, paths):
+    return {"ok": True, "files": {p: _stat(_under(root, p)) for p in paths}}
+
+
+def _store_object(store, path, sha):
+    obj = os.path.join(store, "objects", sha)
+    if not os.path.exists(obj):
+        os.makedirs(os.path.dirname(obj), exist_ok=True)
+        tmp = obj + ".tmp%d" % os.getpid()
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, obj)
+    return obj
+
+
+def apply(root, store, deploy_id, stream):
+    tar = tarfile.open(fileobj=stream, mode="r|")
+    manifest = None
+    staged = []  # (tmp, dest, entry)
+    created = []
+    try:
+        for member in tar:
+            data = tar.extractfile(member)
+            if member.name == "manifest.json":
+                manifest = json.loads(data.read().decode())
+                by_index = {e["index"]: e for e in manifest["files"] if e.get("from") == "tar"}
+                continue
+            if manifest is None or not member.name.startswith("f"):
+                raise ValueError("unexpected member %r in bundle" % member.name)
+            entry = by_index[int(member.name[1:])]
+            staged.append(_receive(root, entry, data, created, deploy_id))
+        if manifest is None:
+            raise ValueError("bundle has no manifest (connection dropped?)")
+        for entry in manifest["files"]:
+            if entry.get("from") == "store":
+                obj = os.path.join(store, "objects", entry["sha256"])
+                if not os.path.exists(obj):
+                    raise ValueError("%s: version %s is not in the store" % (entry["dest"], entry["sha256"][:12]))
+                with open(obj, "rb") as data:
+                    staged.append(_receive(root, entry, data, created, deploy_id))
+        if len(staged) != len(manifest["files"]):
+            raise ValueError("bundle incomplete: %d of %d files (connection dropped?)"
+                             % (len(staged), len(manifest["files"])))
+        # Keep old and new versions before anything is replaced.
+        results = []
+        for tmp, dest, entry in staged:
+            previous = _stat(dest)
+            prev_sha = previous.get("sha256") if previous else None
+            if prev_sha:
+                _store_object(store, dest, prev_sha)
+            _store_object(store, tmp, entry["sha256"])
+            results.append({"dest": entry["dest"], "sha256": entry["sha256"], "mode": entry["mode"],
+                            "previous": prev_sha, "previous_mode": previous.get("mode") if previous else None})
+    except BaseException as e:
+        for tmp, _dest, _entry in staged:
+            _unlink(tmp)
+        return {"ok": False, "error": _describe(e), "stage": "receive"}
+    # Commit: atomic rename per file, then read back.
+    for (tmp, dest, entry), res in zip(staged, results):
+        os.replace(tmp, dest)
+        res["verified"] = _sha(dest) == entry["sha256"]
+    record = {"id": deploy_id, "time": time.time(), "files": results}
+    rec_dir = os.path.join(store, "deploys")
+    os.makedirs(rec_dir, exist_ok=True)
+    with open(os.path.join(rec_dir, deploy_id + ".json"), "w") as f:
+        json.dump(record, f)
+    ok = all(r["verified"] for r in results)
+    out = {"ok": ok, "files": results, "dirs_created": created}
+    if not ok:
+        out["error"] = "read-back differs for " + ", ".join(r["dest"] for r in results if not r["verified"])
+    return out
+
+
+def _receive(root, entry, data, created, deploy_id):
+    dest = _under(root, entry["dest"])
+    parent = os.path.dirname(dest)
+    if not os.path.isdir(parent):
+        os.makedirs(parent, exist_ok=True)
+        created.append(entry["dest"].rsplit("/", 1)[0])
+    tmp = os.path.join(parent, ".%s.ctl-%s" % (os.path.basename(dest), deploy_id))
+    h = hashlib.sha256()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            while True:
+                b = data.read(_BLOCK)
+                if not b:
+                    break
+                h.update(b)
+                out.write(b)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, int(entry["mode"], 8))
+    except BaseException:
+        _unlink(tmp)
+        raise
+    if h.hexdigest() != entry["sha256"]:
+        _unlink(tmp)
+        raise ValueError("%s: received content has sha256 %s, expected %s (truncated transfer?)"
+                         % (entry["dest"], h.hexdigest()[:12], entry["sha256"][:12]))
+    return tmp, dest, entry
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _describe(e):
+    if isinstance(e, OSError) and e.filename:
+        return "%s: %s" % (e.filename, e.strerror)
+    return "%s: %s" % (type(e).__name__, e)
+
+
+def probe(args):
+    """Everything a launch preflight needs, in one round trip."""
+    root = args.get("root", "/")
+    out = {"ok": True}
+    out["files"] = hashes(root, args.get("files", []))["files"]
+    session = args.get("session")
+    if session:
+        tmux = shutil.which("tmux")
+        if tmux is None:
+            out["tmux"] = {"error": "tmux not found in the container"}
+        else:
+            r = subprocess.run([tmux, "has-session", "-t", "=" + session], capture_output=True)
+            out["tmux"] = {"exists": r.returncode == 0}
+    log = args.get("log")
+    if log:
+        p = _under(root, log)
+        out["log"] = {"exists": os.path.lexists(p)}
+        d = os.path.dirname(p)
+        while d and not os.path.isdir(d):
+            d = os.path.dirname(d)
+        try:
+            st = os.statvfs(d or "/")
+            out["disk"] = {"path": d, "free": st.f_bavail * st.f_frsize}
+        except OSError as e:
+            out["disk"] = {"error": _describe(e)}
+    if args.get("run_dir"):
+        out["run_dir"] = {"exists": os.path.lexists(_under(root, args["run_dir"]))}
+    pattern = args.get("series_glob")
+    if pattern:
+        import glob
+        out["series_logs"] = sorted(
+            os.path.basename(p) for p in glob.glob(_under(root, pattern)))
+    if args.get("gpus"):
+        out["gpus"] = _gpus()
+    return out
+
+
+def _gpus():
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {"error": "nvidia-smi not found in the container"}
+    q = subprocess.run([smi, "--query-gpu=index,uuid,memory.used,memory.total",
+                        "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    if q.returncode != 0:
+        return {"error": (q.stdout + q.stderr).strip().splitlines()[0] if (q.stdout + q.stderr).strip()
+                else "nvidia-smi exited %d" % q.returncode}
+    gpus = []
+    for line in q.stdout.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 4:
+            gpus.append({"index": int(parts[0]), "uuid": parts[1], "used_mib": float(parts[2]),
+                         "total_mib": float(parts[3]), "procs": []})
+    a = subprocess.run([smi, "--query-compute-apps=gpu_uuid,pid,process_name,used_memory",
+                        "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    by_uuid = {g["uuid"]: g for g in gpus}
+    for line in a.stdout.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 4 and parts[0] in by_uuid:
+            by_uuid[parts[0]]["procs"].append({"pid": parts[1], "name": parts[2], "used_mib": parts[3]})
+    return {"gpus": gpus}
+
+
+def main(argv):
+    verb = argv[0]
+    if verb == "hashes":
+        out = hashes(argv[1], argv[2:])
+    elif verb == "apply":
+        out = apply(argv[1], argv[2], argv[3], sys.stdin.buffer)
+    elif verb == "probe":
+        out = probe(json.loads(argv[1]))
+    else:
+        out = {"ok": False, "error": "unknown verb %r" % verb}
+    sys.stdout.write(json.dumps(out))
+    sys.stdout.flush()
+    return 0 if out.get("ok") else 1
+
+
+if __name__ == "__main__":
+    # Under BOOT (python3 -c BOOT N verb ...) argv is ["-c", N, verb, ...]; as a file, [path, verb, ...].
+    sys.exit(main(sys.argv[2:] if sys.argv[0] == "-c" else sys.argv[1:]))

@@ -1,0 +1,51 @@
+"""Run one operation on several containers at once: parallel across hosts, one connection per host."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from controller.errors import CtlError, ExitCode
+from controller.inventory import Container
+from controller.transport.base import Transport
+from controller.transport.pool import Pool
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[T]):
+    ct: str
+    value: T | None
+    error: str | None
+    exit_code: int
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def fanout(pool: Pool, cts: list[Container], fn: Callable[[Container, Transport], T],
+           max_workers: int = 16) -> list[Outcome[T]]:
+    """fn(ct, transport) for every container; errors are captured per container, order kept."""
+
+    def one(ct: Container) -> Outcome[T]:
+        try:
+            return Outcome(ct.name, fn(ct, pool.container(ct)), None, 0)
+        except CtlError as e:
+            return Outcome(ct.name, None, str(e), int(e.exit_code))
+
+    if len(cts) == 1:
+        return [one(cts[0])]
+    with ThreadPoolExecutor(max_workers=min(max_workers, len(cts))) as ex:
+        return list(ex.map(one, cts))
+
+
+def worst(outcomes: list[Outcome[T]]) -> int:
+    """Non-zero if any failed: the exit code of the first failure (runbooks branch on it)."""
+    for o in outcomes:
+        if not o.ok:
+            return o.exit_code or int(ExitCode.FAILURE)
+    return 0

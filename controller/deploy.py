@@ -1,0 +1,328 @@
+"""Deploy: pin -> plan -> push -> verify -> record, for one container.
+
+Pin: every payload entry of the inventory (plain files and rendered templates) with its sha256,
+size and mode, plus the git commit and dirty flag of the sources. Plan: one agent call asks the
+container for the hashes of every destination; only changed files travel. Apply: one agent call
+receives a tar of the changed files over the exec's stdin, writes each beside its destination,
+verifies it, keeps old and new versions in the container's content-addressed store, and only then
+renames them into place (see controller/agent.py). Two execs per deploy, whatever the file count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shlex
+import subprocess
+import tarfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller import remote
+from controller.errors import ClobberError, CtlError, DiskError, DriftError, InputError, VerifyError
+from controller.inventory import Container, Inventory
+from controller.names import check_container_path
+from controller.registry import DeployRecord, Registry
+from controller.render import context, render
+from controller.transport.base import Transport
+
+STORE = "/var/lib/ctl"  # inside the container: objects/<sha256>, deploys/<id>.json
+
+
+@dataclass(frozen=True)
+class PinnedFile:
+    dest: str
+    sha256: str
+    size: int
+    mode: str
+    source: str
+    kind: str  # file | template
+    content: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    ct: str
+    files: tuple[PinnedFile, ...]
+    commit: str | None
+    dirty: bool
+    dirty_paths: tuple[str, ...]
+    vars: dict[str, Any]
+
+    def hashes(self) -> dict[str, str]:
+        return {f.dest: f.sha256 for f in self.files}
+
+    def rendered(self) -> dict[str, str]:
+        return {f.dest: f.content.decode("utf-8", "replace") for f in self.files if f.kind == "template"}
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    dest: str
+    action: str  # create | update | mode | same
+    want: str
+    have: str | None
+    size: int
+
+
+@dataclass(frozen=True)
+class DeployResult:
+    ct: str
+    ok: bool
+    plan: tuple[FilePlan, ...]
+    deploy_id: str | None = None
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    error: str | None = None
+    exit_code: int = 0
+    commands: tuple[str, ...] = ()
+    dry_run: bool = False
+    kind: str = "deploy"
+
+    @property
+    def changed(self) -> int:
+        return sum(1 for p in self.plan if p.action != "same")
+
+    def summary(self) -> str:
+        if self.error:
+            return f"FAILED: {self.error}"
+        if self.dry_run:
+            return f"would change {self.changed} of {len(self.plan)} files"
+        if self.kind == "rollback":
+            return f"rolled back {self.changed} file(s) to their previous version, verified ({self.seconds:.2f}s)"
+        if self.changed == 0:
+            return f"up to date ({len(self.plan)} files verified, {self.seconds:.2f}s)"
+        return f"deployed {self.changed} of {len(self.plan)} files, verified ({self.seconds:.2f}s)"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ct": self.ct, "ok": self.ok, "deploy_id": self.deploy_id, "seconds": round(self.seconds, 3),
+            "bytes_sent": self.bytes_sent, "error": self.error, "dry_run": self.dry_run,
+            "files": [p.__dict__ for p in self.plan], "commands": list(self.commands),
+        }
+
+
+# --- pin -----------------------------------------------------------------------------------------
+
+
+def _git_state(paths: list[Path]) -> tuple[str | None, tuple[str, ...]]:
+    """(HEAD commit, sources that differ from it). A source outside any git tree counts as dirty."""
+    if not paths:
+        return None, ()
+    top_dir = paths[0].parent
+    try:
+        top = subprocess.run(["git", "-C", str(top_dir), "rev-parse", "--show-toplevel", "HEAD"],
+                             capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        return None, tuple(str(p) for p in paths)
+    if top.returncode != 0:
+        return None, tuple(str(p) for p in paths)
+    root_s, commit = top.stdout.split()[:2]
+    root = Path(root_s)
+    inside = [p for p in paths if p.resolve().is_relative_to(root)]
+    outside = [str(p) for p in paths if not p.resolve().is_relative_to(root)]
+    st = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", *[str(p.resolve()) for p in inside]],
+                        capture_output=True, text=True, check=False)
+    dirty = [line[3:] for line in st.stdout.splitlines() if line.strip()]
+    return commit, tuple(dirty + outside)
+
+
+def pin(inv: Inventory, ct: Container) -> Manifest:
+    ctx = context(inv, ct)
+    files: list[PinnedFile] = []
+    sources: list[Path] = []
+    for i, entry in enumerate(inv.model.payload):
+        where = f"{inv.path}: payload[{i}]"
+        try:
+            dest = check_container_path(entry.dest, "dest", tuple(ct.spec.allowed_paths))
+        except InputError as e:
+            raise InputError(f"{where}: {e.message}") from None
+        src = (inv.base_dir / entry.source)
+        sources.append(src)
+        if entry.template is not None:
+            content = render(src, ctx, display_name=entry.source)
+            kind = "template"
+        else:
+            try:
+                content = src.read_bytes()
+            except FileNotFoundError:
+                raise InputError(f"{where}: source file {entry.source} not found (in {inv.base_dir})") from None
+            except IsADirectoryError:
+                raise InputError(f"{where}: source {entry.source} is a directory; list files one by one") from None
+            kind = "file"
+        files.append(PinnedFile(dest, hashlib.sha256(content).hexdigest(), len(content), entry.mode,
+                                entry.source, kind, content))
+    dests = [f.dest for f in files]
+    dup = {d for d in dests if dests.count(d) > 1}
+    if dup:
+        raise InputError(f"{inv.path}: payload: destination {sorted(dup)[0]} is listed twice")
+    commit, dirty = _git_state(sources)
+    safe_vars = json.loads(json.dumps(ctx, default=str))
+    return Manifest(ct.name, tuple(files), commit, bool(dirty), dirty, safe_vars)
+
+
+# --- plan ----------------------------------------------------------------------------------------
+
+
+def remote_hashes(t: Transport, dests: list[str]) -> dict[str, dict[str, Any] | None]:
+    doc = remote.call(t, "hashes", remote.root_of(t), *dests)
+    files: dict[str, dict[str, Any] | None] = doc.get("files", {})
+    return files
+
+
+def plan(t: Transport, manifest: Manifest) -> list[FilePlan]:
+    have = remote_hashes(t, [f.dest for f in manifest.files])
+    out: list[FilePlan] = []
+    for f in manifest.files:
+        h = have.get(f.dest)
+        if h is not None and "error" in h:
+            raise InputError(f"{t.name}: {f.dest} exists but is {h['error']}; refusing to replace it")
+        if h is None:
+            action = "create"
+        elif h["sha256"] != f.sha256:
+            action = "update"
+        elif h["mode"] != f.mode:
+            action = "mode"
+        else:
+            action = "same"
+        out.append(FilePlan(f.dest, action, f.sha256, h["sha256"] if h else None, f.size))
+    return out
+
+
+# --- apply ---------------------------------------------------------------------------------------
+
+
+def bundle(entries: list[dict[str, Any]], bodies: list[bytes]) -> bytes:
+    """A tar stream: manifest.json first, then f<index> bodies of the entries sent "from": "tar", in order.
+
+    Entries "from": "store" travel as manifest lines only: the agent takes their bytes from its store.
+    """
+    sent = [e for e in entries if e["from"] == "tar"]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w|") as tar:
+        members = [("manifest.json", json.dumps({"files": entries}).encode())]
+        members += [(f"f{e['index']}", b) for e, b in zip(sent, bodies, strict=True)]
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mtime = int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _apply(t: Transport, entries: list[dict[str, Any]], bodies: list[bytes], deploy_id: str) -> dict[str, Any]:
+    return remote.call(t, "apply", remote.root_of(t), t.path(STORE), deploy_id, payload=bundle(entries, bodies))
+
+
+def _new_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def _classify(error: str) -> CtlError:
+    if "No space left" in error or "Disk quota" in error:
+        return DiskError(f"container disk full: {error}; nothing was replaced")
+    if "sha256" in error or "read-back" in error or "incomplete" in error:
+        return VerifyError(f"{error}; nothing was replaced")
+    return CtlError(f"{error}; nothing was replaced")
+
+
+def deploy(
+    inv: Inventory, ct: Container, t: Transport, reg: Registry | None, *, dry_run: bool = False,
+    allow_dirty: bool = False,
+) -> DeployResult:
+    t0 = time.monotonic()
+    manifest = pin(inv, ct)
+    if manifest.dirty and not allow_dirty and not dry_run:
+        shown = ", ".join(manifest.dirty_paths[:3]) + (" ..." if len(manifest.dirty_paths) > 3 else "")
+        raise DriftError(
+            f"{ct.name}: payload sources differ from git HEAD ({shown}); commit them, or pass --allow-dirty "
+            "(the deploy record will say so)"
+        )
+    fplan = plan(t, manifest)
+    changed = [f for f, p in zip(manifest.files, fplan, strict=True) if p.action != "same"]
+    deploy_id = _new_id()
+    entries = [{"index": i, "dest": f.dest, "sha256": f.sha256, "mode": f.mode, "from": "tar"}
+               for i, f in enumerate(changed)]
+    commands: tuple[str, ...] = (remote.shell_line(t, "hashes", remote.root_of(t), *[f.dest for f in manifest.files]),)
+    if changed:
+        commands += (remote.shell_line(t, "apply", remote.root_of(t), t.path(STORE), deploy_id)
+                     + "   # stdin: agent source + tar of " + ", ".join(shlex.quote(f.dest) for f in changed),)
+    if dry_run:
+        return DeployResult(ct.name, True, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands,
+                            dry_run=True)
+    if not changed:
+        return DeployResult(ct.name, True, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands)
+    bodies = [f.content for f in changed]
+    doc = _apply(t, entries, bodies, deploy_id)
+    prev_modes = {r["dest"]: r.get("previous_mode") for r in doc.get("files", [])}
+    files = [{"dest": p.dest, "sha256": p.want, "mode": f.mode, "previous": p.have, "action": p.action,
+              "previous_mode": prev_modes.get(p.dest)} for f, p in zip(manifest.files, fplan, strict=True)]
+    ok = bool(doc.get("ok"))
+    if reg is not None:
+        reg.add_deploy(DeployRecord(deploy_id, ct.name, "deploy", time.time(), manifest.commit, manifest.dirty, ok,
+                                    files, doc.get("error")))
+    if not ok:
+        raise _classify(f"{ct.name}: {doc.get('error', 'apply failed')}")
+    return DeployResult(ct.name, True, tuple(fplan), deploy_id, time.monotonic() - t0, sum(len(b) for b in bodies),
+                        commands=commands)
+
+
+def check(inv: Inventory, ct: Container, t: Transport, reg: Registry | None) -> list[FilePlan]:
+    """Drift: container files against the last successful deploy (or the pins if none). Fixes nothing."""
+    last = reg.deploys(ct.name, limit=1) if reg is not None else []
+    if last:
+        want = {f["dest"]: (f["sha256"], f["mode"]) for f in last[0].files}
+    else:
+        want = {f.dest: (f.sha256, f.mode) for f in pin(inv, ct).files}
+    have = remote_hashes(t, list(want))
+    out = []
+    for dest, (sha, mode) in want.items():
+        h = have.get(dest)
+        if h is None:
+            out.append(FilePlan(dest, "missing", sha, None, 0))
+        elif h.get("sha256") != sha:
+            out.append(FilePlan(dest, "changed", sha, h.get("sha256"), h.get("size", 0)))
+        elif h.get("mode") != mode:
+            out.append(FilePlan(dest, "mode", sha, sha, h.get("size", 0)))
+        else:
+            out.append(FilePlan(dest, "same", sha, sha, h.get("size", 0)))
+    return out
+
+
+def rollback(ct: Container, t: Transport, reg: Registry) -> DeployResult:
+    """Restore every file the last deploy replaced to its previous version, from the container's store."""
+    t0 = time.monotonic()
+    history = reg.deploys(ct.name, limit=1)  # a rollback of a rollback re-applies what it undid
+    if not history:
+        raise InputError(f"{ct.name}: no deploy recorded in {reg.path}; nothing to roll back")
+    last = history[0]
+    restore = [f for f in last.files if f["action"] in ("update", "mode") and f["previous"]]
+    kept_new = [f["dest"] for f in last.files if f["action"] == "create"]
+    if not restore:
+        raise ClobberError(
+            f"{ct.name}: deploy {last.id} only created files ({', '.join(kept_new) or 'none'}); "
+            "rolling back would mean deleting them, which ctl never does"
+        )
+    have = remote_hashes(t, [f["dest"] for f in restore])
+    drifted = [f["dest"] for f in restore if (have.get(f["dest"]) or {}).get("sha256") != f["sha256"]]
+    if drifted:
+        raise DriftError(f"{ct.name}: {', '.join(drifted)} changed since deploy {last.id}; "
+                         "refusing to roll back over it (see `ctl deploy --check`)")
+    deploy_id = _new_id()
+    entries = [{"index": i, "dest": f["dest"], "sha256": f["previous"], "mode": f.get("previous_mode") or f["mode"],
+                "from": "store"} for i, f in enumerate(restore)]
+    doc = _apply(t, entries, [], deploy_id)
+    files = [{"dest": e["dest"], "sha256": e["sha256"], "mode": e["mode"], "previous": f["sha256"],
+              "action": "update"} for e, f in zip(entries, restore, strict=True)]
+    ok = bool(doc.get("ok"))
+    reg.add_deploy(DeployRecord(deploy_id, ct.name, "rollback", time.time(), last.commit_sha, last.dirty, ok, files,
+                                doc.get("error")))
+    if not ok:
+        raise _classify(f"{ct.name}: {doc.get('error', 'rollback failed')}")
+    fplan = tuple(FilePlan(e["dest"], "update", e["sha256"], f["sha256"], 0)
+                  for e, f in zip(entries, restore, strict=True))
+    return DeployResult(ct.name, True, fplan, deploy_id, time.monotonic() - t0, 0, kind="rollback")

@@ -1,0 +1,326 @@
+"""The local registry: deploys, runs, metrics and environment fingerprints in one SQLite file.
+
+Lives under the user's state directory (platformdirs; CTL_STATE_DIR overrides). WAL mode and a
+busy timeout make two concurrent `ctl` commands safe; a run name is claimed with one INSERT under a
+UNIQUE constraint, so of two concurrent launches of one name exactly one wins. Nothing is deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller.errors import BusyError, InputError
+
+SCHEMA = [
+    # version 1
+    """
+    CREATE TABLE deploys (
+        id TEXT PRIMARY KEY,
+        ct TEXT NOT NULL,
+        kind TEXT NOT NULL,             -- deploy | rollback
+        time REAL NOT NULL,
+        commit_sha TEXT,
+        dirty INTEGER NOT NULL,
+        ok INTEGER NOT NULL,
+        files TEXT NOT NULL,            -- JSON list of {dest, sha256, mode, previous, action}
+        error TEXT
+    );
+    CREATE INDEX deploys_ct ON deploys(ct, time);
+    CREATE TABLE runs (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        name TEXT NOT NULL,
+        ct TEXT NOT NULL,
+        host TEXT,
+        created REAL NOT NULL,
+        started REAL,
+        ended REAL,
+        state TEXT NOT NULL,            -- starting | running | finished | failed | stopped | lost | refused
+        exit_status INTEGER,
+        session TEXT,
+        log_path TEXT,
+        run_dir TEXT,
+        command TEXT,
+        commit_sha TEXT,
+        dirty INTEGER,
+        files TEXT,                     -- JSON {dest: sha256}
+        vars TEXT,                      -- JSON template variables
+        rendered TEXT,                  -- JSON {dest: text} of rendered templates
+        env_fingerprint TEXT,
+        env TEXT,                       -- JSON probe document
+        good INTEGER NOT NULL DEFAULT 0,
+        crash TEXT,
+        note TEXT,
+        UNIQUE (ct, name)
+    );
+    CREATE TABLE metrics (
+        run_id INTEGER NOT NULL REFERENCES runs(id),
+        seq INTEGER NOT NULL,
+        step INTEGER,
+        time REAL,
+        elapsed_s REAL,
+        loss REAL,
+        tok_s REAL,
+        data TEXT NOT NULL,             -- JSON of the parsed point
+        PRIMARY KEY (run_id, seq)
+    );
+    CREATE TABLE log_cursor (
+        run_id INTEGER PRIMARY KEY REFERENCES runs(id),
+        offset INTEGER NOT NULL,
+        ident TEXT,                     -- inode:ctime of the log, to notice rotation
+        partial BLOB,
+        updated REAL
+    );
+    """,
+]
+
+
+def state_dir() -> Path:
+    env = os.environ.get("CTL_STATE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_state_dir("ctl"))
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    id: int
+    name: str
+    ct: str
+    host: str | None
+    created: float
+    started: float | None
+    ended: float | None
+    state: str
+    exit_status: int | None
+    session: str | None
+    log_path: str | None
+    run_dir: str | None
+    command: str | None
+    commit_sha: str | None
+    dirty: bool
+    files: dict[str, str] = field(default_factory=dict)
+    vars: dict[str, Any] = field(default_factory=dict)
+    rendered: dict[str, str] = field(default_factory=dict)
+    env_fingerprint: str | None = None
+    env: dict[str, Any] | None = None
+    good: bool = False
+    crash: str | None = None
+    note: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class DeployRecord:
+    id: str
+    ct: str
+    kind: str
+    time: float
+    commit_sha: str | None
+    dirty: bool
+    ok: bool
+    files: list[dict[str, Any]]
+    error: str | None
+
+
+class Registry:
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or state_dir() / "registry.sqlite3"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA busy_timeout=30000")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._migrate()
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        """An IMMEDIATE transaction: writers queue up instead of failing half-way."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        else:
+            self._db.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        with self.tx() as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            for i, script in enumerate(SCHEMA[version:], start=version + 1):
+                for stmt in script.split(";"):
+                    if stmt.strip():
+                        db.execute(stmt)
+                db.execute(f"PRAGMA user_version={i}")
+
+    # --- deploys ---------------------------------------------------------------------------------
+
+    def add_deploy(self, rec: DeployRecord) -> None:
+        with self.tx() as db:
+            db.execute(
+                "INSERT INTO deploys VALUES (?,?,?,?,?,?,?,?,?)",
+                (rec.id, rec.ct, rec.kind, rec.time, rec.commit_sha, int(rec.dirty), int(rec.ok),
+                 json.dumps(rec.files), rec.error),
+            )
+
+    def deploys(self, ct: str, *, ok_only: bool = True, limit: int = 20) -> list[DeployRecord]:
+        q = "SELECT * FROM deploys WHERE ct=? AND ok>=? ORDER BY time DESC LIMIT ?"
+        return [
+            DeployRecord(r["id"], r["ct"], r["kind"], r["time"], r["commit_sha"], bool(r["dirty"]), bool(r["ok"]),
+                         json.loads(r["files"]), r["error"])
+            for r in self._db.execute(q, (ct, int(ok_only), limit))
+        ]
+
+    # --- runs ------------------------------------------------------------------------------------
+
+    def claim_run(self, name: str, ct: str, **fields: Any) -> RunRecord:
+        """Insert the run in state 'starting'; a second claim of (ct, name) raises BusyError."""
+        cols = {"name": name, "ct": ct, "created": time.time(), "state": "starting", **_encode(fields)}
+        try:
+            with self.tx() as db:
+                cur = db.execute(
+                    f"INSERT INTO runs ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})",  # noqa: S608
+                    tuple(cols.values()),
+                )
+                run_id = cur.lastrowid
+        except sqlite3.IntegrityError:
+            raise BusyError(f"run {name!r} on {ct} already exists in the registry; pick another name") from None
+        assert run_id is not None
+        return self.run_by_id(run_id)
+
+    def update_run(self, run_id: int, **fields: Any) -> RunRecord:
+        enc = _encode(fields)
+        with self.tx() as db:
+            db.execute(
+                f"UPDATE runs SET {', '.join(f'{k}=?' for k in enc)} WHERE id=?",  # noqa: S608
+                (*enc.values(), run_id),
+            )
+        return self.run_by_id(run_id)
+
+    def release_run(self, run_id: int) -> None:
+        """Forget a claim whose launch never reached the container (refused by preflight)."""
+        with self.tx() as db:
+            db.execute("DELETE FROM runs WHERE id=? AND state='starting'", (run_id,))
+
+    def run_by_id(self, run_id: int) -> RunRecord:
+        row = self._db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
+        return _run(row)
+
+    def runs(self, ct: str | None = None, *, limit: int = 100) -> list[RunRecord]:
+        if ct:
+            rows = self._db.execute("SELECT * FROM runs WHERE ct=? ORDER BY created DESC LIMIT ?", (ct, limit))
+        else:
+            rows = self._db.execute("SELECT * FROM runs ORDER BY created DESC LIMIT ?", (limit,))
+        return [_run(r) for r in rows]
+
+    def find_run(self, ref: str) -> RunRecord:
+        """A run by `NAME`, `CT/NAME` or `#ID`; ambiguous names must be qualified."""
+        if ref.startswith("#") and ref[1:].isdigit():
+            row = self._db.execute("SELECT * FROM runs WHERE id=?", (int(ref[1:]),)).fetchone()
+            if row is None:
+                raise InputError(f"no run {ref} in the registry ({self.path})")
+            return _run(row)
+        if "/" in ref:
+            ct, name = ref.split("/", 1)
+            rows = list(self._db.execute("SELECT * FROM runs WHERE ct=? AND name=?", (ct, name)))
+        else:
+            rows = list(self._db.execute("SELECT * FROM runs WHERE name=?", (ref,)))
+        if not rows:
+            raise InputError(f"no run {ref!r} in the registry ({self.path}); `ctl runs` lists them")
+        if len(rows) > 1:
+            cts = ", ".join(f"{r['ct']}/{r['name']}" for r in rows)
+            raise InputError(f"run name {ref!r} is ambiguous: {cts}")
+        return _run(rows[0])
+
+    def names(self, ct: str) -> list[str]:
+        return [r[0] for r in self._db.execute("SELECT name FROM runs WHERE ct=?", (ct,))]
+
+    def mark_good(self, run_id: int, good: bool = True) -> None:
+        with self.tx() as db:
+            db.execute("UPDATE runs SET good=? WHERE id=?", (int(good), run_id))
+
+    def baseline(self, ct: str | None) -> RunRecord | None:
+        """The most recent run marked good (on this CT if any, else anywhere)."""
+        if ct is not None:
+            row = self._db.execute(
+                "SELECT * FROM runs WHERE good=1 AND ct=? ORDER BY created DESC LIMIT 1", (ct,)).fetchone()
+            if row is not None:
+                return _run(row)
+        row = self._db.execute("SELECT * FROM runs WHERE good=1 ORDER BY created DESC LIMIT 1").fetchone()
+        return _run(row) if row is not None else None
+
+    # --- metrics ---------------------------------------------------------------------------------
+
+    def add_points(self, run_id: int, points: list[dict[str, Any]]) -> None:
+        if not points:
+            return
+        with self.tx() as db:
+            seq = db.execute("SELECT COALESCE(MAX(seq), -1) FROM metrics WHERE run_id=?", (run_id,)).fetchone()[0]
+            db.executemany(
+                "INSERT INTO metrics VALUES (?,?,?,?,?,?,?,?)",
+                [
+                    (run_id, seq + 1 + i, p.get("step"), p.get("time"), p.get("elapsed_s"), p.get("loss"),
+                     p.get("tok_s"), json.dumps(p))
+                    for i, p in enumerate(points)
+                ],
+            )
+
+    def points(self, run_id: int) -> list[dict[str, Any]]:
+        rows = self._db.execute("SELECT data FROM metrics WHERE run_id=? ORDER BY seq", (run_id,))
+        return [json.loads(r[0]) for r in rows]
+
+    def cursor(self, run_id: int) -> tuple[int, str | None, bytes]:
+        row = self._db.execute("SELECT offset, ident, partial FROM log_cursor WHERE run_id=?", (run_id,)).fetchone()
+        if row is None:
+            return 0, None, b""
+        return int(row[0]), row[1], bytes(row[2] or b"")
+
+    def set_cursor(self, run_id: int, offset: int, ident: str | None, partial: bytes) -> None:
+        with self.tx() as db:
+            db.execute(
+                "INSERT INTO log_cursor VALUES (?,?,?,?,?) ON CONFLICT(run_id) DO UPDATE SET "
+                "offset=excluded.offset, ident=excluded.ident, partial=excluded.partial, updated=excluded.updated",
+                (run_id, offset, ident, partial, time.time()),
+            )
+
+
+_JSON_FIELDS = {"files", "vars", "rendered", "env"}
+
+
+def _encode(fields: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in fields.items():
+        if k in _JSON_FIELDS and v is not None:
+            out[k] = json.dumps(v, sort_keys=True, default=str)
+        elif isinstance(v, bool):
+            out[k] = int(v)
+        else:
+            out[k] = v
+    return out
+
+
+def _run(row: sqlite3.Row | None) -> RunRecord:
+    if row is None:
+        raise InputError("run not found in the registry")
+    d = dict(row)
+    for k in _JSON_FIELDS:
+        d[k] = json.loads(d[k]) if d.get(k) else ({} if k != "env" else None)
+    d["dirty"] = bool(d.get("dirty"))
+    d["good"] = bool(d.get("good"))
+    return RunRecord(**d)

@@ -1,0 +1,52 @@
+"""Calling the agent (controller/agent.py) inside a container: one exec per operation."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from controller.errors import CtlError, RemoteCommandError
+from controller.transport.base import Transport
+
+BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-agent','exec'))"
+
+
+@cache
+def agent_source() -> bytes:
+    return (Path(__file__).parent / "agent.py").read_bytes()
+
+
+def agent_argv(verb: str, *args: str) -> list[str]:
+    return ["python3", "-c", BOOT, str(len(agent_source())), verb, *args]
+
+
+def root_of(t: Transport) -> str:
+    """The agent's ROOT argument: "/" in a real container, the stand-in directory for `local`."""
+    return t.path("/")
+
+
+def call(t: Transport, verb: str, *args: str, payload: bytes = b"", timeout: float | None = None) -> dict[str, Any]:
+    """Run one agent verb; return its JSON. A report with ok=false is returned, not raised."""
+    argv = agent_argv(verb, *args)
+    res = t.run(argv, stdin=agent_source() + payload, timeout=timeout)
+    try:
+        doc = json.loads(res.out) if res.out.strip() else None
+    except json.JSONDecodeError:
+        doc = None
+    if not isinstance(doc, dict):
+        if res.returncode == 127 or "python3: not found" in res.err or "No such file" in res.err[:200]:
+            raise CtlError(f"{t.name}: python3 is not available in the container (ctl's agent needs it)")
+        raise RemoteCommandError(t.name, [*argv[:1], "<agent>", verb], res.returncode, res.err, what=f"agent {verb}")
+    return doc
+
+
+def shell_line(t: Transport, verb: str, *args: str) -> str:
+    """The copy-pasteable line a user could run by hand (stdin: agent source + payload)."""
+    return t.script(agent_argv(verb, *args))
+
+
+def quote(s: str) -> str:
+    return shlex.quote(s)
