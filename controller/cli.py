@@ -40,7 +40,9 @@ OPTS = Opts()
 
 @app.callback()
 def _global(
-    inventory: str | None = typer.Option(None, "-i", "--inventory", help="Inventory file (env CTL_INVENTORY; default ./inventory.yaml)."),
+    inventory: str | None = typer.Option(
+        None, "-i", "--inventory", help="Inventory file (env CTL_INVENTORY; default ./inventory.yaml)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -158,7 +160,7 @@ def deploy_cmd(
         raise CtlError("choose one of --dry-run, --check, --rollback")
     inv = _inv()
     cts = inv.select(containers or [])
-    reg = _registry() if not dry_run else None
+    reg = _registry()
     with Pool(inv) as pool:
         if check:
             checks = fanout(pool, cts, lambda ct, t: deploy.check(inv, ct, t, reg))
