@@ -1,0 +1,54 @@
+"""`python -m tests.pvehost up|down|status [--dir D] [--port P]`: the test host by hand."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from tests.pvehost.host import DEFAULT_DIR, DEFAULT_PORT, PveHost, PveHostError, down, leftover_processes, load
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.pvehost", description=__doc__)
+    ap.add_argument("action", choices=["up", "down", "status"])
+    ap.add_argument("--dir", default=os.environ.get("CTL_PVEHOST_DIR", DEFAULT_DIR),
+                    help="base directory (default: $CTL_PVEHOST_DIR or %(default)s)")
+    ap.add_argument("--port", type=int, default=int(os.environ.get("CTL_PVEHOST_PORT", DEFAULT_PORT)))
+    args = ap.parse_args(argv)
+    base = Path(args.dir)
+    try:
+        if args.action == "up":
+            t0 = time.monotonic()
+            host = PveHost(base=base, port=args.port).up()
+            print(f"up in {time.monotonic() - t0:.1f}s at {host.base}")
+            _describe(host)
+        elif args.action == "down":
+            down(base)
+            print(f"down: {base} removed")
+        else:
+            if not (base / "state.json").exists():
+                print(f"no test host at {base}")
+                return 1
+            _describe(load(base))
+    except PveHostError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _describe(host: PveHost) -> None:
+    for name, (addr, port, node) in host.hosts.items():
+        cts = " ".join(f"{v}:{'running' if host.running(v) else 'stopped'}" for v in host.vmids[node])
+        print(f"  {name}: {addr}:{port}  containers {cts}")
+        print(f"    {' '.join(host.ssh_argv(name))} pct list")
+    if host.ct_ssh_vmid:
+        print(f"  ct{host.ct_ssh_vmid} sshd: {host.ct_ssh[0]}:{host.ct_ssh[1]}")
+    print(f"  client key {host.client_key}, known_hosts {host.known_hosts}")
+    print(f"  processes: {len(leftover_processes(host.base))}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,602 @@
+"""Bring up and tear down a local, faithful Proxmox VE test host: sshd per node, real LXC containers, pct.
+
+Layout under the base directory (nothing is registered outside it; see `PveHost.down`):
+
+    state.json                    what `down`/`status` need: port, nodes, pids, owner
+    keys/                         client key (ed25519), authorized_keys, known_hosts
+    cm/                           ssh ControlMaster sockets (ssh_argv(..., multiplex=True))
+    <node>/sshd_config            one sshd per simulated host, own host key and PidFile
+    <node>/node.json, bin/pct     the simulated pct; sshd's SetEnv puts bin/ first on PATH
+    <node>/etc-pve/nodes/<node>/lxc/<vmid>.conf   Proxmox-style config that `pct config` prints
+    <node>/lxc/<vmid>/{config,rootfs}             the LXC container (lxcpath = <node>/lxc)
+    <node>/snapshots/<vmid>/<name>/               snapshot copies of the private dirs
+
+One container (ct_ssh_vmid, 301 by default) uses host networking (`lxc.net.0.type = none`) and runs its own
+sshd on 127.0.0.4 as its init's child: the endpoint of the "container over direct SSH" transport.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_DIR = "/tmp/ctl-pvehost"
+DEFAULT_PORT = 2222
+SSHD = "/usr/sbin/sshd"
+SFTP_SERVER = "/usr/lib/openssh/sftp-server"
+INIT_LXC = "/usr/sbin/init.lxc"
+GPU_STATE = "etc/ctl-fake-gpu.json"
+HOST_PATH_TAIL = "/usr/sbin:/usr/bin:/sbin:/bin"
+PRIVATE_DIRS = ("root", "workspace", "etc", "tmp", "run", "opt", "srv", "var")
+ETC_FILES = ("passwd", "group", "shadow", "hosts", "nsswitch.conf", "ld.so.cache", "profile", "bash.bashrc",
+             "debian_version", "login.defs")
+REQUIRED_TOOLS = ("lxc-start", "lxc-attach", "lxc-stop", "lxc-info", "lxc-wait", "ssh", "ssh-keygen", "tmux")
+
+
+class PveHostError(RuntimeError):
+    """The test host could not be brought up (the message says which piece and shows its log)."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    address: str
+    vmids: tuple[int, ...]
+
+
+DEFAULT_NODES = (NodeSpec("pve1", "127.0.0.2", (200, 201)), NodeSpec("pve2", "127.0.0.3", (300, 301)))
+
+
+def missing_prerequisites() -> str | None:
+    """Why this machine cannot run the test host, or None. Used by the pytest fixture to skip."""
+    if os.geteuid() != 0:
+        return "the local Proxmox test host needs root (LXC containers, sshd)"
+    for path in (SSHD, SFTP_SERVER, INIT_LXC, "/usr/bin/python3"):
+        if not os.access(path, os.X_OK):
+            return f"{path} is missing (apt install lxc openssh-server)"
+    for tool in REQUIRED_TOOLS:
+        if shutil.which(tool) is None:
+            return f"{tool} is not on PATH (apt install lxc openssh-client tmux)"
+    return None
+
+
+def port_free(port: int, addresses: Sequence[str]) -> bool:
+    for addr in addresses:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((addr, port))
+            except OSError:
+                return False
+    return True
+
+
+def find_free_port(addresses: Sequence[str], start: int = DEFAULT_PORT) -> int:
+    for port in range(start, start + 200):
+        if port_free(port, addresses):
+            return port
+    raise PveHostError(f"no free port from {start} on {', '.join(addresses)}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, cmdline) for every process we can see."""
+    table: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        table[int(entry)] = (ppid, cmd)
+    return table
+
+
+def _descendants(roots: set[int], table: dict[int, tuple[int, str]]) -> set[int]:
+    found = set(roots)
+    changed = True
+    while changed:
+        changed = False
+        for pid, (ppid, _) in table.items():
+            if ppid in found and pid not in found:
+                found.add(pid)
+                changed = True
+    return found
+
+
+def _run(argv: Sequence[str], what: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(list(argv), capture_output=True, text=True, **kw)
+    if r.returncode != 0:
+        raise PveHostError(f"{what} failed (exit {r.returncode}): {shlex.join(argv)}\n{r.stderr.strip()}")
+    return r
+
+
+@dataclass
+class PveHost:
+    """A running (or to-be-started) local Proxmox test host. See the module docstring for the layout."""
+
+    base: Path
+    port: int = DEFAULT_PORT
+    nodes: tuple[NodeSpec, ...] = DEFAULT_NODES
+    ct_ssh_vmid: int | None = 301
+    ct_ssh_address: str = "127.0.0.4"
+    small_tmpfs: Mapping[int, str] = field(default_factory=lambda: {300: "4m"})
+    _host_pub: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    # --- naming ----------------------------------------------------------------------------------
+
+    def __post_init__(self) -> None:
+        self.base = Path(self.base).resolve()
+
+    @property
+    def hosts(self) -> dict[str, tuple[str, int, str]]:
+        """{host name: (address, port, node name)}; the host name is the node name."""
+        return {n.name: (n.address, self.port, n.name) for n in self.nodes}
+
+    @property
+    def vmids(self) -> dict[str, list[int]]:
+        return {n.name: list(n.vmids) for n in self.nodes}
+
+    @property
+    def ct_ssh(self) -> tuple[str, int]:
+        """(address, port) of the sshd running inside container ct_ssh_vmid."""
+        return (self.ct_ssh_address, self.port)
+
+    @property
+    def client_key(self) -> Path:
+        return self.base / "keys" / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.base / "keys" / "known_hosts"
+
+    def node_of(self, vmid: int) -> NodeSpec:
+        for n in self.nodes:
+            if vmid in n.vmids:
+                return n
+        raise KeyError(f"no container {vmid} on this test host")
+
+    def node_dir(self, node: str) -> Path:
+        return self.base / node
+
+    def lxcpath(self, node: str) -> Path:
+        return self.node_dir(node) / "lxc"
+
+    def rootfs(self, vmid: int) -> Path:
+        """Host path of the container's root; /root, /tmp, /workspace, /etc there are private to it."""
+        return self.lxcpath(self.node_of(vmid).name) / str(vmid) / "rootfs"
+
+    def conf_path(self, vmid: int) -> Path:
+        node = self.node_of(vmid).name
+        return self.node_dir(node) / "etc-pve" / "nodes" / node / "lxc" / f"{vmid}.conf"
+
+    def _lxc(self, tool: str, vmid: int, *args: str) -> list[str]:
+        return [tool, "-P", str(self.lxcpath(self.node_of(vmid).name)), "-n", str(vmid), *args]
+
+    # --- client side -----------------------------------------------------------------------------
+
+    def ssh_argv(self, host: str, *, multiplex: bool = False) -> list[str]:
+        """`ssh ... root@addr` for a host name (pve1, pve2) or 'ct_ssh'; host keys are verified."""
+        if host == "ct_ssh":
+            address, port = self.ct_ssh
+        else:
+            address, port, _ = self.hosts[host]
+        argv = [
+            "ssh", "-F", "/dev/null", "-i", str(self.client_key), "-o", "IdentitiesOnly=yes",
+            "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "GlobalKnownHostsFile=/dev/null",
+            "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
+            "-p", str(port),
+        ]
+        if multiplex:
+            argv += ["-o", "ControlMaster=auto", "-o", f"ControlPath={self.base}/cm/%C",
+                     "-o", "ControlPersist=120"]
+        return [*argv, f"root@{address}"]
+
+    def ssh(self, host: str, *argv: str, input: bytes | None = None, timeout: float = 60,
+            multiplex: bool = True) -> subprocess.CompletedProcess[bytes]:
+        """Run argv on a host over real SSH (quoted once with shlex.join); output is captured as bytes."""
+        cmd = [*self.ssh_argv(host, multiplex=multiplex), "--", shlex.join(argv)]
+        return subprocess.run(cmd, input=input, capture_output=True, timeout=timeout)
+
+    # --- containers ------------------------------------------------------------------------------
+
+    def running(self, vmid: int) -> bool:
+        r = subprocess.run(self._lxc("lxc-info", vmid, "-s", "-H"), capture_output=True, text=True)
+        return r.stdout.strip() == "RUNNING"
+
+    def start(self, vmid: int) -> None:
+        if self.running(vmid):
+            return
+        _run(self._lxc("lxc-start", vmid, "-d"), f"starting CT {vmid}")
+        _run(self._lxc("lxc-wait", vmid, "-s", "RUNNING", "-t", "10"), f"waiting for CT {vmid}")
+
+    def stop(self, vmid: int) -> None:
+        if self.running(vmid):
+            _run(self._lxc("lxc-stop", vmid, "-k"), f"stopping CT {vmid}")
+
+    def set_gpus(
+        self,
+        vmid: int,
+        count: int = 8,
+        busy: Mapping[int, Sequence[tuple[int, int, str]]] | None = None,
+        memory_used: Mapping[int, int] | None = None,
+        *,
+        utilization: Mapping[int, int] | None = None,
+        name: str = "NVIDIA H100 80GB HBM3",
+        memory_total: int = 81559,
+    ) -> None:
+        """Give the container's nvidia-smi `count` GPUs; busy = {gpu: [(pid, used_mib, process_name)]}.
+
+        A GPU's memory.used is memory_used[gpu] if given, else the sum of its processes' memory;
+        utilization.gpu is utilization[gpu] if given, else 97 when it has processes and 0 otherwise.
+        """
+        busy = dict(busy or {})
+        memory_used = dict(memory_used or {})
+        utilization = dict(utilization or {})
+        gpus, procs = [], []
+        for i in range(count):
+            apps = busy.get(i, [])
+            gpus.append({
+                "index": i,
+                "uuid": f"GPU-{vmid:08x}-{i:04x}-4c7a-8f00-{(vmid * 16 + i):012x}",
+                "name": name,
+                "bus_id": f"00000000:{0x18 + i * 0x10:02X}:00.0",
+                "memory_total": memory_total,
+                "memory_used": memory_used.get(i, sum(m for _, m, _ in apps)),
+                "utilization": utilization.get(i, 97 if apps else 0),
+            })
+            procs += [{"gpu": i, "pid": pid, "used_memory": mib, "name": pname} for pid, mib, pname in apps]
+        state = {"gpus": gpus, "processes": procs}
+        dest = self.rootfs(vmid) / GPU_STATE
+        tmp = dest.with_name(dest.name + ".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, dest)
+
+    def clear_gpus(self, vmid: int) -> None:
+        """No GPU state: nvidia-smi answers as if the driver were missing (exit 9)."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.rootfs(vmid) / GPU_STATE).unlink()
+
+    # --- inventory -------------------------------------------------------------------------------
+
+    def inventory(self, **extra: Any) -> dict[str, Any]:
+        hosts: dict[str, Any] = {}
+        for n in self.nodes:
+            hosts[n.name] = {"address": n.address, "port": self.port, "user": "root",
+                             "identity_file": str(self.client_key), "known_hosts": str(self.known_hosts)}
+        containers: dict[str, Any] = {}
+        gpus = {"target": [0, 1, 2, 3, 4], "drafter": [5, 6, 7]}
+        for n in self.nodes:
+            for vmid in n.vmids:
+                if vmid == self.ct_ssh_vmid:
+                    address, port = self.ct_ssh
+                    containers[f"ct{vmid}"] = {
+                        "host": n.name, "vmid": vmid, "transport": "ssh", "address": address, "port": port,
+                        "user": "root", "identity_file": str(self.client_key),
+                        "known_hosts": str(self.known_hosts), "gpus": gpus}
+                else:
+                    containers[f"ct{vmid}"] = {"host": n.name, "vmid": vmid, "transport": "pct", "gpus": gpus}
+        doc: dict[str, Any] = {"hosts": hosts, "containers": containers}
+        for key, value in extra.items():
+            if key in ("hosts", "containers") and isinstance(value, Mapping):
+                for name, fields in value.items():
+                    if isinstance(fields, Mapping) and name in doc[key]:
+                        doc[key][name] = {**doc[key][name], **fields}
+                    else:
+                        doc[key][name] = fields
+            else:
+                doc[key] = value
+        return doc
+
+    def write_inventory(self, path: str | Path, **extra: Any) -> Path:
+        """Write inventory.yaml (DESIGN.md's shape) for these hosts and containers; extra = more keys."""
+        import yaml
+
+        p = Path(path)
+        p.write_text(yaml.safe_dump(self.inventory(**extra), sort_keys=False))
+        return p
+
+    # --- bring-up --------------------------------------------------------------------------------
+
+    def up(self) -> PveHost:
+        """Tear down whatever is left at base, then build and start everything. Idempotent-ish."""
+        why = missing_prerequisites()
+        if why:
+            raise PveHostError(why)
+        if self.base.exists():
+            down(self.base)
+        addresses = [n.address for n in self.nodes] + ([self.ct_ssh_address] if self.ct_ssh_vmid else [])
+        if not port_free(self.port, addresses):
+            raise PveHostError(f"port {self.port} is taken on one of {', '.join(addresses)}")
+        self.base.mkdir(parents=True, mode=0o755)
+        try:
+            self._write_state()
+            self._keys()
+            for n in self.nodes:
+                self._node(n)
+            self._known_hosts()
+            for n in self.nodes:
+                self._start_sshd(n)
+            for n in self.nodes:
+                for vmid in n.vmids:
+                    self.start(vmid)
+            self._wait_listening()
+        except BaseException:
+            down(self.base)
+            raise
+        return self
+
+    def down(self) -> None:
+        down(self.base)
+
+    def _write_state(self) -> None:
+        state = {
+            "base": str(self.base), "port": self.port, "owner_pid": os.getpid(),
+            "nodes": [{"name": n.name, "address": n.address, "vmids": list(n.vmids)} for n in self.nodes],
+            "ct_ssh_vmid": self.ct_ssh_vmid, "ct_ssh_address": self.ct_ssh_address,
+            "small_tmpfs": {str(k): v for k, v in self.small_tmpfs.items()},
+        }
+        (self.base / "state.json").write_text(json.dumps(state, indent=1))
+
+    def _keys(self) -> None:
+        keys = self.base / "keys"
+        keys.mkdir(mode=0o700)
+        (self.base / "cm").mkdir(mode=0o700)
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ctl-pvehost-client",
+              "-f", str(self.client_key)], "ssh-keygen (client)")
+        (keys / "authorized_keys").write_text(Path(f"{self.client_key}.pub").read_text())
+
+    def _host_key(self, path: Path, comment: str) -> str:
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+             f"ssh-keygen ({comment})")
+        kind, blob = Path(f"{path}.pub").read_text().split()[:2]
+        return f"{kind} {blob}"
+
+    def _known_hosts(self) -> None:
+        lines = []
+        for n in self.nodes:
+            lines.append(f"{self._kh_name(n.address)} {self._host_pub[n.name]}")
+        if self.ct_ssh_vmid:
+            lines.append(f"{self._kh_name(self.ct_ssh_address)} {self._host_pub['ct_ssh']}")
+        self.known_hosts.write_text("\n".join(lines) + "\n")
+
+    def _kh_name(self, address: str) -> str:
+        return address if self.port == 22 else f"[{address}]:{self.port}"
+
+    def _node(self, n: NodeSpec) -> None:
+        d = self.node_dir(n.name)
+        (d / "bin").mkdir(parents=True)
+        pct = d / "bin" / "pct"
+        shutil.copyfile(HERE / "pct.py", pct)
+        pct.chmod(0o755)
+        conf_dir = d / "etc-pve" / "nodes" / n.name / "lxc"
+        conf_dir.mkdir(parents=True)
+        (d / "snapshots").mkdir()
+        self.lxcpath(n.name).mkdir()
+        (d / "node.json").write_text(json.dumps({
+            "node": n.name, "lxcpath": str(self.lxcpath(n.name)), "etc_pve": str(d / "etc-pve"),
+            "snapdir": str(d / "snapshots")}))
+        self._host_pub[n.name] = self._host_key(d / "ssh_host_ed25519_key", n.name)
+        path = f"{d / 'bin'}:{HOST_PATH_TAIL}"
+        (d / "sshd_config").write_text(f"""\
+# sshd of the simulated Proxmox host {n.name}
+Port {self.port}
+ListenAddress {n.address}
+HostKey {d / "ssh_host_ed25519_key"}
+PidFile {d / "sshd.pid"}
+AuthorizedKeysFile {self.base / "keys" / "authorized_keys"}
+UsePAM no
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+# the base dir lives under /tmp (world-writable), which StrictModes would refuse
+StrictModes no
+PrintMotd no
+MaxStartups 64:30:128
+MaxSessions 64
+Subsystem sftp {SFTP_SERVER}
+SetEnv PATH={path} PVE_NODE={n.name}
+""")
+        for vmid in n.vmids:
+            self._container(n, vmid)
+
+    def _container(self, n: NodeSpec, vmid: int) -> None:
+        ctdir = self.lxcpath(n.name) / str(vmid)
+        root = ctdir / "rootfs"
+        root.mkdir(parents=True)
+        for sub in ("usr", "proc", "sys", "dev", *PRIVATE_DIRS, "var/tmp", "var/log", "var/lib", "run/sshd",
+                    "etc/ssh"):
+            (root / sub).mkdir(exist_ok=True)
+        (root / "tmp").chmod(0o1777)
+        (root / "var" / "tmp").chmod(0o1777)
+        for link in ("bin", "lib", "lib64", "lib32", "libx32"):
+            if os.path.isdir(f"/usr/{link}"):
+                (root / link).symlink_to(f"usr/{link}")
+        # /sbin comes first on pct's PATH: a real directory holding nvidia-smi and links to /usr/sbin.
+        sbin = root / "sbin"
+        sbin.mkdir()
+        for entry in os.listdir("/usr/sbin"):
+            (sbin / entry).symlink_to(f"/usr/sbin/{entry}")
+        shutil.copyfile(HERE / "nvidia_smi.py", sbin / "nvidia-smi")
+        (sbin / "nvidia-smi").chmod(0o755)
+        for name in ETC_FILES:
+            if os.path.exists(f"/etc/{name}"):
+                shutil.copy2(f"/etc/{name}", root / "etc" / name)
+        (root / "etc" / "os-release").symlink_to("../usr/lib/os-release")
+        (root / "etc" / "hostname").write_text(f"ct{vmid}\n")
+        host_net = vmid == self.ct_ssh_vmid
+        init = "/usr/bin/sleep infinity"
+        if host_net:
+            self._host_pub["ct_ssh"] = self._host_key(root / "etc/ssh/ssh_host_ed25519_key", f"ct{vmid}")
+            (root / "etc/ssh/authorized_keys").write_text((self.base / "keys" / "authorized_keys").read_text())
+            (root / "etc/ssh/sshd_config").write_text(f"""\
+# sshd inside CT {vmid} (host networking): the "container over direct SSH" endpoint
+Port {self.port}
+ListenAddress {self.ct_ssh_address}
+HostKey /etc/ssh/ssh_host_ed25519_key
+PidFile /run/sshd.pid
+AuthorizedKeysFile /etc/ssh/authorized_keys
+UsePAM no
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PrintMotd no
+MaxStartups 64:30:128
+Subsystem sftp {SFTP_SERVER}
+""")
+            init = "/usr/sbin/sshd -D -f /etc/ssh/sshd_config -E /var/log/sshd.log"
+        lines = [
+            f"lxc.uts.name = ct{vmid}",
+            f"lxc.rootfs.path = dir:{root}",
+            "lxc.mount.entry = /usr usr none ro,bind 0 0",
+            "lxc.mount.auto = proc:mixed sys:ro cgroup:mixed",
+            f"lxc.net.0.type = {'none' if host_net else 'empty'}",
+            "lxc.autodev = 1",
+            "lxc.pty.max = 32",
+            "lxc.apparmor.profile = unconfined",
+            f"lxc.log.file = {ctdir / 'lxc.log'}",
+            "lxc.log.level = WARN",
+            # init.lxc reaps orphans (tmux servers, double forks) so no zombies pile up under a bare sleep
+            f"lxc.init.cmd = {INIT_LXC} -n {vmid} -- {init}",
+        ]
+        pve_raw = ["lxc.cgroup2.devices.allow: c 195:* rwm"]
+        pve = {
+            "arch": "amd64", "cores": "8", "features": "nesting=1", "hostname": f"ct{vmid}",
+            "memory": "65536", "ostype": "debian", "swap": "512",
+            "rootfs": f"local-zfs:subvol-{vmid}-disk-0,size=100G",
+        }
+        if host_net:
+            pve_raw.append("lxc.net.0.type: none")
+        else:
+            pve["net0"] = (f"name=eth0,bridge=vmbr0,firewall=1,hwaddr=BC:24:11:{vmid >> 8 & 255:02X}:"
+                           f"{vmid & 255:02X}:00,ip=dhcp,type=veth")
+        size = self.small_tmpfs.get(vmid)
+        if size:
+            (root / "workspace" / "small").mkdir()
+            lines.append(f"lxc.mount.entry = tmpfs workspace/small tmpfs size={size},mode=0755 0 0")
+            pve["mp0"] = f"local-zfs:subvol-{vmid}-disk-1,mp=/workspace/small,size={size.upper()}"
+        (ctdir / "config").write_text("\n".join(lines) + "\n")
+        conf = [f"{k}: {v}" for k, v in sorted(pve.items())] + pve_raw
+        self.conf_path(vmid).write_text("\n".join(conf) + "\n")
+
+    def _start_sshd(self, n: NodeSpec) -> None:
+        # sshd's privilege-separation directory is compiled in; the Debian unit creates it at boot.
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        d = self.node_dir(n.name)
+        _run([SSHD, "-f", str(d / "sshd_config"), "-E", str(d / "sshd.log")], f"sshd for {n.name}")
+
+    def _wait_listening(self, timeout: float = 10) -> None:
+        targets = [n.address for n in self.nodes] + ([self.ct_ssh_address] if self.ct_ssh_vmid else [])
+        deadline = time.monotonic() + timeout
+        for addr in targets:
+            while True:
+                try:
+                    socket.create_connection((addr, self.port), timeout=1).close()
+                    break
+                except OSError as e:
+                    if time.monotonic() > deadline:
+                        raise PveHostError(f"nothing listens on {addr}:{self.port}: {e}") from None
+                    time.sleep(0.05)
+
+
+# --- teardown ------------------------------------------------------------------------------------
+
+
+def _state(base: Path) -> dict[str, Any]:
+    try:
+        return json.loads((base / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def load(base: str | Path) -> PveHost:
+    """The PveHost described by base/state.json (raises PveHostError when there is none)."""
+    base = Path(base)
+    st = _state(base)
+    if not st:
+        raise PveHostError(f"no test host at {base}")
+    nodes = tuple(NodeSpec(n["name"], n["address"], tuple(n["vmids"])) for n in st["nodes"])
+    return PveHost(base=base, port=st["port"], nodes=nodes, ct_ssh_vmid=st.get("ct_ssh_vmid"),
+                   ct_ssh_address=st.get("ct_ssh_address", "127.0.0.4"),
+                   small_tmpfs={int(k): v for k, v in st.get("small_tmpfs", {}).items()})
+
+
+def leftover_processes(base: Path) -> dict[int, str]:
+    """Processes that belong to the test host at base: sshd's (and their sessions), LXC monitors, ssh masters."""
+    key = str(Path(base).resolve())
+    table = _process_table()
+    mine = {os.getpid()}
+    pid = os.getpid()
+    while pid in table and pid > 1:  # never our own ancestors (a shell running `down --dir BASE`)
+        pid = table[pid][0]
+        mine.add(pid)
+    ours = (f"{SSHD} -f {key}/", f"[lxc monitor] {key}/", f"ssh: {key}/cm/")
+    roots = {pid for pid, (_, cmd) in table.items() if cmd.startswith(ours) and pid not in mine}
+    for pidfile in Path(key).glob("*/sshd.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(pidfile.read_text().split()[0])
+            if pid in table:
+                roots.add(pid)
+    pids = _descendants(roots, table) - mine
+    return {pid: table[pid][1] for pid in pids if pid in table}
+
+
+def down(base: str | Path) -> None:
+    """Kill the sshd's and everything under them, stop the containers, remove base. Safe to repeat."""
+    base = Path(base).resolve()
+    if not base.exists():
+        return
+    for sock in (base / "cm").glob("*") if (base / "cm").is_dir() else []:
+        subprocess.run(["ssh", "-F", "/dev/null", "-o", f"ControlPath={sock}", "-O", "exit", "x"],
+                       capture_output=True, timeout=10)
+    # Stop the containers first: processes attached into them die with their pid namespace.
+    for config in base.glob("*/lxc/*/config"):
+        ctdir = config.parent
+        subprocess.run(["lxc-stop", "-P", str(ctdir.parent), "-n", ctdir.name, "-k"], capture_output=True,
+                       timeout=30)
+    deadline = time.monotonic() + 5
+    sig = signal.SIGTERM
+    while True:
+        procs = leftover_processes(base)
+        if not procs:
+            break
+        if time.monotonic() > deadline:
+            raise PveHostError("processes survived teardown: " + "; ".join(f"{p} {c}" for p, c in procs.items()))
+        for pid in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        time.sleep(0.1)
+        sig = signal.SIGKILL
+    shutil.rmtree(base, ignore_errors=True)
+    if base.exists():  # a mount left behind (should not happen: tmpfs lives in the CT's namespace)
+        raise PveHostError(f"could not remove {base}")
+
+
+def owner_alive(base: Path) -> bool:
+    pid = _state(base).get("owner_pid")
+    return isinstance(pid, int) and _pid_alive(pid)
