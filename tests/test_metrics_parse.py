@@ -122,9 +122,8 @@ def test_json_line() -> None:
     assert (p.step, p.loss, p.lr, p.tgt_bps, p.dft_bps, p.tok_s) == (7, 9.5, 6e-4, 0.3, 0.28, 12800.0)
     assert (p.q_hs, p.eta_s, p.elapsed_s, p.time) == ((2, 0), 3600.0, 120.5, 1_700_000_000.5)
     assert p.extra == {"gpu": "H200", "mem": '{"a": 1}'}
-    assert parse_line('{"step": 3, "tok_s": "4.6K", "eta_s": "36.9d", "loss": null}') == MetricPoint(
-        step=3, tok_s=4600.0, eta_s=pytest.approx(36.9 * 86400), extra={"loss": "null"}
-    )
+    q = parse_line('{"step": 3, "tok_s": "4.6K", "eta_s": "36.9d", "loss": null}')
+    assert q == MetricPoint(step=3, tok_s=4600.0, eta_s=parse_duration("36.9d"), extra={"loss": "null"})
 
 
 def test_record_round_trips_through_json() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,11 +34,11 @@ def run(tok_s: float, steps: int, *, warmup: int = 3, warmup_tok_s: float = 500.
     ]
 
 
-def judge(points: list[MetricPoint], baseline: float | None = 12800.0, **kw: object) -> Verdict:
-    args: dict[str, object] = {"now": NOW, "last_step_time": NOW, "exit_status": None, "crash": None,
+def judge(points: list[MetricPoint], baseline: float | None = 12800.0, **kw: Any) -> Verdict:
+    args: dict[str, Any] = {"now": NOW, "last_step_time": NOW, "exit_status": None, "crash": None,
                                "baseline_name": "fresh5"}
     args.update(kw)
-    return verdict(points, baseline_tok_s=baseline, **args)  # type: ignore[arg-type]
+    return verdict(points, baseline_tok_s=baseline, **args)
 
 
 def test_steady_state_skips_the_warmup() -> None:
@@ -163,7 +164,7 @@ def test_severity_order() -> None:
     [{"baseline": 0.0}, {"baseline": float("nan")}, {"baseline": -5.0}, {"slow_ratio": 0.0}, {"slow_ratio": 1.5},
      {"stall_after_s": 0}, {"min_steady_points": 0}, {"warmup_fraction": 1.0}, {"warmup_steps": -1}],
 )
-def test_bad_settings_are_input_errors(kw: dict[str, object]) -> None:
+def test_bad_settings_are_input_errors(kw: dict[str, Any]) -> None:
     with pytest.raises(InputError):
         judge(run(12800, 10), **kw)
 

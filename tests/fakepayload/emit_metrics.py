@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.steps):
         if args.stall_after is not None and i >= args.stall_after:
             time.sleep(args.stall_seconds)
-            return 0 if args.exit_code is None else args.exit_code
+            return 0 if args.exit_code is None else int(args.exit_code)
         step = i + 1
         base = args.warmup_tok_s if i < args.warmup_steps else args.tok_s
         tok_s = max(1.0, base * (1.0 + rng.uniform(-args.jitter, args.jitter)))
@@ -140,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in CRASHES[args.crash]:
             print(line, file=out, flush=True)
         if args.exit_code is not None:
-            return args.exit_code
+            return int(args.exit_code)
         return 139 if args.crash == "segfault" else 1
-    return 0 if args.exit_code is None else args.exit_code
+    return 0 if args.exit_code is None else int(args.exit_code)
 
 
 if __name__ == "__main__":
