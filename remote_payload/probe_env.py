@@ -75,7 +75,7 @@ for p in sys.path:
     if os.path.isfile(cand):
         torch_version_py = cand
         break
-json.dump({"version": "%d.%d.%d" % sys.version_info[:3], "implementation": sys.implementation.name,
+json.dump({"version": ".".join(str(n) for n in sys.version_info[:3]), "implementation": sys.implementation.name,
            "prefix": sys.prefix, "base_prefix": getattr(sys, "base_prefix", sys.prefix),
            "dists": list(seen.values()), "shadowed": shadowed, "torch_version_py": torch_version_py},
           sys.stdout)
@@ -88,7 +88,7 @@ def normalize(name):
 
 
 def _err(exc):
-    return {"error": "%s: %s" % (type(exc).__name__, exc)}
+    return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _section(fn, *args):
@@ -100,7 +100,7 @@ def _section(fn, *args):
 
 def probe_python():
     return {
-        "version": "%d.%d.%d" % sys.version_info[:3],
+        "version": ".".join(str(n) for n in sys.version_info[:3]),
         "executable": sys.executable,
         "implementation": platform.python_implementation(),
     }
@@ -119,10 +119,10 @@ def _start_venv(venv):
     if not venv:
         return None, "no venv given (--venv PATH) and VIRTUAL_ENV is not set"
     if not os.path.isdir(venv):
-        return None, "venv %s does not exist or is not a directory" % venv
+        return None, f"venv {venv} does not exist or is not a directory"
     py = _venv_python(venv)
     if py is None:
-        return None, "venv %s has no bin/python" % venv
+        return None, f"venv {venv} has no bin/python"
     try:
         proc = subprocess.Popen(
             [py, "-I", "-c", _SNIPPET],  # -I: no cwd, PYTHONPATH or user site: the venv alone
@@ -132,7 +132,7 @@ def _start_venv(venv):
             stdin=subprocess.DEVNULL,
         )
     except OSError as exc:
-        return None, "cannot run %s: %s" % (py, exc)
+        return None, f"cannot run {py}: {exc}"
     return proc, None
 
 
@@ -161,10 +161,10 @@ def _finish_venv(venv, proc):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        return {"path": venv, "error": "venv python timed out after %ss" % _TIMEOUT}, None
+        return {"path": venv, "error": f"venv python timed out after {_TIMEOUT}s"}, None
     if proc.returncode != 0:
         tail = " | ".join(err.decode("utf-8", "replace").strip().splitlines()[-3:])
-        return {"path": venv, "error": "venv python exited %d: %s" % (proc.returncode, tail)}, None
+        return {"path": venv, "error": f"venv python exited {proc.returncode}: {tail}"}, None
     data = json.loads(out.decode("utf-8"))
     packages, provenance, shadowed = {}, {}, {}
     for d in sorted(data["dists"], key=lambda e: normalize(e["name"])):
@@ -197,7 +197,7 @@ def probe_torch(version_py, packages):
     """torch version and CUDA build from torch/version.py read as text (never `import torch`)."""
     if not version_py:
         if packages is not None and "torch" in packages:
-            return {"error": "torch is in the metadata (%s) but torch/version.py is missing" % packages["torch"]}
+            return {"error": "torch is in the metadata ({}) but torch/version.py is missing".format(packages["torch"])}
         return {"error": "torch is not installed in the venv"}
     with open(version_py, encoding="utf-8") as f:
         tree = ast.parse(f.read(), version_py)
@@ -236,7 +236,7 @@ def probe_torch(version_py, packages):
     if meta is not None and meta != version:
         # a half-finished swap (cu128 <-> cu130) leaves metadata and files disagreeing
         out["metadata_version"] = meta
-        out["warning"] = "torch metadata says %s but torch/version.py says %s" % (meta, version)
+        out["warning"] = f"torch metadata says {meta} but torch/version.py says {version}"
     return out
 
 
@@ -252,7 +252,7 @@ def _start_nvsmi():
             stdin=subprocess.DEVNULL,
         )
     except OSError as exc:
-        return None, "cannot run nvidia-smi: %s" % exc
+        return None, f"cannot run nvidia-smi: {exc}"
     return proc, None
 
 
@@ -262,17 +262,17 @@ def _finish_nvsmi(proc):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        return {"error": "nvidia-smi timed out after %ss" % _TIMEOUT}
+        return {"error": f"nvidia-smi timed out after {_TIMEOUT}s"}
     if proc.returncode != 0:
         text = (err or out).decode("utf-8", "replace").strip().splitlines()
-        return {"error": "nvidia-smi exited %d: %s" % (proc.returncode, " | ".join(text[-3:]))}
+        return {"error": "nvidia-smi exited {}: {}".format(proc.returncode, " | ".join(text[-3:]))}
     gpus = []
     for line in out.decode("utf-8", "replace").splitlines():
         if not line.strip():
             continue
         cols = [c.strip() for c in line.split(",")]
         if len(cols) != 5:
-            return {"error": "unexpected nvidia-smi line: %r" % line}
+            return {"error": f"unexpected nvidia-smi line: {line!r}"}
         idx, name, uuid, mem, driver = cols
         try:
             mem_mib = int(float(mem))
@@ -405,7 +405,7 @@ def probe(venv=None, cache_dir=None, disks=()):
     try:
         venv_proc, venv_err = _start_venv(venv)
     except Exception as exc:
-        venv_proc, venv_err = None, "%s: %s" % (type(exc).__name__, exc)
+        venv_proc, venv_err = None, f"{type(exc).__name__}: {exc}"
     smi_proc, smi_err = _start_nvsmi()
     doc = {"schema": SCHEMA, "python": _section(probe_python)}
     version_py = None
@@ -419,7 +419,7 @@ def probe(venv=None, cache_dir=None, disks=()):
             doc["venv"] = dict(res, path=venv)
     packages = doc["venv"].get("packages")
     if "error" in doc["venv"]:
-        doc["torch"] = {"error": "no venv to look in: %s" % doc["venv"]["error"]}
+        doc["torch"] = {"error": "no venv to look in: {}".format(doc["venv"]["error"])}
     else:
         doc["torch"] = _section(probe_torch, version_py, packages)
     doc["nvidia_smi"] = {"error": smi_err} if smi_proc is None else _section(_finish_nvsmi, smi_proc)
@@ -442,7 +442,7 @@ def main(argv=None):
     try:
         doc = probe(args.venv, args.cache_dir, args.disk)
     except Exception as exc:  # last resort: still one JSON document
-        doc = {"schema": SCHEMA, "error": "probe failed: %s: %s" % (type(exc).__name__, exc)}
+        doc = {"schema": SCHEMA, "error": f"probe failed: {type(exc).__name__}: {exc}"}
     json.dump(doc, sys.stdout, sort_keys=True, default=str)
     sys.stdout.write("\n")
     return 0
