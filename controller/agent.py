@@ -13,7 +13,12 @@ Verbs (each prints one JSON document on stdout; exit 0 when "ok" is true):
                                    (atomic per file) and read back. Any failure removes the temporary
                                    files and leaves every destination untouched.
   probe    JSON-ARGS               launch preflight facts in one round trip (files, tmux, log, disk,
-                                   GPUs, next run number)
+                                   GPUs, logs of the run series)
+  launch   JSON-ARGS               write the run record beside the log (never over one) and start the
+                                   detached tmux session
+  runstate JSON-ARGS               exit status / liveness / log size of runs
+  stop     JSON-ARGS               SIGINT the run's process group, escalate, end its session
+  tailinfo JSON-ARGS               log size and last N lines
 """
 
 import hashlib
@@ -232,14 +237,154 @@ def _gpus():
     return {"gpus": gpus}
 
 
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _read_int(path):
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _tmux_has(session):
+    tmux = shutil.which("tmux")
+    if tmux is None:
+        return None
+    return subprocess.run([tmux, "has-session", "-t", "=" + session], capture_output=True).returncode == 0
+
+
+def runstate(args):
+    """State of runs: exit status if written, whether the training's process group lives, log size."""
+    root = args.get("root", "/")
+    out = []
+    for r in args["runs"]:
+        log = _under(root, r["log"])
+        pid = _read_int(log + ".pid")
+        st = {"name": r["name"], "exit": _read_int(log + ".exit"), "pid": pid,
+              "alive": _pid_alive(pid) if pid else False, "session": _tmux_has(r["session"])}
+        try:
+            s = os.stat(log)
+            st["log_size"] = s.st_size
+            st["log_mtime"] = s.st_mtime
+        except OSError:
+            st["log_size"] = None
+        out.append(st)
+    return {"ok": True, "runs": out, "now": time.time()}
+
+
+def launch(args):
+    """Start a run in a detached tmux session; refuse to touch an existing log, record or session."""
+    root = args.get("root", "/")
+    log = _under(root, args["log"])
+    session = args["session"]
+    tmux = shutil.which("tmux")
+    if tmux is None:
+        return {"ok": False, "error": "tmux not found in the container", "code": "missing"}
+    if os.path.lexists(log):
+        return {"ok": False, "error": "log %s already exists; a log is never overwritten" % args["log"],
+                "code": "clobber"}
+    if _tmux_has(session):
+        return {"ok": False, "error": "tmux session %r already exists" % session, "code": "busy"}
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    try:
+        fd = os.open(log + ".ctl.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return {"ok": False, "error": "run record %s.ctl.json already exists" % args["log"], "code": "clobber"}
+    with os.fdopen(fd, "w") as f:
+        json.dump(args["record"], f, indent=2, sort_keys=True, default=str)
+    env = dict(os.environ)
+    env.update(args.get("env", {}))
+    r = subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "200", "-y", "50",
+                        "bash", "-c", args["script"]], capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        return {"ok": False, "error": "tmux new-session failed: " + (r.stderr.strip() or str(r.returncode)),
+                "code": "busy" if "duplicate session" in r.stderr else "tmux"}
+    deadline = time.time() + 5
+    pid = None
+    while time.time() < deadline:
+        pid = _read_int(log + ".pid")
+        if pid:
+            break
+        time.sleep(0.02)
+    return {"ok": True, "pid": pid, "started": time.time()}
+
+
+def stop(args):
+    """SIGINT to the run's process group, wait, then SIGTERM, SIGKILL; then end its tmux session."""
+    import signal
+    root = args.get("root", "/")
+    log = _under(root, args["log"])
+    pid = _read_int(log + ".pid")
+    steps = []
+    if pid and _pid_alive(pid):
+        for sig, wait in ((signal.SIGINT, args.get("grace", 30)), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                break
+            steps.append(sig.name)
+            deadline = time.time() + wait
+            while time.time() < deadline and _pid_alive(pid):
+                time.sleep(0.1)
+            if not _pid_alive(pid):
+                break
+    # Let the launcher write the exit status before its session goes.
+    deadline = time.time() + 5
+    while time.time() < deadline and _read_int(log + ".exit") is None and _tmux_has(args["session"]):
+        time.sleep(0.1)
+    if _tmux_has(args["session"]):
+        subprocess.run(["tmux", "kill-session", "-t", "=" + args["session"]], capture_output=True)
+        steps.append("kill-session")
+    return {"ok": True, "signals": steps, "exit": _read_int(log + ".exit"),
+            "alive": _pid_alive(pid) if pid else False}
+
+
+def tailinfo(args):
+    """Size of the log and its last N lines (read from the end, not the whole file)."""
+    path = _under(args.get("root", "/"), args["log"])
+    n = int(args.get("lines", 20))
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        return {"ok": False, "error": _describe(e)}
+    block = 1 << 16
+    data = b""
+    with open(path, "rb") as f:
+        pos = size
+        while pos > 0 and data.count(b"\n") <= n:
+            step = min(block, pos)
+            pos -= step
+            f.seek(pos)
+            data = f.read(step) + data
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines = lines[:-1]
+    text = b"\n".join(lines[-n:]) + (b"\n" if lines[-n:] else b"") if n > 0 else b""
+    return {"ok": True, "size": size, "text": text.decode("utf-8", "replace")}
+
+
 def main(argv):
     verb = argv[0]
     if verb == "hashes":
         out = hashes(argv[1], argv[2:])
     elif verb == "apply":
         out = apply(argv[1], argv[2], argv[3], sys.stdin.buffer)
-    elif verb == "probe":
-        out = probe(json.loads(argv[1]))
+    elif verb in ("probe", "runstate", "launch", "stop", "tailinfo"):
+        out = {"probe": probe, "runstate": runstate, "launch": launch, "stop": stop,
+               "tailinfo": tailinfo}[verb](json.loads(argv[1]))
     else:
         out = {"ok": False, "error": "unknown verb %r" % verb}
     sys.stdout.write(json.dumps(out))

@@ -1,0 +1,371 @@
+"""Runs: naming, preflight, launch, state, stop, follow.
+
+A run is claimed in the registry before anything touches the container (UNIQUE (ct, name): of two
+concurrent launches exactly one proceeds), checked in one agent round trip, then started in a
+detached tmux session by a launcher that refuses to overwrite the log (noclobber), records the
+training's process group and writes its exit status beside the log when it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import shlex
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from controller import remote
+from controller.deploy import Manifest, pin
+from controller.errors import (
+    BusyError,
+    ClobberError,
+    ConnectionFailed,
+    CtlError,
+    DiskError,
+    DriftError,
+    ExitCode,
+    InputError,
+)
+from controller.inventory import Container, Inventory
+from controller.names import check_name
+from controller.registry import Registry, RunRecord
+from controller.transport.base import Transport
+
+START_SCRIPT = "start_training.sh"
+MIN_FREE_BYTES = 1 << 30  # free space the log directory needs before a launch
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    name: str
+    session: str
+    log: str
+    run_dir: str
+
+    @property
+    def exit_file(self) -> str:
+        return self.log + ".exit"
+
+    @property
+    def record_file(self) -> str:
+        return self.log + ".ctl.json"
+
+
+def paths_for(inv: Inventory, name: str) -> RunPaths:
+    check_name(name, "run name")
+    runs = inv.model.runs
+    # tmux turns '.' and ':' in session names into '_'; do it ourselves so lookups match.
+    session = f"{runs.session}-{name}".replace(".", "_")
+    return RunPaths(name, session, runs.log.replace("{run}", name), runs.dir.replace("{run}", name))
+
+
+def _series_numbers(series: str, names: list[str]) -> list[int]:
+    pat = re.compile(rf"^{re.escape(series)}(\d+)$")
+    return [int(m.group(1)) for n in names if (m := pat.match(n))]
+
+
+def next_name(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> str:
+    """The next of the series after every run known to the registry AND every log in the container."""
+    runs = inv.model.runs
+    glob = runs.log.replace("{run}", runs.series + "*")
+    doc = remote.call(t, "probe", json.dumps({"root": remote.root_of(t), "series_glob": glob}))
+    log_prefix, log_suffix = posixpath.basename(runs.log).split("{run}", 1)
+    from_logs = [n[len(log_prefix):len(n) - len(log_suffix) if log_suffix else None]
+                 for n in doc.get("series_logs", []) if n.startswith(log_prefix) and n.endswith(log_suffix)]
+    nums = _series_numbers(runs.series, reg.names(ct.name) + from_logs)
+    return f"{runs.series}{max(nums, default=0) + 1}"
+
+
+# --- preflight -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    forced: bool = False
+
+
+def preflight(
+    inv: Inventory, ct: Container, t: Transport, rp: RunPaths, manifest: Manifest, *, allow_drift: bool,
+    force: bool, gpu_mem_threshold_mib: float = 1024,
+) -> list[Check]:
+    """One agent round trip; raises the first failing check as its own error (and exit code)."""
+    args = {
+        "root": remote.root_of(t), "files": [f.dest for f in manifest.files], "session": rp.session,
+        "log": rp.log, "run_dir": rp.run_dir, "gpus": bool(ct.spec.gpus.all),
+    }
+    doc = remote.call(t, "probe", json.dumps(args))
+    checks: list[Check] = [Check("container", True, "running")]
+
+    drift = []
+    for f in manifest.files:
+        h = doc["files"].get(f.dest)
+        if h is None:
+            drift.append(f"{f.dest} missing")
+        elif h.get("sha256") != f.sha256:
+            drift.append(f"{f.dest} differs ({h.get('sha256', '?')[:12]} != pinned {f.sha256[:12]})")
+    if drift and not allow_drift:
+        raise DriftError(f"{ct.name}: deployed files differ from the pinned payload: {'; '.join(drift)}",
+                         hint="run `ctl deploy " + ct.name + "`, or pass --allow-drift")
+    checks.append(Check("payload", not drift, "matches pins" if not drift else "; ".join(drift), forced=bool(drift)))
+
+    tmux = doc.get("tmux", {})
+    if "error" in tmux:
+        raise CtlError(f"{ct.name}: {tmux['error']}")
+    if tmux.get("exists"):
+        raise BusyError(f"{ct.name}: tmux session {rp.session!r} already exists (a run is live under that name)")
+    checks.append(Check("session", True, f"{rp.session} free"))
+
+    if doc.get("log", {}).get("exists"):
+        raise ClobberError(f"{ct.name}: log {rp.log} already exists; a log is never overwritten "
+                           "(--force does not change that): pick another run name")
+    checks.append(Check("log", True, f"{rp.log} is new"))
+
+    disk = doc.get("disk", {})
+    free = disk.get("free")
+    if free is not None and free < MIN_FREE_BYTES:
+        msg = f"{ct.name}: only {free / 2**20:.0f} MiB free in {disk.get('path')} for the log"
+        if not force:
+            raise DiskError(msg, hint="free space, or pass --force")
+        checks.append(Check("disk", False, msg, forced=True))
+    else:
+        checks.append(Check("disk", True, f"{(free or 0) / 2**30:.1f} GiB free"))
+
+    if ct.spec.gpus.all:
+        checks.append(_gpu_check(ct, doc.get("gpus", {}), gpu_mem_threshold_mib, force))
+    return checks
+
+
+def _gpu_check(ct: Container, info: dict[str, Any], threshold: float, force: bool) -> Check:
+    want = ct.spec.gpus.all
+    if "error" in info:
+        msg = f"{ct.name}: GPUs cannot be checked: {info['error']}"
+        if not force:
+            raise BusyError(msg, hint="fix the driver/passthrough, or pass --force")
+        return Check("gpus", False, msg, forced=True)
+    by_index = {g["index"]: g for g in info.get("gpus", [])}
+    problems = []
+    for i in want:
+        g = by_index.get(i)
+        if g is None:
+            problems.append(f"GPU {i} not visible")
+        elif g["procs"]:
+            pids = ", ".join(str(p["pid"]) for p in g["procs"])
+            problems.append(f"GPU {i} busy (pids {pids})")
+        elif g["used_mib"] > threshold:
+            problems.append(f"GPU {i} has {g['used_mib']:.0f} MiB in use")
+    if problems:
+        msg = f"{ct.name}: " + "; ".join(problems)
+        if not force:
+            raise BusyError(msg, hint="stop what runs there, or pass --force")
+        return Check("gpus", False, msg, forced=True)
+    return Check("gpus", True, f"{len(want)} idle")
+
+
+# --- launch --------------------------------------------------------------------------------------
+
+
+def launcher_script(t: Transport, rp: RunPaths, start_script: str) -> str:
+    """What tmux runs: log opened with noclobber, training in its own process group, exit status kept."""
+    log = shlex.quote(t.path(rp.log))
+    start = shlex.quote(t.path(start_script))
+    return "\n".join([
+        "set -m -C",
+        f"exec 3>{log} || {{ echo 'ctl: refusing to overwrite '{log} >&2; exit 97; }}",
+        f"bash {start} >&3 2>&1 3>&- &",
+        "pid=$!",
+        f"echo $pid > {log}.pid",
+        "exec 3>&-",
+        f"tail -n +1 -F --pid=$pid {log} 2>/dev/null &",
+        "wait $pid; rc=$?",
+        f"echo $rc > {log}.exit.tmp && mv -f {log}.exit.tmp {log}.exit",
+        "wait",
+    ])
+
+
+def launch(
+    inv: Inventory, ct: Container, t: Transport, reg: Registry, name: str | None, *, allow_drift: bool = False,
+    force: bool = False, env_probe: Callable[[], dict[str, Any] | None] | None = None,
+) -> tuple[RunRecord, list[Check]]:
+    if name is not None:
+        check_name(name, "run name")
+    manifest = pin(inv, ct)
+    start = [f for f in manifest.files if posixpath.basename(f.dest) == START_SCRIPT]
+    if not start:
+        raise InputError(f"{inv.path}: payload has no {START_SCRIPT} (a template entry whose dest ends in it)")
+    if name is None:
+        name = next_name(inv, ct, t, reg)
+    rp = paths_for(inv, name)
+    rec = reg.claim_run(name, ct.name, host=ct.host_name, session=rp.session, log_path=rp.log, run_dir=rp.run_dir)
+    try:
+        checks = preflight(inv, ct, t, rp, manifest, allow_drift=allow_drift, force=force)
+        env = env_probe() if env_probe is not None else None
+        script = launcher_script(t, rp, start[0].dest)
+        run_env = {"CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
+        command = " ".join(f"{k}={shlex.quote(v)}" for k, v in run_env.items()) + " " + shlex.join(
+            ["tmux", "new-session", "-d", "-s", rp.session, "bash", "-c", script])
+        record = {
+            "run": name, "ct": ct.name, "host": ct.host_name, "vmid": ct.spec.vmid, "created": rec.created,
+            "commit": manifest.commit, "dirty": manifest.dirty, "files": manifest.hashes(), "vars": manifest.vars,
+            "command": command, "log": rp.log, "run_dir": rp.run_dir, "session": rp.session,
+            "env_fingerprint": (env or {}).get("fingerprint"),
+        }
+        doc = remote.call(t, "launch", json.dumps({
+            "root": remote.root_of(t), "log": rp.log, "session": rp.session, "script": script, "env": run_env,
+            "record": record,
+        }))
+    except BaseException:
+        reg.release_run(rec.id)
+        raise
+    if not doc.get("ok"):
+        reg.release_run(rec.id)
+        code = doc.get("code")
+        err = f"{ct.name}: {doc.get('error')}"
+        raise ClobberError(err) if code == "clobber" else BusyError(err) if code == "busy" else CtlError(err)
+    rec = reg.update_run(
+        rec.id, state="running", started=doc.get("started"), command=command, commit_sha=manifest.commit,
+        dirty=manifest.dirty, files=manifest.hashes(), vars=manifest.vars, rendered=manifest.rendered(),
+        env_fingerprint=(env or {}).get("fingerprint"), env=env,
+    )
+    return rec, checks
+
+
+# --- state ---------------------------------------------------------------------------------------
+
+LIVE = ("starting", "running")
+
+
+def _state_from(st: dict[str, Any]) -> tuple[str, int | None]:
+    if st.get("exit") is not None:
+        return ("finished" if st["exit"] == 0 else "failed"), st["exit"]
+    if st.get("alive"):
+        return "running", None
+    return "lost", None
+
+
+def refresh(inv: Inventory, ct: Container, t: Transport, reg: Registry, runs: list[RunRecord]) -> list[RunRecord]:
+    """Ask the container about live runs (one round trip) and record what ended."""
+    live = [r for r in runs if r.state in LIVE]
+    if not live:
+        return runs
+    doc = remote.call(t, "runstate", json.dumps({
+        "root": remote.root_of(t),
+        "runs": [{"name": r.name, "log": r.log_path, "session": r.session} for r in live],
+    }))
+    updated = {}
+    for r, st in zip(live, doc["runs"], strict=True):
+        state, code = _state_from(st)
+        if state != r.state:
+            updated[r.id] = reg.update_run(r.id, state=state, exit_status=code,
+                                           ended=st.get("log_mtime") if state != "running" else None)
+    return [updated.get(r.id, r) for r in runs]
+
+
+def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRecord, grace: float = 30) -> RunRecord:
+    if run.state not in LIVE:
+        raise InputError(f"run {run.name} on {ct.name} is not running (state: {run.state})")
+    doc = remote.call(t, "stop", json.dumps({"root": remote.root_of(t), "log": run.log_path,
+                                              "session": run.session, "grace": grace}))
+    if doc.get("alive"):
+        raise CtlError(f"{ct.name}: run {run.name} survived SIGINT, SIGTERM and SIGKILL")
+    note = "stopped by ctl stop (" + " -> ".join(doc.get("signals", [])) + ")"
+    return reg.update_run(run.id, state="stopped", exit_status=doc.get("exit"), ended=time.time(), note=note)
+
+
+# --- follow --------------------------------------------------------------------------------------
+
+
+@dataclass
+class FollowEnd:
+    exit_status: int | None
+    crash: str | None
+    state: str
+
+    @property
+    def exit_code(self) -> int:
+        if self.crash or (self.exit_status not in (None, 0)) or self.state in ("lost", "failed"):
+            return int(ExitCode.RUN_FAILED)
+        return 0
+
+
+def follow(
+    t: Transport, reg: Registry, run: RunRecord, *, lines: int, follow: bool, emit: Callable[[str], None],
+    detect: Callable[[str], str | None], reconnects: int = 5, crash_grace: float = 3.0,
+) -> FollowEnd:
+    """Print the last `lines` lines (all of them when negative), then (with follow) new ones until the run
+    ends or crashes.
+
+    A dropped connection is resumed from the last byte offset received: no line is lost or repeated.
+    """
+    assert run.log_path is not None
+    root = remote.root_of(t)
+    info = remote.call(t, "tailinfo", json.dumps({"root": root, "log": run.log_path, "lines": max(lines, 0)}))
+    if not info.get("ok"):
+        raise InputError(f"{run.ct}: cannot read {run.log_path}: {info.get('error')}")
+    crash = None
+    for line in info["text"].splitlines():
+        emit(line)
+        crash = crash or detect(line)
+    offset = int(info["size"]) if lines >= 0 else 0  # lines < 0: the whole log, from its first byte
+    if not follow:
+        return FollowEnd(run.exit_status, crash, run.state)
+    pending = b""
+    crash_at: float | None = None
+    tries = 0
+    while True:
+        st = _runstate(t, run)
+        if not st.get("alive") and st.get("log_size") == offset and crash_at is None:
+            break
+        try:
+            argv = ["tail", "-c", f"+{offset + 1}", "-F"]
+            if st.get("pid") and st.get("alive"):
+                argv.append(f"--pid={st['pid']}")
+            argv += ["-s", "0.2", t.path(run.log_path)]
+            for kind, data in _with_idle(t.stream(argv)):
+                if kind == "out":
+                    offset += len(data)
+                    pending += data
+                    *complete, pending = pending.split(b"\n")
+                    for raw in complete:
+                        line = raw.decode("utf-8", "replace")
+                        emit(line)
+                        found = detect(line)
+                        if found and crash is None:
+                            crash, crash_at = found, time.monotonic()
+                if crash_at is not None and time.monotonic() - crash_at > crash_grace:
+                    break
+                if kind == "exit":
+                    break
+            break
+        except ConnectionFailed:
+            tries += 1
+            if tries > reconnects:
+                raise
+            time.sleep(min(2.0, 0.2 * tries))
+    if pending:
+        emit(pending.decode("utf-8", "replace"))
+    st = _runstate(t, run)
+    state, code = _state_from(st)
+    if crash is not None and state == "running":
+        state = "crashed"
+    if state != "running" and run.state in LIVE and state != "crashed":
+        reg.update_run(run.id, state=state, exit_status=code, ended=time.time())
+    if crash:
+        reg.update_run(run.id, crash=crash)
+    return FollowEnd(code, crash, state)
+
+
+def _runstate(t: Transport, run: RunRecord) -> dict[str, Any]:
+    doc = remote.call(t, "runstate", json.dumps({"root": remote.root_of(t), "runs": [
+        {"name": run.name, "log": run.log_path, "session": run.session}]}))
+    st: dict[str, Any] = doc["runs"][0]
+    return st
+
+
+def _with_idle(stream: Iterator[tuple[str, bytes]]) -> Iterator[tuple[str, bytes]]:
+    yield from stream
