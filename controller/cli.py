@@ -455,6 +455,9 @@ def diff_cmd(
     raise typer.Exit(0 if d.same else 1)
 
 
+# Command groups kept in their own modules register themselves on `app` when imported.
+from controller import cli_metrics as _cli_metrics  # noqa: E402,F401
+
 # --- entry point ---------------------------------------------------------------------------------
 
 
