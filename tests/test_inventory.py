@@ -1,0 +1,171 @@
+"""Inventory validation: every error path ends in one line naming file, line and key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from controller.errors import ExitCode, InputError, InventoryError
+from controller.inventory import load
+
+GOOD = """\
+hosts:
+  kpro6:
+    address: 192.0.2.10
+    port: 22
+containers:
+  ct200:
+    host: kpro6
+    vmid: 200
+    gpus: {target: [0, 1], drafter: [2]}
+  ct201:
+    host: kpro6
+    vmid: 201
+groups:
+  train: [ct200, ct201]
+payload:
+  - {src: a.py, dest: /root/a.py}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "inventory.yaml"
+    p.write_text(text)
+    return p
+
+
+def error_of(tmp_path: Path, text: str) -> str:
+    p = write(tmp_path, text)
+    with pytest.raises(InventoryError) as e:
+        load(p)
+    assert e.value.exit_code == ExitCode.INVENTORY
+    return str(e.value).replace(str(p), "INV")
+
+
+def test_good_inventory_loads(tmp_path: Path) -> None:
+    inv = load(write(tmp_path, GOOD))
+    ct = inv.container("ct200")
+    assert ct.spec.vmid == 200 and ct.host_name == "kpro6" and ct.host is not None
+    assert ct.spec.gpus.all == [0, 1, 2]
+    assert [c.name for c in inv.select(["train"])] == ["ct200", "ct201"]
+    assert [c.name for c in inv.select(["ct201", "train"])] == ["ct201", "ct200"]
+    assert inv.model.payload[0].mode == "0644"
+
+
+def test_missing_key(tmp_path: Path) -> None:
+    text = GOOD.replace("    address: 192.0.2.10\n", "")
+    assert error_of(tmp_path, text) == "INV:2: hosts.kpro6.address: required key is missing"
+
+
+def test_wrong_type(tmp_path: Path) -> None:
+    text = GOOD.replace("vmid: 200", "vmid: two-hundred")
+    msg = error_of(tmp_path, text)
+    assert msg.startswith("INV:8: containers.ct200.vmid: ")
+    assert "integer" in msg
+
+
+def test_unknown_host_reference(tmp_path: Path) -> None:
+    text = GOOD.replace("    host: kpro6\n    vmid: 201", "    host: kpro7\n    vmid: 201")
+    assert error_of(tmp_path, text) == "INV:11: containers.ct201.host: unknown host 'kpro7' (hosts: kpro6)"
+
+
+def test_duplicate_vmid_on_a_host(tmp_path: Path) -> None:
+    text = GOOD.replace("vmid: 201", "vmid: 200")
+    assert error_of(tmp_path, text) == (
+        "INV:12: containers.ct201.vmid: vmid 200 on host 'kpro6' is already used by 'ct200'")
+
+
+def test_yaml_syntax_error(tmp_path: Path) -> None:
+    text = GOOD.replace("    vmid: 201", "    vmid: [201")
+    msg = error_of(tmp_path, text)
+    assert msg.startswith("INV:13: YAML syntax error:")
+
+
+def test_unknown_key(tmp_path: Path) -> None:
+    text = GOOD.replace("    port: 22", "    port: 22\n    prot: 23")
+    assert error_of(tmp_path, text) == "INV:5: hosts.kpro6.prot: unknown key"
+
+
+def test_vmid_range(tmp_path: Path) -> None:
+    text = GOOD.replace("vmid: 201", "vmid: 42")
+    assert error_of(tmp_path, text).startswith("INV:12: containers.ct201.vmid: Input should be greater than")
+
+
+def test_pct_needs_host_and_vmid(tmp_path: Path) -> None:
+    text = GOOD.replace("    host: kpro6\n    vmid: 201\n", "    transport: pct\n")
+    assert error_of(tmp_path, text) == "INV:10: containers.ct201: transport 'pct' needs 'host' and 'vmid'"
+
+
+def test_payload_dest_with_dotdot(tmp_path: Path) -> None:
+    text = GOOD.replace("dest: /root/a.py", "dest: /root/../etc/passwd")
+    assert error_of(tmp_path, text) == "INV:16: payload[0].dest: dest '/root/../etc/passwd' must not contain '..'"
+
+
+def test_payload_needs_one_source(tmp_path: Path) -> None:
+    text = GOOD.replace("{src: a.py, dest: /root/a.py}", "{dest: /root/a.py}")
+    assert error_of(tmp_path, text) == "INV:16: payload[0]: give exactly one of 'src' or 'template'"
+
+
+def test_bad_mode(tmp_path: Path) -> None:
+    text = GOOD.replace("dest: /root/a.py}", "dest: /root/a.py, mode: '0999'}")
+    assert error_of(tmp_path, text) == "INV:16: payload[0].mode: '0999' is not an octal mode such as '0644'"
+
+
+def test_group_with_unknown_member(tmp_path: Path) -> None:
+    text = GOOD.replace("train: [ct200, ct201]", "train: [ct200, ct999]")
+    assert error_of(tmp_path, text) == "INV:14: groups.train[1]: unknown container 'ct999' in group"
+
+
+def test_runs_log_needs_run_placeholder(tmp_path: Path) -> None:
+    text = GOOD + 'runs: {series: fresh, log: "/workspace/train.log"}\n'
+    assert error_of(tmp_path, text) == (
+        "INV:17: runs.log: must contain {run} so that every run gets its own path")
+
+
+def test_bad_container_name(tmp_path: Path) -> None:
+    text = GOOD.replace("  ct201:", "  'ct 201;x':")
+    assert "containers.ct 201;x: invalid container name" in error_of(tmp_path, text)
+
+
+def test_not_a_mapping(tmp_path: Path) -> None:
+    assert error_of(tmp_path, "- a\n- b\n") == "INV:1: expected a mapping with 'hosts' and 'containers'"
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(InventoryError) as e:
+        load(tmp_path / "nope.yaml")
+    assert "inventory file not found" in str(e.value)
+
+
+def test_unknown_container_is_input_error(tmp_path: Path) -> None:
+    inv = load(write(tmp_path, GOOD))
+    with pytest.raises(InputError, match=r"unknown container 'ct999' in .* \(known: ct200, ct201\)"):
+        inv.container("ct999")
+
+
+def test_cli_prints_one_line_and_exit_code(tmp_path: Path) -> None:
+    p = write(tmp_path, GOOD.replace("vmid: 201", "vmid: 200"))
+    r = subprocess.run([sys.executable, "-m", "controller.cli", "-i", str(p), "inventory"],
+                       capture_output=True, text=True)
+    assert r.returncode == ExitCode.INVENTORY
+    assert r.stderr.strip().splitlines() == [
+        f"ctl: error: {p}:12: containers.ct201.vmid: vmid 200 on host 'kpro6' is already used by 'ct200'"]
+
+
+def test_cli_inventory_json(tmp_path: Path) -> None:
+    import json
+
+    p = write(tmp_path, GOOD)
+    r = subprocess.run([sys.executable, "-m", "controller.cli", "-i", str(p), "--json", "inventory"],
+                       capture_output=True, text=True, check=True)
+    doc = json.loads(r.stdout)
+    assert doc["containers"]["ct200"]["vmid"] == 200
+    assert doc["hosts"]["kpro6"]["address"] == "192.0.2.10"
+
+
+def test_shipped_inventory_is_valid() -> None:
+    inv = load(Path(__file__).parent.parent / "inventory.yaml")
+    assert {"ct200", "local"} <= set(inv.model.containers)
