@@ -322,8 +322,12 @@ class PveHost:
 
     # --- bring-up --------------------------------------------------------------------------------
 
-    def up(self) -> PveHost:
-        """Tear down whatever is left at base, then build and start everything. Idempotent-ish."""
+    def up(self, owner_pid: int | None = None) -> PveHost:
+        """Tear down whatever is left at base, then build and start everything. Idempotent-ish.
+
+        owner_pid marks a host that dies with that process (the pytest session): once the process is
+        gone, `owner_alive` is false and a later session may reap the leftovers. None = manual, kept.
+        """
         why = missing_prerequisites()
         if why:
             raise PveHostError(why)
@@ -334,7 +338,7 @@ class PveHost:
             raise PveHostError(f"port {self.port} is taken on one of {', '.join(addresses)}")
         self.base.mkdir(parents=True, mode=0o755)
         try:
-            self._write_state()
+            self._write_state(owner_pid)
             self._keys()
             for n in self.nodes:
                 self._node(n)
@@ -353,9 +357,9 @@ class PveHost:
     def down(self) -> None:
         down(self.base)
 
-    def _write_state(self) -> None:
+    def _write_state(self, owner_pid: int | None) -> None:
         state = {
-            "base": str(self.base), "port": self.port, "owner_pid": os.getpid(),
+            "base": str(self.base), "port": self.port, "owner_pid": owner_pid,
             "nodes": [{"name": n.name, "address": n.address, "vmids": list(n.vmids)} for n in self.nodes],
             "ct_ssh_vmid": self.ct_ssh_vmid, "ct_ssh_address": self.ct_ssh_address,
             "small_tmpfs": {str(k): v for k, v in self.small_tmpfs.items()},
@@ -598,5 +602,6 @@ def down(base: str | Path) -> None:
 
 
 def owner_alive(base: Path) -> bool:
+    """False only for a host whose owning process (see `PveHost.up`) has exited."""
     pid = _state(base).get("owner_pid")
-    return isinstance(pid, int) and _pid_alive(pid)
+    return not isinstance(pid, int) or _pid_alive(pid)

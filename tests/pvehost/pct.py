@@ -23,7 +23,7 @@ import time
 PVE_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"
 PCT_PM = "/usr/share/perl5/PVE/CLI/pct.pm"
 # The container's private directories; a snapshot copies them (as a ZFS subvolume snapshot would).
-SNAP_DIRS = ("root", "workspace", "etc", "tmp")
+SNAP_DIRS = ("root", "workspace", "etc", "tmp", "opt", "srv", "var")
 SNAP_NAME = re.compile(r"^[a-z][a-z0-9_-]+$", re.IGNORECASE)
 
 # Options per command: name -> "bool" | "str". Everything else is `Unknown option`.
@@ -335,8 +335,18 @@ def cmd_push(node: Node, vmid: int, src: str, dest: str, opts: dict[str, str]) -
     if "PVEHOST_PUSH_CHUNK_DELAY" in os.environ:
         argv[argv.index("--clear-env")] = "--keep-env"
         env["PVEHOST_PUSH_CHUNK_DELAY"] = os.environ["PVEHOST_PUSH_CHUNK_DELAY"]
-    with fh:
-        r = subprocess.run(argv, stdin=fh, env=env, stderr=subprocess.PIPE)
+    # Through a pipe, never the file itself: lxc-attach chmods a regular file on its stdio to 0700.
+    with fh, subprocess.Popen(argv, stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as proc:
+        assert proc.stdin is not None and proc.stderr is not None
+        try:
+            while chunk := fh.read(65536):
+                proc.stdin.write(chunk)
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # the copier gave up (disk full...); its stderr says why
+        errb = proc.stderr.read()
+        proc.wait()
+    r = subprocess.CompletedProcess(argv, proc.returncode, None, errb)
     err = r.stderr.decode(errors="replace")
     if r.returncode == 2:  # could not create the destination: a plain die
         raise Die(err.rstrip("\n"))
@@ -364,7 +374,13 @@ def cmd_pull(node: Node, vmid: int, path: str, dest: str, opts: dict[str, str]) 
             os.fchmod(out.fileno(), int(opts["perms"], 8))
         argv = node.lxc("lxc-attach", vmid, "--clear-env", "--", "/usr/bin/python3", "-c", PULL_READER,
                         _ct_path(path))
-        r = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, env={"PATH": PVE_PATH})
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={"PATH": PVE_PATH}) as proc:
+            assert proc.stdout is not None and proc.stderr is not None
+            while chunk := proc.stdout.read(65536):
+                out.write(chunk)
+            errb = proc.stderr.read()
+    r = subprocess.CompletedProcess(argv, proc.returncode, None, errb)
     if r.returncode != 0:
         raise Die(r.stderr.decode(errors="replace").rstrip("\n") or "failed to pull file")
     return 0
@@ -478,6 +494,14 @@ def cmd_stop(node: Node, vmid: int, opts: dict[str, str], clean: bool) -> int:
     return 0
 
 
+def copy_dirs(src: str, dest: str) -> None:
+    """cp -a of the private dirs: keeps modes, owners, links and special files (tmux sockets)."""
+    argv = ["cp", "-a", "--reflink=auto", *(os.path.join(src, d) for d in SNAP_DIRS), dest + "/"]
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise Die(f"snapshot copy failed: {r.stderr.strip()}")
+
+
 def cmd_snapshot(node: Node, vmid: int, name: str, opts: dict[str, str]) -> int:
     check_snapname(name)
     current, raw, snaps = load_conf(node, vmid)
@@ -488,8 +512,7 @@ def cmd_snapshot(node: Node, vmid: int, name: str, opts: dict[str, str]) -> int:
     dest = os.path.join(node.snapdir, str(vmid), name)
     os.makedirs(dest)
     root = node.rootfs(vmid)
-    for d in SNAP_DIRS:
-        shutil.copytree(os.path.join(root, d), os.path.join(dest, d), symlinks=True)
+    copy_dirs(root, dest)
     snap = {k: v for k, v in current.items() if k != "lock"}
     snap["snaptime"] = str(int(time.time()))
     if "description" in opts:
@@ -511,7 +534,7 @@ def cmd_rollback(node: Node, vmid: int, name: str, opts: dict[str, str]) -> int:
     root = node.rootfs(vmid)
     for d in SNAP_DIRS:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-        shutil.copytree(os.path.join(src, d), os.path.join(root, d), symlinks=True)
+    copy_dirs(src, root)
     restored = {k: v for k, v in snaps[name].items() if k not in ("snaptime", "description")}
     restored["parent"] = name
     write_conf(node, vmid, restored, raw, snaps)
