@@ -60,6 +60,11 @@ def test_ssh_sessions_get_pct_and_node_from_setenv(h: PveHost) -> None:
         rc, out, _ = run(h, host, "sh", "-c", 'echo "$PVE_NODE"; command -v pct')
         assert rc == 0
         assert out.split() == [node, str(h.base / node / "bin" / "pct")]
+        # like real Proxmox, also at /usr/sbin/pct (an overlay in the sshd's own mount namespace) ...
+        rc, out, _ = run(h, host, "/usr/sbin/pct", "list")
+        assert (rc, out.split()[4]) == (0, str(h.vmids[node][0]))
+    assert not Path("/usr/sbin/pct").exists()  # ... not on this machine
+    assert ct(h, 200, "test", "-e", "/usr/sbin/pct")[0] == 1  # nor in the containers
 
 
 def test_host_keys_are_verified(h: PveHost, tmp_path: Path) -> None:

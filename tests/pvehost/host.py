@@ -11,6 +11,10 @@ Layout under the base directory (nothing is registered outside it; see `PveHost.
     <node>/lxc/<vmid>/{config,rootfs}             the LXC container (lxcpath = <node>/lxc)
     <node>/snapshots/<vmid>/<name>/               snapshot copies of the private dirs
 
+Each sshd runs in its own mount namespace where /usr/sbin is a read-only overlay adding pct, so both
+`pct` (PATH from sshd's SetEnv) and `/usr/sbin/pct` work in SSH sessions, as on real Proxmox; nothing
+changes on this machine's /usr/sbin.
+
 One container (ct_ssh_vmid, 301 by default) uses host networking (`lxc.net.0.type = none`) and runs its own
 sshd on 127.0.0.4 as its init's child: the endpoint of the "container over direct SSH" transport.
 """
@@ -395,7 +399,8 @@ class PveHost:
         d = self.node_dir(n.name)
         (d / "bin").mkdir(parents=True)
         pct = d / "bin" / "pct"
-        shutil.copyfile(HERE / "pct.py", pct)
+        text = (HERE / "pct.py").read_text()
+        pct.write_text(text.replace('NODE_JSON = ""', f"NODE_JSON = {json.dumps(str(d / 'node.json'))}", 1))
         pct.chmod(0o755)
         conf_dir = d / "etc-pve" / "nodes" / n.name / "lxc"
         conf_dir.mkdir(parents=True)
@@ -509,10 +514,22 @@ Subsystem sftp {SFTP_SERVER}
         self.conf_path(vmid).write_text("\n".join(conf) + "\n")
 
     def _start_sshd(self, n: NodeSpec) -> None:
+        """sshd in its own mount namespace where /usr/sbin is an overlay that adds pct.
+
+        Real Proxmox has /usr/sbin/pct and some peers call that absolute path. The overlay exists only in
+        this sshd's namespace (gone with its last process); containers started from there still see the
+        plain /usr/sbin, because their /usr is a non-recursive bind. Without overlayfs, plain sshd: pct is
+        then only on PATH (SetEnv).
+        """
         # sshd's privilege-separation directory is compiled in; the Debian unit creates it at boot.
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
         d = self.node_dir(n.name)
-        _run([SSHD, "-f", str(d / "sshd_config"), "-E", str(d / "sshd.log")], f"sshd for {n.name}")
+        sshd = [SSHD, "-f", str(d / "sshd_config"), "-E", str(d / "sshd.log")]
+        script = 'mount -t overlay pvehost -o ro,lowerdir="$1":/usr/sbin /usr/sbin && shift && exec "$@"'
+        r = subprocess.run(["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh",
+                            str(d / "bin"), *sshd], capture_output=True, text=True)
+        if r.returncode != 0:
+            _run(sshd, f"sshd for {n.name}")
 
     def _wait_listening(self, timeout: float = 10) -> None:
         targets = [n.address for n in self.nodes] + ([self.ct_ssh_address] if self.ct_ssh_vmid else [])
@@ -559,7 +576,7 @@ def leftover_processes(base: Path) -> dict[int, str]:
     while pid in table and pid > 1:  # never our own ancestors (a shell running `down --dir BASE`)
         pid = table[pid][0]
         mine.add(pid)
-    ours = (f"{SSHD} -f {key}/", f"[lxc monitor] {key}/", f"ssh: {key}/cm/")
+    ours = (f"{SSHD} -f {key}/", f"sshd: {SSHD} -f {key}/", f"[lxc monitor] {key}/", f"ssh: {key}/cm/")
     roots = {pid for pid, (_, cmd) in table.items() if cmd.startswith(ours) and pid not in mine}
     for pidfile in Path(key).glob("*/sshd.pid"):
         with contextlib.suppress(OSError, ValueError):

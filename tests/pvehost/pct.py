@@ -21,6 +21,7 @@ import sys
 import time
 
 PVE_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"
+NODE_JSON = ""  # filled in by the installer (the host's copy may run as /usr/sbin/pct through an overlay)
 PCT_PM = "/usr/share/perl5/PVE/CLI/pct.pm"
 # The container's private directories; a snapshot copies them (as a ZFS subvolume snapshot would).
 SNAP_DIRS = ("root", "workspace", "etc", "tmp", "opt", "srv", "var")
@@ -78,7 +79,7 @@ class Die(Exception):
 class Node:
     def __init__(self) -> None:
         here = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-        with open(os.path.join(here, "node.json"), encoding="utf-8") as f:
+        with open(NODE_JSON or os.path.join(here, "node.json"), encoding="utf-8") as f:
             info = json.load(f)
         self.name: str = info["node"]
         self.lxcpath: str = info["lxcpath"]
