@@ -462,8 +462,16 @@ from controller import cli_metrics as _cli_metrics  # noqa: E402,F401
 
 
 def main() -> None:
+    # Global flags are accepted anywhere on the line (`ctl deploy ct200 --json`), not only before the verb.
+    argv = sys.argv[1:]
+    head, sep, tail = (argv[: argv.index("--")], ["--"], argv[argv.index("--") + 1:]) if "--" in argv else (
+        argv, [], [])
+    for flag in ("--json", "--debug"):
+        if flag in head[1:]:
+            head = [a for a in head if a != flag]
+            head.insert(0, flag)
     try:
-        rc = app(standalone_mode=False)
+        rc = app(args=head + sep + tail, prog_name="ctl", standalone_mode=False)
     except CtlError as e:
         if OPTS.debug:
             import traceback
@@ -476,13 +484,11 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.stderr.write("ctl: interrupted\n")
         sys.exit(130)
-    except Exception as e:  # click usage errors and the like
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
+    except Exception as e:  # click's usage errors (typer vendors click, so match by shape)
+        if callable(getattr(e, "show", None)) and hasattr(e, "exit_code"):
             e.show()
             sys.exit(int(ExitCode.USAGE))
-        if isinstance(e, click.exceptions.Abort):
+        if type(e).__name__ == "Abort":
             sys.exit(1)
         raise
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -187,10 +187,12 @@ class SshEndpoint(Transport):
                     raise ConnectionFailed(f"{self.name}: `{shlex.join(argv)[:120]}` timed out after {timeout}s")
                 if not got:
                     select.select([chan], [], [], 0.05)
-            if not chan.exit_status_ready():
+            # paramiko reports -1 when the channel closed without an exit status: the connection went away.
+            status = chan.recv_exit_status() if chan.exit_status_ready() else -1
+            if status == -1:
                 self.close()
                 raise ConnectionFailed(f"{self.name}: SSH connection dropped while running `{argv[0]}`")
-            yield "exit", str(chan.recv_exit_status()).encode()
+            yield "exit", str(status).encode()
         except (OSError, EOFError) as e:
             self.close()
             raise ConnectionFailed(f"{self.name}: SSH connection dropped: {e or type(e).__name__}") from None

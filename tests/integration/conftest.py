@@ -1,0 +1,82 @@
+"""Helpers for end-to-end tests: a per-test inventory for the local Proxmox host and a `ctl` runner."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.pvehost import PveHost
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE = REPO / "tests" / "fakepayload" / "emit_metrics.py"
+
+START_TEMPLATE = """\
+#!/usr/bin/env bash
+# test start script: the fake payload prints the seeds' log format
+set -euo pipefail
+exec python3 {{ payload["emit_metrics.py"] }} --tok-s {{ tok_s }} --steps {{ steps }} --interval {{ interval }} \
+  {{ extra }}
+"""
+
+
+@dataclass
+class Env:
+    dir: Path
+    inventory: Path
+    state: Path
+    tag: str
+    host: PveHost
+    env: dict[str, str]
+
+    def ctl(self, *args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run([sys.executable, "-m", "controller.cli", "-i", str(self.inventory), *args],
+                           capture_output=True, text=True, timeout=timeout, env=self.env)
+        if check and r.returncode != 0:
+            raise AssertionError(f"ctl {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def write(self, **extra: Any) -> None:
+        doc = dict(self.base_extra)
+        doc.update(extra)
+        self.host.write_inventory(self.inventory, **doc)
+
+    base_extra: dict[str, Any] = None  # type: ignore[assignment]
+
+
+@pytest.fixture
+def pve_env(pvehost: PveHost, tmp_path: Path) -> Env:
+    """An inventory with a fake-payload start script; runs log under a per-test directory."""
+    tag = "t" + uuid.uuid4().hex[:8]
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "start_training.sh.j2").write_text(START_TEMPLATE)
+    shutil.copy(FAKE, tmp_path / "emit_metrics.py")
+    state = tmp_path / "state"
+    env = dict(os.environ, CTL_STATE_DIR=str(state), PYTHONPATH=str(REPO))
+    e = Env(tmp_path, tmp_path / "inventory.yaml", state, tag, pvehost, env)
+    e.base_extra = {
+        "payload": [
+            {"src": "emit_metrics.py", "dest": f"/root/{tag}/emit_metrics.py"},
+            {"template": "templates/start_training.sh.j2", "dest": f"/root/{tag}/start_training.sh", "mode": "0755"},
+        ],
+        "vars": {"tok_s": 12800, "steps": 6, "interval": 0.05, "extra": "--no-preamble"},
+        "runs": {"series": "fresh", "session": tag, "log": f"/workspace/{tag}/train_stdout_{{run}}.log",
+                 "dir": f"/workspace/{tag}/runs/{{run}}"},
+    }
+    e.write()
+    for vmid in (200, 201, 300):
+        pvehost.set_gpus(vmid, count=8)
+    return e
+
+
+@pytest.fixture
+def rootfs(pvehost: PveHost) -> Callable[[int], Path]:
+    return pvehost.rootfs
