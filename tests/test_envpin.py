@@ -151,9 +151,8 @@ def test_render_parse_round_trip(lock: Lock) -> None:
     again = Lock.parse(text, "ct200.lock")
     assert again == lock
     assert again.path == "ct200.lock"
-    assert (
-        again.pin("torch") is not None and again.pin("torch").line == text.splitlines().index("torch==2.11.0+cu130") + 1
-    )  # type: ignore[union-attr]
+    torch = again.pin("torch")
+    assert torch is not None and torch.line == text.splitlines().index("torch==2.11.0+cu130") + 1
 
 
 def test_example_lock_parses() -> None:
@@ -294,7 +293,7 @@ def test_sync_commands_build_beside_verify_and_switch(lock: Lock) -> None:
     ],
 )
 def test_sync_validates_what_the_user_names(lock: Lock, venv_dir: str, new_dir: str, python: str, needle: str) -> None:
-    with pytest.raises(InputError, match=None) as info:
+    with pytest.raises(InputError) as info:
         sync_commands(lock, venv_dir, new_dir, python)
     assert needle in str(info.value)
 
