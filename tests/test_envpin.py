@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import os
+import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,7 @@ from controller.envpin import (
 )
 from controller.errors import EnvMismatch, InputError
 from tests.test_probe_env import (
+    PROBE,
     add_dist,
     bin_dir,
     good_venv,
@@ -333,3 +338,59 @@ def test_switch_is_atomic_and_keeps_the_old_venv(tmp_path: Path) -> None:
     assert codes[0] == 0 and codes[1] != 0  # mv -T refuses to replace a directory with a link
     assert (real / "bin" / "marker").read_text() == "real"
     assert not real.is_symlink()
+
+
+def _wheel(folder: Path, name: str, version: str) -> None:
+    """A real (pure-python) wheel, written by hand: enough for uv to install."""
+    import base64
+    import hashlib
+    import zipfile
+
+    def digest(data: bytes) -> str:
+        return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": b"VALUE = 1\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{k},{digest(v)},{len(v)}\n" for k, v in files.items()) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+        z.writestr(f"{info}/RECORD", record)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("uv") is None, reason="uv is not installed")
+def test_sync_plan_runs_for_real_with_uv(tmp_path: Path, venv: Path) -> None:
+    """The whole plan with real uv against a package index on loopback: build, verify, switch."""
+    index = tmp_path / "simple"
+    (index / "tinypkg").mkdir(parents=True)
+    _wheel(index / "tinypkg", "tinypkg", "1.0.0+cu130")
+    (index / "tinypkg" / "index.html").write_text('<a href="tinypkg-1.0.0+cu130-py3-none-any.whl">w</a>')
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        link = tmp_path / "venv-link"
+        os.symlink(venv, link)
+        lock = Lock(
+            pins=(Pin("tinypkg", "1.0.0+cu130"),),
+            python=Probe.from_json(json.dumps(run_probe("--venv", venv))).python_version,
+            index_url=f"http://127.0.0.1:{server.server_address[1]}/simple",
+        )
+        plan = sync_plan(lock, str(link), str(tmp_path / "venv-new"), probe_path=str(PROBE))
+        Path(plan.lock_path).write_text(lock.render())
+        env = dict(os.environ, UV_CACHE_DIR=str(tmp_path / "uvcache"), UV_NO_CONFIG="1", UV_PYTHON_DOWNLOADS="never")
+        env.pop("VIRTUAL_ENV", None)
+        for argv in plan.commands():
+            proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path)
+            assert proc.returncode == 0, (argv, proc.stderr)
+            if tuple(argv) == plan.verify:
+                assert check(lock, Probe.from_json(proc.stdout, "new venv")) == []
+    finally:
+        server.shutdown()
+    assert os.readlink(link) == str(tmp_path / "venv-new")
+    assert (venv / "bin" / "python").exists()  # the old venv is untouched
