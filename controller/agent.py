@@ -19,6 +19,7 @@ Verbs (each prints one JSON document on stdout; exit 0 when "ok" is true):
   runstate JSON-ARGS               exit status / liveness / log size of runs
   stop     JSON-ARGS               SIGINT the run's process group, escalate, end its session
   tailinfo JSON-ARGS               log size and last N lines
+  logread  JSON-ARGS               a JSON header line, then raw log bytes from an offset (+ file hashes)
 """
 
 import hashlib
@@ -376,12 +377,92 @@ def tailinfo(args):
     return {"ok": True, "size": size, "text": text.decode("utf-8", "replace")}
 
 
+_HEAD = 4096  # bytes of the log's start that identify it (with the inode) across pulls
+
+
+def _head_sha(f, n):
+    f.seek(0)
+    return hashlib.sha256(f.read(n)).hexdigest()[:16]
+
+
+def _hash_known(path, known):
+    """sha256/size/mtime_ns of a file, reusing `known` [size, mtime_ns, sha] when size and mtime match."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    same = known and known[0] == st.st_size and known[1] == st.st_mtime_ns and known[2]
+    sha = known[2] if same else _sha(path)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+
+
+def logread(args):
+    """Bytes of a log from an offset: one JSON header line, then exactly `length` raw bytes.
+
+    The header says where the bytes start ("offset": 0 again, with "reset" saying why, when the log
+    was truncated or replaced since `ident`), the log's size, mtime and new ident (inode + hash of its
+    first bytes), the agent's clock, and optionally the hashes of files and of checkpoints (a hash is
+    only recomputed when a file's size or mtime differs from what the caller already knows).
+    """
+    root = args.get("root", "/")
+    path = _under(root, args["log"])
+    offset = int(args.get("offset", 0))
+    out = {"ok": True, "now": time.time()}
+    data = b""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        out = {"ok": False, "error": _describe(e), "code": "missing" if isinstance(e, FileNotFoundError) else "io"}
+        f = None
+    if f is not None:
+        with f:
+            st = os.fstat(f.fileno())
+            reset = None
+            old = (args.get("ident") or "").split(":")
+            if len(old) == 3:
+                if old[0] != str(st.st_ino):
+                    reset = "replaced (new inode)"
+                elif st.st_size < int(old[1]) or _head_sha(f, int(old[1])) != old[2]:
+                    reset = "rewritten (its first bytes changed)"
+            if reset is None and st.st_size < offset:
+                reset = "truncated (size %d < offset %d)" % (st.st_size, offset)
+            if reset is not None:
+                offset = 0
+            n = min(st.st_size, _HEAD)
+            out.update({"size": st.st_size, "mtime": st.st_mtime, "offset": offset, "reset": reset,
+                        "ident": "%d:%d:%s" % (st.st_ino, n, _head_sha(f, n))})
+            f.seek(offset)
+            data = f.read(max(0, min(int(args.get("max_bytes", 8 << 20)), st.st_size - offset)))
+    known = args.get("known", {})
+    if args.get("files"):
+        out["files"] = {p: _hash_known(_under(root, p), known.get(p)) for p in args["files"]}
+    ck = args.get("checkpoints")
+    if ck:
+        import glob
+        base = _under(root, ck["dir"])
+        found = {}
+        for p in sorted(glob.glob(os.path.join(glob.escape(base), ck["glob"]), recursive=True)):
+            rel = os.path.relpath(p, base)
+            h = _hash_known(p, known.get(rel))
+            if h is not None:
+                found[rel] = h
+        out["checkpoints"] = found
+    out["length"] = len(data)
+    sys.stdout.buffer.write(json.dumps(out).encode() + b"\n" + data)
+    sys.stdout.flush()
+    return 0 if out.get("ok") else 1
+
+
 def main(argv):
     verb = argv[0]
     if verb == "hashes":
         out = hashes(argv[1], argv[2:])
     elif verb == "apply":
         out = apply(argv[1], argv[2], argv[3], sys.stdin.buffer)
+    elif verb == "logread":
+        return logread(json.loads(argv[1]))
     elif verb in ("probe", "runstate", "launch", "stop", "tailinfo"):
         out = {"probe": probe, "runstate": runstate, "launch": launch, "stop": stop,
                "tailinfo": tailinfo}[verb](json.loads(argv[1]))

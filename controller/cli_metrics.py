@@ -1,3 +1,378 @@
-"""Metrics commands (`ctl metrics ...`, `ctl status`, `ctl watch`, `ctl plot`): registered on the main app."""
+"""Metrics commands (`ctl metrics ...`, `ctl status`, `ctl watch`, `ctl plot`, `ctl mark-good`): registered on
+the main app. Each converts options, calls controller.metricspull / metrics / plot, and renders the result.
+
+Exit codes of `status` and `watch` are the verdict's (metrics.exit_code_for): 0 OK / FINISHED / warming up /
+no baseline, 21 SLOW, 22 STALLED, 20 CRASHED, so that a runbook can branch on them.
+"""
 
 from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from controller.errors import CtlError, InputError
+
+
+def _cli_module() -> Any:
+    """controller.cli, or `__main__` when run as `python -m controller.cli` (then importing controller.cli
+    would make a second module whose app and OPTS the running command never sees)."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) == "controller.cli":
+        return main
+    import controller.cli
+
+    return controller.cli
+
+
+_cli = _cli_module()
+app: typer.Typer = _cli.app
+OPTS = _cli.OPTS
+_console, _inv, _out, _refresh_all, _registry = _cli._console, _cli._inv, _cli._out, _cli._refresh_all, _cli._registry
+
+metrics_app = typer.Typer(help="Pull a run's metrics (only new log bytes travel) and export them.",
+                          no_args_is_help=True)
+app.add_typer(metrics_app, name="metrics")
+
+_CHECKPOINTS_HELP = "Checkpoint files to hash, a glob under the run directory (env CTL_CHECKPOINT_GLOB; " \
+                    "default checkpoints/*.pt)."
+
+
+def _duration(text: str, what: str) -> float:
+    from controller.metrics import parse_duration
+
+    seconds = parse_duration(text)
+    if seconds is None or seconds <= 0:
+        raise InputError(f"{what}: {text!r} is not a duration such as 90s, 10m, 1h30m")
+    return seconds
+
+
+def _pull_many(inv: Any, reg: Any, recs: list[Any], checkpoints: str | None) -> dict[int, Any]:
+    """Pull every run whose container is in the inventory: {run id: PullResult | error text}."""
+    from controller import metricspull
+    from controller.commands.fanout import fanout
+    from controller.transport.pool import Pool
+
+    by_ct: dict[str, list[Any]] = {}
+    for r in recs:
+        if r.ct in inv.model.containers and r.log_path:
+            by_ct.setdefault(r.ct, []).append(r)
+    out: dict[int, Any] = {r.id: f"container {r.ct} is not in the inventory" for r in recs
+                           if r.ct not in inv.model.containers}
+    if not by_ct:
+        return out
+
+    def one(ct: Any, t: Any) -> dict[int, Any]:
+        got: dict[int, Any] = {}
+        for r in by_ct[ct.name]:
+            try:
+                got[r.id] = metricspull.pull(t, reg, r, checkpoints=checkpoints)
+            except CtlError as e:
+                got[r.id] = str(e)
+        return got
+
+    with Pool(inv) as pool:
+        for o in fanout(pool, [inv.container(c) for c in by_ct], one):
+            if o.value is not None:
+                out.update(o.value)
+            else:
+                out.update({r.id: o.error or "failed" for r in by_ct[o.ct]})
+    return out
+
+
+def _baseline_for(inv: Any, reg: Any, rec: Any, checkpoints: str | None) -> tuple[str, float] | None:
+    """The baseline's (label, steady tok/s); its points are pulled first if none are stored yet."""
+    from controller import metricspull
+
+    base = metricspull.resolve_baseline(inv, reg, rec)
+    if base is None:
+        return None
+    if not reg.points(base.run.id):
+        got = _pull_many(inv, reg, [base.run], checkpoints).get(base.run.id)
+        if isinstance(got, str):
+            sys.stderr.write(f"ctl: warning: baseline {base.label}: no points stored and pull failed: {got}\n")
+    return metricspull.baseline_rate(reg, base)
+
+
+# --- ctl metrics pull / export -------------------------------------------------------------------
+
+
+@metrics_app.command("pull")
+def pull_cmd(
+    run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID."),
+    chunk_mib: float = typer.Option(8, "--chunk-mib", help="Log bytes per agent call (MiB)."),
+    checkpoints: str | None = typer.Option(None, "--checkpoints", help=_CHECKPOINTS_HELP),
+    no_hashes: bool = typer.Option(False, "--no-hashes", help="Skip hashing deployed files and checkpoints."),
+) -> None:
+    """Fetch only the log bytes added since the last pull, parse them, store the points and file hashes."""
+    from controller import metricspull
+    from controller.transport.pool import Pool
+
+    inv = _inv()
+    reg = _registry()
+    rec = reg.find_run(run)
+    ct = inv.container(rec.ct)
+    glob = metricspull.checkpoint_glob(checkpoints)
+    with Pool(inv) as pool:
+        res = metricspull.pull(pool.container(ct), reg, rec, chunk=max(1, int(chunk_mib * 2**20)),
+                               checkpoints=glob, hashes=not no_hashes)
+    if OPTS.json:
+        _out(res.to_json())
+        return
+    con = _console()
+    if res.reset:
+        con.print(f"[yellow]{res.run}: log {res.reset}: read again from byte 0[/yellow]")
+    last = res.last
+    con.print(f"{res.run}: {res.fetched:,} new log bytes in {res.calls} call(s) ({res.start:,} -> {res.offset:,} "
+              f"of {res.size:,}), {res.new_points} new point(s)"
+              + (f", last step {last.step}" if last else ""))
+    con.print(f"  wire: {res.wire_in:,} bytes out, {res.wire_out:,} bytes back")
+    if res.crash:
+        con.print(f"  [red]crash signature: {res.crash}[/red]")
+    if res.files_changed:
+        con.print(f"  [yellow]deployed files changed since launch: {', '.join(res.files_changed)}[/yellow]")
+    for path, sha in res.checkpoints.items():
+        con.print(f"  checkpoint {sha[:16]}  {path}", markup=False)
+
+
+@metrics_app.command("export")
+def export_cmd(
+    run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID."),
+    fmt: str = typer.Option("csv", "--format", help="csv or jsonl."),
+    output: Path | None = typer.Option(None, "-o", "--output", help="File to write (default: stdout)."),
+    no_pull: bool = typer.Option(False, "--no-pull", help="Only what the registry has; do not contact the run."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing output file."),
+) -> None:
+    """Write the run's metric points as CSV or JSON lines."""
+    from controller import metricspull, plot
+    from controller.errors import ClobberError
+
+    if fmt not in ("csv", "jsonl"):
+        raise InputError(f"unknown export format {fmt!r}: use csv or jsonl")
+    reg = _registry()
+    rec = reg.find_run(run)
+    if not no_pull:
+        got = _pull_many(_inv(), reg, [rec], None).get(rec.id)
+        if isinstance(got, str):
+            sys.stderr.write(f"ctl: warning: {rec.ct}/{rec.name}: not pulled, exporting stored points: {got}\n")
+    points = metricspull.stored_points(reg, rec)
+    if output is None:
+        plot.export_points(points, fmt, sys.stdout)
+        return
+    if output.exists() and not force:
+        raise ClobberError(f"{output} exists; refusing to overwrite it", hint="choose another name or --force")
+    tmp = output.with_name(f".{output.name}.ctl-tmp")
+    with tmp.open("w", encoding="utf-8", newline="") as f:
+        n = plot.export_points(points, fmt, f)
+    tmp.replace(output)
+    if OPTS.json:
+        _out({"run": f"{rec.ct}/{rec.name}", "points": n, "format": fmt, "output": str(output)})
+    else:
+        _console().print(f"{rec.ct}/{rec.name}: {n} point(s) written to {output} ({fmt})")
+
+
+# --- ctl mark-good -------------------------------------------------------------------------------
+
+
+@app.command("mark-good")
+def mark_good_cmd(
+    run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID."),
+    unset: bool = typer.Option(False, "--unset", help="Remove the mark."),
+) -> None:
+    """Mark a run as known-good: the baseline of later runs (an inventory `baseline:` takes precedence)."""
+    reg = _registry()
+    rec = reg.find_run(run)
+    reg.mark_good(rec.id, not unset)
+    if OPTS.json:
+        _out({"run": f"{rec.ct}/{rec.name}", "good": not unset})
+    else:
+        _console().print(f"{rec.ct}/{rec.name}: " + ("no longer marked good" if unset else "marked good (baseline)"))
+
+
+# --- ctl status ----------------------------------------------------------------------------------
+
+
+def _statuses(inv: Any, reg: Any, recs: list[Any], *, slow_ratio: float, stall_after_s: float,
+              checkpoints: str | None) -> list[Any]:
+    from controller import metricspull, runs
+
+    recs = _refresh_all(inv, reg, recs)
+    pulled = _pull_many(inv, reg, recs, checkpoints)
+    recs = [reg.run_by_id(r.id) for r in recs]  # crash signatures found by the pull
+    out = []
+    for r in recs:
+        res = pulled.get(r.id)
+        base = _baseline_for(inv, reg, r, checkpoints)
+        st = metricspull.status_of(r, reg, base, pull=None if isinstance(res, str) else res,
+                                   slow_ratio=slow_ratio, stall_after_s=stall_after_s,
+                                   error=res if isinstance(res, str) else None)
+        if st.error and r.state in runs.LIVE:
+            sys.stderr.write(f"ctl: warning: {r.ct}/{r.name}: metrics not pulled: {st.error}\n")
+        out.append(st)
+    return out
+
+
+def _render_status(sts: list[Any]) -> None:
+    from controller.metrics import format_eta, format_rate, sparkline
+
+    colour = {"ok": "green", "finished": "green", "slow": "yellow", "stalled": "red", "crashed": "red"}
+    rows = []
+    for s in sts:
+        v, last = s.verdict, s.last
+        label = v.state.label.upper()
+        c = colour.get(v.state.label)
+        rows.append([
+            s.run.ct, s.run.name, s.run.state, v.step if v.step is not None else "-",
+            f"{last.loss:.4f}" if last and last.loss is not None else "-",
+            format_rate(last.tok_s if last else None), format_eta(last.eta_s if last else None),
+            sparkline(list(s.tok_s_history)), f"[{c}]{label}[/{c}]" if c else label, v.reason,
+        ])
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False, header_style="bold")
+    for col in ("ct", "run", "state", "step", "loss", "tok/s", "ETA", "tok/s trend", "verdict", "why"):
+        t.add_column(col)
+    for row in rows:
+        t.add_row(*[str(x) for x in row])
+    _console().print(t)
+
+
+@app.command("status")
+def status_cmd(
+    containers: list[str] = typer.Argument(None, help="Containers or groups (default: all)."),
+    slow_ratio: float = typer.Option(0.8, "--slow-ratio", help="SLOW below this fraction of the baseline's tok/s."),
+    stall_after: str = typer.Option("10m", "--stall-after", help="STALLED when the log is quiet this long."),
+    checkpoints: str | None = typer.Option(None, "--checkpoints", help=_CHECKPOINTS_HELP),
+) -> None:
+    """Live runs (else each container's latest run): pull new metrics, show step, loss, tok/s, ETA, trend
+    and the verdict against the baseline. Exit code: the worst verdict's (21 SLOW, 22 STALLED, 20 CRASHED)."""
+    from controller import metricspull, runs
+    from controller.metrics import exit_code_for
+
+    stall_s = _duration(stall_after, "--stall-after")
+    glob = metricspull.checkpoint_glob(checkpoints)
+    inv = _inv()
+    reg = _registry()
+    recs: list[Any] = []
+    for ct in inv.select(containers or []):
+        mine = reg.runs(ct.name, limit=50)
+        live = [r for r in mine if r.state in runs.LIVE]
+        recs.extend(live or mine[:1])
+    if not recs:
+        if OPTS.json:
+            _out([])
+        else:
+            _console().print("no runs recorded for these containers")
+        return
+    sts = _statuses(inv, reg, recs, slow_ratio=slow_ratio, stall_after_s=stall_s, checkpoints=glob)
+    if OPTS.json:
+        _out([s.to_json() for s in sts])
+    else:
+        _render_status(sts)
+    raise typer.Exit(int(exit_code_for(s.verdict for s in sts)))
+
+
+# --- ctl watch -----------------------------------------------------------------------------------
+
+
+@app.command("watch")
+def watch_cmd(
+    run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID."),
+    until_step: int | None = typer.Option(None, "--until-step", help="End when the run has logged this step."),
+    for_: str | None = typer.Option(None, "--for", help="End after this long (90s, 10m, 1h)."),
+    every: str = typer.Option("5s", "--every", help="Pull interval."),
+    slow_ratio: float = typer.Option(0.8, "--slow-ratio"),
+    stall_after: str = typer.Option("10m", "--stall-after"),
+    checkpoints: str | None = typer.Option(None, "--checkpoints", help=_CHECKPOINTS_HELP),
+) -> None:
+    """Pull every few seconds until --until-step or --for is reached, or the run ends, crashes or stalls;
+    print the verdict and exit with its code."""
+    from controller import metricspull, runs
+    from controller.metrics import RunState, format_rate
+    from controller.transport.pool import Pool
+
+    if until_step is None and for_ is None:
+        raise InputError("give --until-step N or --for DURATION (or both)")
+    limit_s = _duration(for_, "--for") if for_ else None
+    every_s = _duration(every, "--every")
+    stall_s = _duration(stall_after, "--stall-after")
+    glob = metricspull.checkpoint_glob(checkpoints)
+    inv = _inv()
+    reg = _registry()
+    rec = reg.find_run(run)
+    ct = inv.container(rec.ct)
+    con = _console()
+    t0 = time.monotonic()
+    why = ""
+    with Pool(inv) as pool:
+        t = pool.container(ct)
+        base = _baseline_for(inv, reg, rec, glob)
+        while True:
+            rec = runs.refresh(inv, ct, t, reg, [reg.run_by_id(rec.id)])[0]
+            res = metricspull.pull(t, reg, rec, checkpoints=glob)
+            rec = reg.run_by_id(rec.id)
+            st = metricspull.status_of(rec, reg, base, pull=res, slow_ratio=slow_ratio, stall_after_s=stall_s)
+            v = st.verdict
+            if not OPTS.json:
+                step = v.step if v.step is not None else "-"
+                con.print(f"{time.strftime('%H:%M:%S')} {rec.ct}/{rec.name} step {step} "
+                          f"{format_rate(st.last.tok_s if st.last else None)} tok/s  {v.state.label.upper()}",
+                          markup=False)
+            if until_step is not None and v.step is not None and v.step >= until_step:
+                why = f"reached step {v.step}"
+            elif rec.state not in runs.LIVE or v.state in (RunState.CRASHED, RunState.FINISHED):
+                why = f"run ended ({rec.state})"
+            elif v.state == RunState.STALLED:
+                why = "run stalled"
+            elif limit_s is not None and time.monotonic() - t0 >= limit_s:
+                why = f"watched for {for_}"
+            if why:
+                break
+            time.sleep(every_s)
+    if OPTS.json:
+        _out({**st.to_json(), "ended_because": why})
+    else:
+        con.print(f"{rec.ct}/{rec.name}: {why}: {v.state.label.upper()}: {v.reason}", markup=False)
+    raise typer.Exit(int(v.exit_code))
+
+
+# --- ctl plot ------------------------------------------------------------------------------------
+
+
+@app.command("plot")
+def plot_cmd(
+    run_refs: list[str] = typer.Argument(..., help="Runs as NAME, CT/NAME or #ID."),
+    output: Path = typer.Option(..., "-o", "--output", help="Image file (.png, .svg, .pdf)."),
+    no_pull: bool = typer.Option(False, "--no-pull", help="Only what the registry has; do not contact runs."),
+    no_baseline: bool = typer.Option(False, "--no-baseline", help="Do not draw the baseline."),
+    title: str | None = typer.Option(None, "--title"),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing image."),
+) -> None:
+    """tok/s and loss by step of several runs, with the first run's baseline as a dashed line."""
+    from controller import metricspull, plot
+
+    reg = _registry()
+    recs = [reg.find_run(r) for r in run_refs]
+    inv = None
+    if not no_pull or not no_baseline:
+        try:
+            inv = _inv()
+        except CtlError:
+            if not no_pull:
+                raise
+    if not no_pull and inv is not None:
+        for rid, got in _pull_many(inv, reg, recs, None).items():
+            if isinstance(got, str):
+                r = reg.run_by_id(rid)
+                sys.stderr.write(f"ctl: warning: {r.ct}/{r.name}: not pulled, plotting stored points: {got}\n")
+    series = {f"{r.ct}/{r.name}" if len({x.name for x in recs}) < len(recs) else r.name:
+              metricspull.stored_points(reg, r) for r in recs}
+    base = None if no_baseline else metricspull.baseline_rate(reg, metricspull.resolve_baseline(inv, reg, recs[0]))
+    out = plot.plot_runs(series, output, base, title=title, overwrite=force)
+    if OPTS.json:
+        _out({"output": str(out), "runs": list(series), "baseline": base})
+    else:
+        _console().print(f"wrote {out} ({', '.join(series)}" + (f"; baseline {base[0]}" if base else "") + ")")

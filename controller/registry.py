@@ -79,6 +79,19 @@ SCHEMA = [
         updated REAL
     );
     """,
+    # version 2: content hashes seen in a run's container by `ctl metrics pull`
+    """
+    CREATE TABLE run_files (
+        run_id INTEGER NOT NULL REFERENCES runs(id),
+        kind TEXT NOT NULL,             -- deployed | checkpoint
+        path TEXT NOT NULL,             -- container path (deployed) or path under the run directory
+        sha256 TEXT,                    -- NULL: missing when last looked
+        size INTEGER,
+        mtime_ns INTEGER,
+        seen REAL NOT NULL,
+        PRIMARY KEY (run_id, kind, path)
+    );
+    """,
 ]
 
 
@@ -298,6 +311,53 @@ class Registry:
                 "offset=excluded.offset, ident=excluded.ident, partial=excluded.partial, updated=excluded.updated",
                 (run_id, offset, ident, partial, time.time()),
             )
+
+    def advance_cursor(
+        self, run_id: int, expect: tuple[int, str | None], offset: int, ident: str | None, partial: bytes,
+        points: list[dict[str, Any]],
+    ) -> bool:
+        """Store a pull's points and move the cursor in one transaction, only if the cursor is still at
+        `expect` (offset, ident): of two concurrent pulls of one run, one stores, the other gets False."""
+        with self.tx() as db:
+            row = db.execute("SELECT offset, ident FROM log_cursor WHERE run_id=?", (run_id,)).fetchone()
+            now = (int(row[0]), row[1]) if row is not None else (0, None)
+            if now != expect:
+                return False
+            seq = db.execute("SELECT COALESCE(MAX(seq), -1) FROM metrics WHERE run_id=?", (run_id,)).fetchone()[0]
+            db.executemany(
+                "INSERT INTO metrics VALUES (?,?,?,?,?,?,?,?)",
+                [
+                    (run_id, seq + 1 + i, p.get("step"), p.get("time"), p.get("elapsed_s"), p.get("loss"),
+                     p.get("tok_s"), json.dumps(p))
+                    for i, p in enumerate(points)
+                ],
+            )
+            db.execute(
+                "INSERT INTO log_cursor VALUES (?,?,?,?,?) ON CONFLICT(run_id) DO UPDATE SET "
+                "offset=excluded.offset, ident=excluded.ident, partial=excluded.partial, updated=excluded.updated",
+                (run_id, offset, ident, partial, time.time()),
+            )
+        return True
+
+    # --- file hashes seen in a run's container (schema version 2) ---------------------------------
+
+    def set_run_files(self, run_id: int, kind: str, files: dict[str, dict[str, Any] | None]) -> None:
+        """Replace what is known of one kind of file (deployed | checkpoint) of a run."""
+        now = time.time()
+        with self.tx() as db:
+            db.execute("DELETE FROM run_files WHERE run_id=? AND kind=?", (run_id, kind))
+            db.executemany(
+                "INSERT INTO run_files VALUES (?,?,?,?,?,?,?)",
+                [(run_id, kind, path, (h or {}).get("sha256"), (h or {}).get("size"), (h or {}).get("mtime_ns"), now)
+                 for path, h in files.items()],
+            )
+
+    def run_files(self, run_id: int, kind: str) -> dict[str, dict[str, Any] | None]:
+        rows = self._db.execute(
+            "SELECT path, sha256, size, mtime_ns FROM run_files WHERE run_id=? AND kind=? ORDER BY path",
+            (run_id, kind))
+        return {r[0]: ({"sha256": r[1], "size": r[2], "mtime_ns": r[3]} if r[1] is not None else None)
+                for r in rows}
 
 
 _JSON_FIELDS = {"files", "vars", "rendered", "env"}
