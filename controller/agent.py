@@ -421,13 +421,12 @@ def logread(args):
             st = os.fstat(f.fileno())
             reset = None
             old = (args.get("ident") or "").split(":")
-            if len(old) == 3:
-                if old[0] != str(st.st_ino):
-                    reset = "replaced (new inode)"
-                elif st.st_size < int(old[1]) or _head_sha(f, int(old[1])) != old[2]:
-                    reset = "rewritten (its first bytes changed)"
-            if reset is None and st.st_size < offset:
+            if len(old) == 3 and old[0] != str(st.st_ino):
+                reset = "replaced (new inode)"
+            elif st.st_size < offset:
                 reset = "truncated (size %d < offset %d)" % (st.st_size, offset)
+            elif len(old) == 3 and (st.st_size < int(old[1]) or _head_sha(f, int(old[1])) != old[2]):
+                reset = "rewritten (its first bytes changed)"
             if reset is not None:
                 offset = 0
             n = min(st.st_size, _HEAD)

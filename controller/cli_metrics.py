@@ -23,6 +23,8 @@ def _cli_module() -> Any:
     main = sys.modules.get("__main__")
     if getattr(getattr(main, "__spec__", None), "name", None) == "controller.cli":
         return main
+    if "controller.cli" in sys.modules:  # imported from cli.py itself: the module is still initialising
+        return sys.modules["controller.cli"]
     import controller.cli
 
     return controller.cli
@@ -351,7 +353,7 @@ def plot_cmd(
     title: str | None = typer.Option(None, "--title"),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing image."),
 ) -> None:
-    """tok/s and loss by step of several runs, with the first run's baseline as a dashed line."""
+    """tok/s and loss by step of several runs, with the baseline of the last one as a dashed line."""
     from controller import metricspull, plot
 
     reg = _registry()
@@ -370,7 +372,7 @@ def plot_cmd(
                 sys.stderr.write(f"ctl: warning: {r.ct}/{r.name}: not pulled, plotting stored points: {got}\n")
     series = {f"{r.ct}/{r.name}" if len({x.name for x in recs}) < len(recs) else r.name:
               metricspull.stored_points(reg, r) for r in recs}
-    base = None if no_baseline else metricspull.baseline_rate(reg, metricspull.resolve_baseline(inv, reg, recs[0]))
+    base = None if no_baseline else metricspull.baseline_rate(reg, metricspull.resolve_baseline(inv, reg, recs[-1]))
     out = plot.plot_runs(series, output, base, title=title, overwrite=force)
     if OPTS.json:
         _out({"output": str(out), "runs": list(series), "baseline": base})
