@@ -52,6 +52,12 @@ def _duration(text: str, what: str) -> float:
     return seconds
 
 
+def _ratio(value: float) -> float:
+    if not 0.0 < value <= 1.0:
+        raise InputError(f"--slow-ratio must be in (0, 1], got {value}")
+    return value
+
+
 def _pull_many(inv: Any, reg: Any, recs: list[Any], checkpoints: str | None) -> dict[int, Any]:
     """Pull every run whose container is in the inventory: {run id: PullResult | error text}."""
     from controller import metricspull
@@ -255,6 +261,7 @@ def status_cmd(
     from controller.metrics import exit_code_for
 
     stall_s = _duration(stall_after, "--stall-after")
+    _ratio(slow_ratio)
     glob = metricspull.checkpoint_glob(checkpoints)
     inv = _inv()
     reg = _registry()
@@ -301,6 +308,7 @@ def watch_cmd(
     limit_s = _duration(for_, "--for") if for_ else None
     every_s = _duration(every, "--every")
     stall_s = _duration(stall_after, "--stall-after")
+    _ratio(slow_ratio)
     glob = metricspull.checkpoint_glob(checkpoints)
     inv = _inv()
     reg = _registry()

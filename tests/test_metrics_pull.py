@@ -386,3 +386,13 @@ def test_mark_good_cli_and_unset(env: Env) -> None:
     assert "no longer" in env.ok("mark-good", "fresh1", "--unset")
     assert "*" not in env.ok("runs", "--no-refresh")
     assert env.ctl("mark-good", "nosuch").returncode == ExitCode.INPUT
+
+
+def test_bad_options_are_one_clear_line(env: Env) -> None:
+    for args, words in ((["status", "--slow-ratio", "1.5"], "--slow-ratio"),
+                        (["status", "--stall-after", "soon"], "--stall-after: 'soon' is not a duration"),
+                        (["status", "--checkpoints", "../x/*.pt"], "relative pattern"),
+                        (["watch", "fresh1", "--for", "0s"], "--for")):
+        r = env.ctl(*args)
+        assert r.returncode == ExitCode.INPUT, (args, r.stderr)
+        assert r.stderr.startswith("ctl: error: ") and words in r.stderr and len(r.stderr.splitlines()) == 1
