@@ -310,7 +310,9 @@ def follow(
     crash = None
     for line in info["text"].splitlines():
         emit(line)
-        crash = crash or detect(line)
+        found = detect(line)
+        if found and (crash is None or crash == "traceback"):
+            crash = found
     offset = int(info["size"]) if lines >= 0 else 0  # lines < 0: the whole log, from its first byte
     if not follow:
         return FollowEnd(run.exit_status, crash, run.state)
@@ -322,10 +324,10 @@ def follow(
         if not st.get("alive") and st.get("log_size") == offset and crash_at is None:
             break
         try:
-            argv = ["tail", "-c", f"+{offset + 1}", "-F"]
+            argv = ["tail", "-c", f"+{offset + 1}"]
             if st.get("pid") and st.get("alive"):
-                argv.append(f"--pid={st['pid']}")
-            argv += ["-s", "0.2", t.path(run.log_path)]
+                argv += ["-F", f"--pid={st['pid']}", "-s", "0.2"]  # tail ends when the training does
+            argv.append(t.path(run.log_path))
             for kind, data in _with_idle(t.stream(argv)):
                 if kind == "out":
                     offset += len(data)
@@ -335,8 +337,9 @@ def follow(
                         line = raw.decode("utf-8", "replace")
                         emit(line)
                         found = detect(line)
-                        if found and crash is None:
-                            crash, crash_at = found, time.monotonic()
+                        # A traceback's cause line (OOM, NCCL...) names the crash better than the traceback.
+                        if found and (crash is None or (crash == "traceback" and found != crash)):
+                            crash, crash_at = found, crash_at or time.monotonic()
                 if crash_at is not None and time.monotonic() - crash_at > crash_grace:
                     break
                 if kind == "exit":

@@ -148,7 +148,7 @@ def test_unknown_container_is_input_error(tmp_path: Path) -> None:
 
 def test_cli_prints_one_line_and_exit_code(tmp_path: Path) -> None:
     p = write(tmp_path, GOOD.replace("vmid: 201", "vmid: 200"))
-    r = subprocess.run([sys.executable, "-m", "controller.cli", "-i", str(p), "inventory"],
+    r = subprocess.run([sys.executable, "-m", "controller", "-i", str(p), "inventory"],
                        capture_output=True, text=True)
     assert r.returncode == ExitCode.INVENTORY
     assert r.stderr.strip().splitlines() == [
@@ -159,7 +159,7 @@ def test_cli_inventory_json(tmp_path: Path) -> None:
     import json
 
     p = write(tmp_path, GOOD)
-    r = subprocess.run([sys.executable, "-m", "controller.cli", "-i", str(p), "--json", "inventory"],
+    r = subprocess.run([sys.executable, "-m", "controller", "-i", str(p), "--json", "inventory"],
                        capture_output=True, text=True, check=True)
     doc = json.loads(r.stdout)
     assert doc["containers"]["ct200"]["vmid"] == 200

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ class Env:
     env: dict[str, str]
 
     def ctl(self, *args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
-        r = subprocess.run([sys.executable, "-m", "controller.cli", "-i", str(self.inventory), *args],
+        r = subprocess.run([sys.executable, "-m", "controller", "-i", str(self.inventory), *args],
                            capture_output=True, text=True, timeout=timeout, env=self.env)
         if check and r.returncode != 0:
             raise AssertionError(f"ctl {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
@@ -53,7 +53,7 @@ class Env:
 
 
 @pytest.fixture
-def pve_env(pvehost: PveHost, tmp_path: Path) -> Env:
+def pve_env(pvehost: PveHost, tmp_path: Path) -> Iterator[Env]:
     """An inventory with a fake-payload start script; runs log under a per-test directory."""
     tag = "t" + uuid.uuid4().hex[:8]
     (tmp_path / "templates").mkdir()
@@ -74,7 +74,12 @@ def pve_env(pvehost: PveHost, tmp_path: Path) -> Env:
     e.write()
     for vmid in (200, 201, 300):
         pvehost.set_gpus(vmid, count=8)
-    return e
+    yield e
+    for vmid in (200, 201, 300):  # leave the shared containers as the fixture found them
+        pvehost.clear_gpus(vmid)
+        if not pvehost.running(vmid):
+            pvehost.start(vmid)
+    pvehost.ssh("pve2", "pct", "exec", "300", "--", "sh", "-c", "rm -f /workspace/small/* /workspace/small/.[!.]*")
 
 
 @pytest.fixture

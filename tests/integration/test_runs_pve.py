@@ -1,0 +1,197 @@
+"""Runs end to end on the local Proxmox host: real tmux in real containers, real SQLite registry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from controller.errors import ExitCode
+from tests.integration.conftest import Env
+
+pytestmark = pytest.mark.pvehost
+
+
+def deployed(env: Env, ct: str = "ct200", **vars_: object) -> Env:
+    if vars_:
+        env.write(vars={**env.base_extra["vars"], **vars_})
+    env.ctl("deploy", ct, "--allow-dirty", check=True)
+    return env
+
+
+def log_path(env: Env, vmid: int, run: str) -> str:
+    return str(env.host.rootfs(vmid) / "workspace" / env.tag / f"train_stdout_{run}.log")
+
+
+def wait_state(env: Env, run: str, states: set[str], timeout: float = 30) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    while True:
+        rec = json.loads(env.ctl("runs", "--json", check=True).stdout)
+        mine = [r for r in rec if r["name"] == run]
+        if mine and mine[0]["state"] in states:
+            return mine[0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"run {run} never reached {states}: {mine}")
+        time.sleep(0.3)
+
+
+def test_series_names_and_no_relaunch_over_a_log(pve_env: Env) -> None:
+    deployed(pve_env)
+    r1 = pve_env.ctl("launch", "ct200", "-f")
+    assert r1.returncode == 0, r1.stdout + r1.stderr
+    assert "launched fresh1" in r1.stdout and "finished, exit status 0" in r1.stdout
+    assert "step=6" in r1.stdout
+    r2 = pve_env.ctl("launch", "ct200", "-f")
+    assert "launched fresh2" in r2.stdout, r2.stdout + r2.stderr
+    log2 = log_path(pve_env, 200, "fresh2")
+    before = open(log2, "rb").read()
+    again = pve_env.ctl("launch", "ct200", "--run", "fresh2")
+    assert again.returncode == ExitCode.BUSY
+    assert "already exists" in again.stderr
+    assert open(log2, "rb").read() == before
+    # Exit status and the JSON record sit beside the log.
+    assert open(log2 + ".exit").read().strip() == "0"
+    record = json.load(open(log2 + ".ctl.json"))
+    assert record["run"] == "fresh2" and record["files"]
+    runs = json.loads(pve_env.ctl("runs", "--json", check=True).stdout)
+    assert [(r["name"], r["state"], r["exit_status"]) for r in runs] == [("fresh2", "finished", 0),
+                                                                          ("fresh1", "finished", 0)]
+
+
+def test_a_log_started_by_hand_is_never_reused(pve_env: Env) -> None:
+    deployed(pve_env, "ct201")
+    d = pve_env.host.rootfs(201) / "workspace" / pve_env.tag
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "train_stdout_fresh6.log").write_text("a run started by hand\n")
+    r = pve_env.ctl("launch", "ct201", "--run", "fresh6")
+    assert r.returncode == ExitCode.CLOBBER
+    assert "never overwritten" in r.stderr
+    assert (d / "train_stdout_fresh6.log").read_text() == "a run started by hand\n"
+    r = pve_env.ctl("launch", "ct201", "--force", "--run", "fresh6")
+    assert r.returncode == ExitCode.CLOBBER  # --force never overrides the clobber check
+    r = pve_env.ctl("launch", "ct201")
+    assert "launched fresh7" in r.stdout, r.stdout + r.stderr
+    pve_env.ctl("tail", "ct201", "-f")
+
+
+@pytest.mark.parametrize("bad", ["x;reboot", "../a", "$(id)", "a b", "-rf", ""])
+def test_bad_run_names_refused_before_any_command(pve_env: Env, bad: str) -> None:
+    r = pve_env.ctl("launch", "ct200", "--run", bad)
+    assert r.returncode == ExitCode.INPUT
+    assert "invalid run name" in r.stderr
+
+
+def test_preflight_refuses_busy_gpus(pve_env: Env) -> None:
+    deployed(pve_env)
+    pve_env.host.set_gpus(200, count=8, busy={5: [(4242, 30000, "python")]})
+    try:
+        r = pve_env.ctl("launch", "ct200", "--run", "busy1")
+        assert r.returncode == ExitCode.BUSY
+        assert "GPU 5 busy (pids 4242)" in r.stderr
+        assert pve_env.ctl("runs", "--json", check=True).stdout.strip() == "[]"  # the claim was released
+    finally:
+        pve_env.host.set_gpus(200, count=8)
+
+
+def test_preflight_refuses_drift(pve_env: Env) -> None:
+    deployed(pve_env)
+    script = pve_env.host.rootfs(200) / "root" / pve_env.tag / "start_training.sh"
+    script.write_text(script.read_text() + "# edited by hand\n")
+    r = pve_env.ctl("launch", "ct200", "--run", "drift1")
+    assert r.returncode == ExitCode.DRIFT
+    assert "start_training.sh differs" in r.stderr and "ctl deploy ct200" in r.stderr
+
+
+def test_preflight_refuses_stopped_container(pve_env: Env) -> None:
+    deployed(pve_env, "ct201")
+    pve_env.host.stop(201)
+    try:
+        r = pve_env.ctl("launch", "ct201", "--run", "stopped1")
+        assert r.returncode == ExitCode.NOT_RUNNING
+        assert "is stopped" in r.stderr
+    finally:
+        pve_env.host.start(201)
+
+
+def test_exit_3_is_recorded_as_failed(pve_env: Env) -> None:
+    deployed(pve_env, extra="--no-preamble --exit 3")
+    r = pve_env.ctl("launch", "ct200", "--run", "three", "-f")
+    assert r.returncode == ExitCode.RUN_FAILED
+    run = wait_state(pve_env, "three", {"failed"})
+    assert run["exit_status"] == 3
+    show = pve_env.ctl("show", "three", check=True).stdout
+    assert "failed" in show and "exit_status      3" in show
+
+
+def test_killed_from_outside_is_lost(pve_env: Env) -> None:
+    deployed(pve_env, steps=100000, interval=0.2)
+    pve_env.ctl("launch", "ct200", "--run", "victim", check=True)
+    log = log_path(pve_env, 200, "victim")
+    pid = int(open(log + ".pid").read())
+    # Kill the launcher's whole tmux session and the training from outside ctl, as an OOM killer or a hand would.
+    pve_env.host.ssh("pve1", "pct", "exec", "200", "--", "kill", "-KILL", "--", f"-{pid}")
+    pve_env.host.ssh("pve1", "pct", "exec", "200", "--", "tmux", "kill-session", "-t", f"{pve_env.tag}-victim")
+    run = wait_state(pve_env, "victim", {"lost", "failed"})
+    assert run["state"] == "lost" or run["exit_status"] == 137
+
+
+def test_tail_f_ends_on_crash_signature(pve_env: Env) -> None:
+    deployed(pve_env, extra="--no-preamble --crash cuda-oom")
+    r = pve_env.ctl("launch", "ct200", "--run", "oom1", "-f")
+    assert r.returncode == ExitCode.RUN_FAILED, r.stdout + r.stderr
+    assert "crash signature 'cuda-oom'" in r.stdout
+    t = pve_env.ctl("tail", "ct200", "--run", "oom1", "-n", "5")
+    assert "out of memory" in t.stdout.lower()
+
+
+def test_stop_sends_sigint_and_records_stopped(pve_env: Env) -> None:
+    deployed(pve_env, steps=100000, interval=0.2)
+    pve_env.ctl("launch", "ct200", "--run", "long1", check=True)
+    r = pve_env.ctl("stop", "long1", "--grace", "5")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "stopped" in r.stdout and "SIGINT" in r.stdout
+    run = wait_state(pve_env, "long1", {"stopped"})
+    assert run["exit_status"] not in (None, 0)
+    sessions = pve_env.host.ssh("pve1", "pct", "exec", "200", "--", "tmux", "ls")
+    assert f"{pve_env.tag}-long1" not in sessions.stdout.decode()
+
+
+def test_concurrent_launches_of_one_name_start_it_once(pve_env: Env) -> None:
+    deployed(pve_env, steps=30, interval=0.05)
+    cmd = [sys.executable, "-m", "controller", "-i", str(pve_env.inventory), "launch", "ct200", "--run", "twin"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=pve_env.env)
+             for _ in range(3)]
+    codes = [p.wait(timeout=60) for p in procs]
+    assert sorted(codes).count(0) == 1, [p.communicate() for p in procs]
+    assert all(c in (0, ExitCode.BUSY, ExitCode.CLOBBER) for c in codes)
+    runs = json.loads(pve_env.ctl("runs", "--json", check=True).stdout)
+    assert [r["name"] for r in runs] == ["twin"]
+    pve_env.ctl("tail", "ct200", "--run", "twin", "-f")
+
+
+def test_diff_shows_what_changed_between_runs(pve_env: Env) -> None:
+    deployed(pve_env)
+    pve_env.ctl("launch", "ct200", "--run", "good1", "-f", check=True)
+    deployed(pve_env, tok_s=4600)
+    pve_env.ctl("launch", "ct200", "--run", "slow1", "-f", check=True)
+    r = pve_env.ctl("diff", "good1", "slow1")
+    assert r.returncode == 1
+    assert "start_training.sh" in r.stdout
+    assert "-exec python3" in r.stdout and "--tok-s 12800" in r.stdout and "--tok-s 4600" in r.stdout
+    assert "tok_s: 12800 -> 4600" in r.stdout
+    same = pve_env.ctl("diff", "slow1", "slow1")
+    assert same.returncode == 0 and "no difference" in same.stdout
+
+
+def test_attach_command_line_goes_through_host_and_pct(pve_env: Env) -> None:
+    deployed(pve_env, steps=100000, interval=0.2)
+    pve_env.ctl("launch", "ct200", "--run", "att1", check=True)
+    try:
+        argv = json.loads(pve_env.ctl("attach", "att1", "--json", check=True).stdout)["argv"]
+        assert argv[:2] == ["ssh", "-t"] and "StrictHostKeyChecking=yes" in argv
+        assert argv[-1].startswith("pct exec 200 -- tmux attach-session -t")
+    finally:
+        pve_env.ctl("stop", "att1", "--grace", "2")
