@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,14 +48,14 @@ def test_series_names_and_no_relaunch_over_a_log(pve_env: Env) -> None:
     r2 = pve_env.ctl("launch", "ct200", "-f")
     assert "launched fresh2" in r2.stdout, r2.stdout + r2.stderr
     log2 = log_path(pve_env, 200, "fresh2")
-    before = open(log2, "rb").read()
+    before = Path(log2).read_bytes()
     again = pve_env.ctl("launch", "ct200", "--run", "fresh2")
     assert again.returncode == ExitCode.BUSY
     assert "already exists" in again.stderr
-    assert open(log2, "rb").read() == before
+    assert Path(log2).read_bytes() == before
     # Exit status and the JSON record sit beside the log.
-    assert open(log2 + ".exit").read().strip() == "0"
-    record = json.load(open(log2 + ".ctl.json"))
+    assert Path(log2 + ".exit").read_text().strip() == "0"
+    record = json.loads(Path(log2 + ".ctl.json").read_text())
     assert record["run"] == "fresh2" and record["files"]
     runs = json.loads(pve_env.ctl("runs", "--json", check=True).stdout)
     assert [(r["name"], r["state"], r["exit_status"]) for r in runs] == [("fresh2", "finished", 0),
@@ -130,7 +131,7 @@ def test_killed_from_outside_is_lost(pve_env: Env) -> None:
     deployed(pve_env, steps=100000, interval=0.2)
     pve_env.ctl("launch", "ct200", "--run", "victim", check=True)
     log = log_path(pve_env, 200, "victim")
-    pid = int(open(log + ".pid").read())
+    pid = int(Path(log + ".pid").read_text())
     # Kill the launcher's whole tmux session and the training from outside ctl, as an OOM killer or a hand would.
     pve_env.host.ssh("pve1", "pct", "exec", "200", "--", "kill", "-KILL", "--", f"-{pid}")
     pve_env.host.ssh("pve1", "pct", "exec", "200", "--", "tmux", "kill-session", "-t", f"{pve_env.tag}-victim")
