@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -47,6 +48,8 @@ def _describe(host: PveHost) -> None:
     if host.ct_ssh_vmid:
         print(f"  ct{host.ct_ssh_vmid} sshd: {host.ct_ssh[0]}:{host.ct_ssh[1]}")
     print(f"  client key {host.client_key}, known_hosts {host.known_hosts}")
+    with contextlib.suppress(PveHostError):
+        print(f"  api: {host.api_url} (CA {host.api_ca}, token {host.api_token[0]}, secret in {host.base}/api/)")
     print(f"  processes: {len(leftover_processes(host.base))}")
 
 

@@ -10,6 +10,7 @@ Layout under the base directory (nothing is registered outside it; see `PveHost.
     <node>/etc-pve/nodes/<node>/lxc/<vmid>.conf   Proxmox-style config that `pct config` prints
     <node>/lxc/<vmid>/{config,rootfs}             the LXC container (lxcpath = <node>/lxc)
     <node>/snapshots/<vmid>/<name>/               snapshot copies of the private dirs
+    api/                          the HTTPS PVE API (tests/pvehost/api.py): CA, cert, token, api.json, api.pid
 
 Each sshd runs in its own mount namespace where /usr/sbin is a read-only overlay adding pct, so both
 `pct` (PATH from sshd's SetEnv) and `/usr/sbin/pct` work in SSH sessions, as on real Proxmox; nothing
@@ -29,7 +30,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,6 +204,71 @@ class PveHost:
     def _lxc(self, tool: str, vmid: int, *args: str) -> list[str]:
         return [tool, "-P", str(self.lxcpath(self.node_of(vmid).name)), "-n", str(vmid), *args]
 
+    # --- the PVE API (tests/pvehost/api.py) --------------------------------------------------------
+
+    def _api_info(self) -> dict[str, Any]:
+        try:
+            info: dict[str, Any] = json.loads((self.base / "api" / "api.json").read_text())
+        except (OSError, ValueError):
+            raise PveHostError(f"the PVE API of the test host at {self.base} is not running") from None
+        return info
+
+    @property
+    def api_url(self) -> str:
+        """https://127.0.0.2:PORT (8006 when it was free); serves every node, as a cluster member does."""
+        return str(self._api_info()["url"])
+
+    @property
+    def api_ca(self) -> Path:
+        """The per-run CA that signed the API's certificate (IP SAN 127.0.0.2)."""
+        return Path(self._api_info()["ca"])
+
+    @property
+    def api_token(self) -> tuple[str, str]:
+        """(token id, secret): `root@pam!ctl` and a fresh uuid per run."""
+        info = self._api_info()
+        return str(info["token_id"]), str(info["token_secret"])
+
+    def api_spec(self, node: str, secret_env: str = "PVE_TOKEN", **extra: Any) -> dict[str, Any]:
+        """The inventory's `hosts.<node>.api` section for this API (put the secret into secret_env)."""
+        return {"url": self.api_url, "node": node, "token_id": self.api_token[0], "token_secret_env": secret_env,
+                "ca_file": str(self.api_ca), **extra}
+
+    def set_api_auth_delay(self, seconds: float | None) -> None:
+        """How long a bad token waits for its 401 (None: the default, 3 s like PVE). Takes effect at once."""
+        f = self.base / "api" / "auth_delay"
+        if seconds is None:
+            f.unlink(missing_ok=True)
+        else:
+            f.write_text(f"{seconds}\n")
+
+    def _start_api(self) -> None:
+        from tests.pvehost.api import make_certs
+
+        d = self.base / "api"
+        make_certs(d)
+        token = d / "token.json"
+        token.touch(mode=0o600)
+        token.write_text(json.dumps({"id": "root@pam!ctl", "secret": str(uuid.uuid4())}))
+        delay = os.environ.get("PVEHOST_API_AUTH_DELAY")
+        if delay:
+            self.set_api_auth_delay(float(delay))
+        with open(d / "api.log", "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.pvehost.api", "--base", str(self.base)], cwd=HERE.parents[1],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                env={**os.environ, "PYTHONPATH": str(HERE.parents[1])})
+        (d / "api.pid").write_text(f"{proc.pid}\n")
+
+    def _wait_api(self, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.base / "api" / "api.json").exists():
+            pid = int((self.base / "api" / "api.pid").read_text())
+            if not _pid_alive(pid) or time.monotonic() > deadline:
+                log = (self.base / "api" / "api.log").read_text(errors="replace")[-2000:]
+                raise PveHostError(f"the PVE API did not come up:\n{log}")
+            time.sleep(0.02)
+
     # --- client side -----------------------------------------------------------------------------
 
     def ssh_argv(self, host: str, *, multiplex: bool = False) -> list[str]:
@@ -347,12 +415,14 @@ class PveHost:
             for n in self.nodes:
                 self._node(n)
             self._known_hosts()
+            self._start_api()
             for n in self.nodes:
                 self._start_sshd(n)
             for n in self.nodes:
                 for vmid in n.vmids:
                     self.start(vmid)
             self._wait_listening()
+            self._wait_api()
         except BaseException:
             down(self.base)
             raise
@@ -578,7 +648,7 @@ def leftover_processes(base: Path) -> dict[int, str]:
         mine.add(pid)
     ours = (f"{SSHD} -f {key}/", f"sshd: {SSHD} -f {key}/", f"[lxc monitor] {key}/", f"ssh: {key}/cm/")
     roots = {pid for pid, (_, cmd) in table.items() if cmd.startswith(ours) and pid not in mine}
-    for pidfile in Path(key).glob("*/sshd.pid"):
+    for pidfile in [*Path(key).glob("*/sshd.pid"), Path(key) / "api" / "api.pid"]:
         with contextlib.suppress(OSError, ValueError):
             pid = int(pidfile.read_text().split()[0])
             if pid in table:
