@@ -714,3 +714,14 @@ def packages_summary(packages: Mapping[str, str]) -> str:
     """'142 packages, torch 2.11.0+cu130' — the one-line form status tables show."""
     torch = packages.get("torch")
     return f"{len(packages)} packages" + (f", torch {torch}" if torch else "")
+
+
+def probe_container(inv: Any, ct: Any, t: Any) -> dict[str, Any] | None:
+    """The probe JSON of a container's venv, compile cache, driver and GPUs (what `ctl launch` records).
+
+    The I/O lives in controller.envcmd (one exec: `python3 -` with probe_env.py on stdin); this module stays
+    pure logic.
+    """
+    from controller import envcmd
+
+    return envcmd.probe_doc(inv, ct, t)

@@ -1,0 +1,339 @@
+"""`ctl env ...`: probe a container, check it against its lock, write a lock, diff two states, sync a venv.
+
+The seeds' failure was silent drift (SGLang in the training venv, torch swapped cu128 <-> cu130, the compile
+cache deleted). This module runs remote_payload/probe_env.py inside the container in ONE exec (`python3 -`,
+the probe's source on stdin) and hands the JSON to envpin (pure logic) to check, diff, lock or plan a sync.
+A sync builds a NEW venv beside the old one, verifies it with the probe and only then switches the symlink;
+the old venv is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from controller import envpin, remote
+from controller.envpin import Change, Finding, Lock, Probe
+from controller.errors import ClobberError, CtlError, EnvMismatch, InputError, RemoteCommandError
+from controller.inventory import Container, Inventory
+from controller.names import check_container_path, check_snapshot_name
+from controller.transport.base import Transport
+
+PROBE_SOURCE = Path(__file__).resolve().parents[1] / "remote_payload" / "probe_env.py"
+# Where uv usually is: PATH, then the installer's defaults (pct exec's PATH has no ~/.local/bin).
+UV_CANDIDATES = ("uv", "/root/.local/bin/uv", "/root/.cargo/bin/uv", "/usr/local/bin/uv")
+
+
+@cache
+def probe_source() -> bytes:
+    try:
+        return PROBE_SOURCE.read_bytes()
+    except FileNotFoundError:
+        raise CtlError(f"the environment probe {PROBE_SOURCE} is missing from this ctl checkout") from None
+
+
+@dataclass(frozen=True)
+class EnvSettings:
+    """What the inventory says about a container's environment (vars < container vars, as templates see it)."""
+
+    venv: str | None
+    cache_dir: str
+    python: str
+    lock_path: Path | None
+
+
+def settings(inv: Inventory, ct: Container) -> EnvSettings:
+    from controller.render import context
+
+    ctx = context(inv, ct)
+    venv = ctx.get("venv")
+    if venv is not None:
+        venv = check_container_path(str(venv), f"{ct.name}: vars.venv")
+    cache_dir = check_container_path(str(ctx.get("compile_cache_dir")), f"{ct.name}: vars.compile_cache_dir")
+    lock = inv.base_dir / ct.spec.lock if ct.spec.lock else None
+    return EnvSettings(venv, cache_dir, str(ctx.get("python") or "python3"), lock)
+
+
+# --- probe ---------------------------------------------------------------------------------------
+
+
+def run_probe(t: Transport, *, venv: str | None, cache_dir: str | None) -> dict[str, Any]:
+    """One exec: `python3 - [--venv V] [--cache-dir C]` with the probe on stdin; its JSON document."""
+    argv = ["python3", "-"]
+    if venv:
+        argv += ["--venv", t.path(venv)]
+    if cache_dir:
+        argv += ["--cache-dir", t.path(cache_dir)]
+    res = t.run(argv, stdin=probe_source(), timeout=120)
+    try:
+        doc = json.loads(res.out)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        if res.returncode == 127 or "python3: not found" in res.err:
+            raise CtlError(f"{t.name}: python3 is not available in the container (the environment probe needs it)")
+        raise RemoteCommandError(t.name, ["python3", "<probe_env.py>"], res.returncode, res.err, what="env probe")
+    return doc
+
+
+def probe_doc(inv: Inventory, ct: Container, t: Transport, *, venv: str | None = None) -> dict[str, Any]:
+    s = settings(inv, ct)
+    return run_probe(t, venv=venv or s.venv, cache_dir=s.cache_dir)
+
+
+def probe(inv: Inventory, ct: Container, t: Transport) -> Probe:
+    return Probe.from_json(json.dumps(probe_doc(inv, ct, t)), ct.name)
+
+
+# --- lock / check --------------------------------------------------------------------------------
+
+
+def read_lock(path: Path) -> Lock:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"lock file {path} not found (write one with `ctl env lock CT -o {path}`)") from None
+    except OSError as e:
+        raise InputError(f"cannot read lock file {path}: {e.strerror}") from None
+    return Lock.parse(text, str(path))
+
+
+def container_lock(inv: Inventory, ct: Container, override: str | None = None) -> Lock:
+    """The lock to hold the container to: --lock PATH, else the inventory's `lock:` (relative to it)."""
+    if override:
+        return read_lock(Path(override))
+    s = settings(inv, ct)
+    if s.lock_path is None:
+        raise InputError(
+            f"{ct.name}: no lock configured (add `lock: env/{ct.name}.lock` to the container in {inv.path}, "
+            f"write it with `ctl env lock {ct.name} -o env/{ct.name}.lock`, or pass --lock PATH)"
+        )
+    return read_lock(s.lock_path)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    ct: str
+    lock_path: str
+    findings: tuple[Finding, ...]
+    fingerprint: str
+    lock_fingerprint: str | None
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ct": self.ct, "lock": self.lock_path, "ok": self.ok, "fingerprint": self.fingerprint,
+                "lock_fingerprint": self.lock_fingerprint,
+                "findings": [{"kind": f.kind, "name": f.name, "locked": f.locked, "found": f.found,
+                              "message": f.message} for f in self.findings]}
+
+
+def check(inv: Inventory, ct: Container, t: Transport, lock_override: str | None = None) -> CheckResult:
+    lock = container_lock(inv, ct, lock_override)  # before the probe: a missing lock costs no round trip
+    p = probe(inv, ct, t)
+    return CheckResult(ct.name, lock.path or "?", tuple(envpin.check(lock, p)), p.fingerprint, lock.fingerprint)
+
+
+def preflight_env(inv: Inventory, ct: Container, probe_json: dict[str, Any] | None) -> None:
+    """Launch preflight: a container with a lock must match it (EnvMismatch, exit 11); no lock, no check."""
+    if ct.spec.lock is None:
+        return
+    lock = container_lock(inv, ct)
+    if probe_json is None:
+        raise EnvMismatch(f"{ct.name}: has lock {lock.path} but its environment could not be probed")
+    envpin.require_match(lock, Probe.from_json(json.dumps(probe_json), ct.name), ct.name)
+
+
+def probe_for_launch(inv: Inventory, ct: Container, t: Transport, *, allow_mismatch: bool = False
+                     ) -> dict[str, Any] | None:
+    """What `ctl launch` records (the probe JSON), after refusing an environment that differs from its lock."""
+    doc = probe_doc(inv, ct, t)
+    if not allow_mismatch:
+        preflight_env(inv, ct, doc)
+    return doc
+
+
+@dataclass(frozen=True)
+class LockWritten:
+    path: str
+    pins: int
+    replaced: bool
+    fingerprint: str
+
+
+def write_lock(inv: Inventory, ct: Container, t: Transport, out: str, *, force: bool = False) -> LockWritten:
+    """Pin what the container's venv holds now; an existing file is replaced only with force."""
+    dest = Path(out)
+    if dest.is_dir():
+        raise InputError(f"{dest} is a directory: give the lock file's path (e.g. env/{ct.name}.lock)")
+    existed = dest.exists()
+    if existed and not force:
+        raise ClobberError(f"{dest} exists: not overwritten (pass --force to replace it)")
+    p = probe(inv, ct, t)
+    lock = Lock.from_probe(p, source=ct.name)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.ctl-tmp")
+    tmp.write_text(lock.render(), encoding="utf-8")
+    tmp.replace(dest)
+    return LockWritten(str(dest), len(lock.pins), existed, p.fingerprint)
+
+
+# --- diff ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnvDiff:
+    a: str
+    b: str
+    fingerprints: tuple[str | None, str | None]
+    changes: tuple[Change, ...]
+
+    @property
+    def same(self) -> bool:
+        return not self.changes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "fingerprints": list(self.fingerprints), "same": self.same,
+                "changes": [{"kind": c.kind, "subject": c.subject, "before": c.before, "after": c.after,
+                             "message": c.message} for c in self.changes]}
+
+
+def resolve_side(inv: Inventory, reg: Any, ref: str, live: Callable[[Container], Probe]) -> tuple[str, Probe]:
+    """A container name means a live probe; anything else is a run (NAME, CT/NAME, #ID) with its recorded probe."""
+    if ref in inv.model.containers:
+        ct = inv.container(ref)
+        return f"{ct.name} (live)", live(ct)
+    rec = reg.find_run(ref)
+    label = f"{rec.ct}/{rec.name}"
+    if not rec.env:
+        raise InputError(f"run {label} has no environment recorded (it was launched before ctl recorded probes)")
+    return label, Probe.from_json(json.dumps(rec.env), f"run {label}")
+
+
+def diff(inv: Inventory, reg: Any, ref_a: str, ref_b: str, live: Callable[[Container], Probe]) -> EnvDiff:
+    la, pa = resolve_side(inv, reg, ref_a, live)
+    lb, pb = resolve_side(inv, reg, ref_b, live)
+    return EnvDiff(la, lb, (pa.fingerprint, pb.fingerprint), tuple(envpin.diff_probes(pa, pb)))
+
+
+# --- sync ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyncStep:
+    what: str
+    argv: tuple[str, ...] | None  # None: done by ctl's agent (the line says what)
+    line: str
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    ct: str
+    venv: str
+    new_venv: str
+    old_target: str | None  # what the venv path pointed at (or was) before: kept, never deleted
+    kept_as: str | None  # where a real venv directory was moved before the symlink took its place
+    lock_path: str
+    snapshot_hint: str
+    steps: tuple[SyncStep, ...]
+    uv: str | None
+    applied: bool
+    findings: tuple[Finding, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ct": self.ct, "venv": self.venv, "new_venv": self.new_venv, "old_target": self.old_target,
+                "kept_as": self.kept_as, "lock": self.lock_path, "snapshot_hint": self.snapshot_hint,
+                "uv": self.uv, "applied": self.applied,
+                "steps": [{"what": s.what, "argv": list(s.argv) if s.argv else None, "line": s.line}
+                          for s in self.steps]}
+
+
+def snapshot_hint(ct: Container, day: str) -> str:
+    name = check_snapshot_name(f"pre-sync-{day}")
+    return f"take a snapshot first: ctl snapshot {ct.name} {name}"
+
+
+def sync(
+    inv: Inventory, ct: Container, t: Transport, *, dry_run: bool = False, python: str | None = None,
+    uv: str | None = None, lock_override: str | None = None, now: float | None = None,
+) -> SyncResult:
+    """Build `<venv>-<stamp>` from the lock with uv, verify it with the probe, then point `<venv>` at it."""
+    s = settings(inv, ct)
+    if s.venv is None:
+        raise InputError(f"{ct.name}: vars.venv is not set in {inv.path}: no venv to sync")
+    lock = container_lock(inv, ct, lock_override)
+    if uv is not None and not uv.startswith("/") and uv != "uv":
+        raise InputError(f"--uv {uv!r} must be an absolute path inside the container")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    venv = s.venv.rstrip("/")
+    new = f"{venv}-{stamp}"
+    lock_in_ct = f"{new}.lock"
+    kept_as = f"{venv}-orig-{stamp}"
+    candidates = [uv] if uv else list(UV_CANDIDATES)
+    facts = remote.call(t, "envfacts", json.dumps({
+        "root": remote.root_of(t), "venv": venv, "uv": candidates,
+        "paths": [new, lock_in_ct, kept_as],
+    }))
+    if facts.get("taken"):
+        raise ClobberError(f"{ct.name}: {', '.join(facts['taken'])} already exists: not touched (retry in a second)")
+    found_uv = facts.get("uv")
+    if not found_uv and not dry_run:
+        looked = uv or ", ".join(UV_CANDIDATES)
+        raise CtlError(
+            f"{ct.name}: uv is not installed in the container (looked for {looked}); `ctl env sync` builds the "
+            "new venv with uv: install it there (e.g. `pip install uv`) or pass --uv PATH"
+        )
+    # an absolute candidate is a container path (mapped for `local`); a name found on PATH is used as found
+    uv_cmd = t.path(found_uv) if found_uv and found_uv in candidates and found_uv.startswith("/") else (
+        found_uv or uv or "uv")
+    plan = envpin.sync_plan(lock, t.path(venv), t.path(new), python, lock_path=t.path(lock_in_ct), uv=uv_cmd)
+    is_dir = bool(facts.get("venv_exists")) and not facts.get("venv_is_symlink")
+    old_target = facts.get("venv_target") or (venv if facts.get("venv_exists") else None)
+    steps: list[SyncStep] = []
+
+    def step(what: str, argv: tuple[str, ...] | list[str] | None, line: str | None = None) -> None:
+        steps.append(SyncStep(what, tuple(argv) if argv else None, line or t.script(list(argv or ()))))
+
+    for c in plan.guard:
+        step("guard", c)
+    step("lock", None, f"(ctl agent writefile) {lock_in_ct}  <- {lock.path}")
+    for c in plan.build:
+        step("build", c)
+    step("verify", None, f"(probe_env.py over stdin) --venv {new}; ctl checks it against {lock.path}")
+    aside = ("mv", "-T", t.path(venv), t.path(kept_as))
+    if is_dir:
+        step("keep", aside)
+    for c in plan.switch:
+        step("switch", c)
+    result = SyncResult(ct.name, venv, new, old_target, kept_as if is_dir else None, lock_in_ct,
+                        snapshot_hint(ct, stamp[:8]), tuple(steps), found_uv, False)
+    if dry_run:
+        return result
+
+    for c in plan.guard:
+        t.check(list(c), what="sync guard")
+    doc = remote.call(t, "writefile", json.dumps({"root": remote.root_of(t), "path": lock_in_ct}),
+                      payload=lock.render().encode())
+    if not doc.get("ok"):
+        raise ClobberError(f"{ct.name}: {doc.get('error')}")
+    for c in plan.build:
+        t.check(list(c), what="building the new venv", timeout=None)
+    new_probe = Probe.from_json(json.dumps(run_probe(t, venv=new, cache_dir=s.cache_dir)), f"{ct.name}:{new}")
+    findings = envpin.check(lock, new_probe)
+    if findings:
+        shown = "; ".join(f.message for f in findings[:5])
+        raise EnvMismatch(f"{ct.name}: the new venv {new} does not match {lock.path}: {shown}; nothing switched "
+                          f"({venv} is untouched, {new} is kept for inspection)")
+    if is_dir:
+        t.check(list(aside), what="keeping the old venv directory")
+    for c in plan.switch:
+        t.check(list(c), what="switching the venv symlink")
+    return SyncResult(result.ct, venv, new, old_target, result.kept_as, lock_in_ct, result.snapshot_hint,
+                      result.steps, found_uv, True)
