@@ -682,6 +682,9 @@ def down(base: str | Path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         time.sleep(0.1)
+        for pid in procs:  # the API server is a child of whoever ran up(): reap it, or it lingers as a zombie
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
         sig = signal.SIGKILL
     shutil.rmtree(base, ignore_errors=True)
     if base.exists():  # a mount left behind (should not happen: tmpfs lives in the CT's namespace)
