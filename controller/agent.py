@@ -6,6 +6,8 @@ stdin is the verb's input), so a whole operation costs one `pct exec`, whatever 
 
 Verbs (each prints one JSON document on stdout; exit 0 when "ok" is true):
   hashes   ROOT PATH...            sha256/size/mode of each path (null when missing)
+  sync     ROOT STORE DEPLOY_ID    plan + apply in one exec: stdin header line (pinned files) -> stdout line
+                                   (what it has, what it needs) -> stdin "apply" + tar of the needed files
   apply    ROOT STORE DEPLOY_ID    stdin: a tar of manifest.json + file bodies. Every file is written
                                    to a temporary name beside its destination and verified; the old
                                    and new versions are kept in STORE/objects (content-addressed);
@@ -81,12 +83,14 @@ def _store_object(store, path, sha):
     return obj
 
 
-def apply(root, store, deploy_id, stream):
-    tar = tarfile.open(fileobj=stream, mode="r|")
-    manifest = None
+def apply(root, store, deploy_id, stream, manifest=None):
     staged = []  # (tmp, dest, entry)
     created = []
+    by_index = {}
+    if manifest is not None:
+        by_index = {e["index"]: e for e in manifest["files"] if e.get("from") == "tar"}
     try:
+        tar = tarfile.open(fileobj=stream, mode="r|") if (manifest is None or by_index) else []
         for member in tar:
             data = tar.extractfile(member)
             if member.name == "manifest.json":
@@ -460,6 +464,28 @@ def logread(args):
     return 0 if out.get("ok") else 1
 
 
+def sync(root, store, deploy_id, stream):
+    """Plan and apply in ONE exec: a header line lists the pinned files; the agent answers with what it
+    has and which it needs; the controller then sends a tar of just those (or closes stdin)."""
+    header = json.loads(stream.readline().decode())
+    files = header["files"]
+    have = {e["dest"]: _stat(_under(root, e["dest"])) for e in files}
+    need = [e["index"] for e in files
+            if not have[e["dest"]] or have[e["dest"]].get("sha256") != e["sha256"]
+            or have[e["dest"]].get("mode") != e["mode"]]
+    sys.stdout.write(json.dumps({"have": have, "need": need}) + "\n")
+    sys.stdout.flush()
+    if not need or header.get("dry_run"):
+        return {"ok": True, "files": [], "dirs_created": [], "applied": False}
+    go = stream.readline().strip()
+    if go != b"apply":
+        return {"ok": True, "files": [], "dirs_created": [], "applied": False, "note": "not applied"}
+    entries = [dict(e, **{"from": "tar"}) for e in files if e["index"] in need]
+    out = apply(root, store, deploy_id, stream, manifest={"files": entries})
+    out["applied"] = True
+    return out
+
+
 # --- compile caches and venv facts (ctl cache, ctl env sync) --------------------------------------
 
 _CACHE_SUBS = ("fxgraph", "aotautograd", "triton")
@@ -714,6 +740,8 @@ def main(argv):
     verb = argv[0]
     if verb == "hashes":
         out = hashes(argv[1], argv[2:])
+    elif verb == "sync":
+        out = sync(argv[1], argv[2], argv[3], sys.stdin.buffer)
     elif verb == "apply":
         out = apply(argv[1], argv[2], argv[3], sys.stdin.buffer)
     elif verb == "logread":

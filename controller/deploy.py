@@ -176,21 +176,7 @@ def remote_hashes(t: Transport, dests: list[str]) -> dict[str, dict[str, Any] | 
 
 def plan(t: Transport, manifest: Manifest) -> list[FilePlan]:
     have = remote_hashes(t, [f.dest for f in manifest.files])
-    out: list[FilePlan] = []
-    for f in manifest.files:
-        h = have.get(f.dest)
-        if h is not None and "error" in h:
-            raise InputError(f"{t.name}: {f.dest} exists but is {h['error']}; refusing to replace it")
-        if h is None:
-            action = "create"
-        elif h["sha256"] != f.sha256:
-            action = "update"
-        elif h["mode"] != f.mode:
-            action = "mode"
-        else:
-            action = "same"
-        out.append(FilePlan(f.dest, action, f.sha256, h["sha256"] if h else None, f.size))
-    return out
+    return [_file_plan(f, have.get(f.dest)) for f in manifest.files]
 
 
 # --- apply ---------------------------------------------------------------------------------------
@@ -234,6 +220,7 @@ def deploy(
     inv: Inventory, ct: Container, t: Transport, reg: Registry | None, *, dry_run: bool = False,
     allow_dirty: bool = False,
 ) -> DeployResult:
+    """One exec per container: the agent answers what it has, then receives only what changed."""
     t0 = time.monotonic()
     manifest = pin(inv, ct)
     if manifest.dirty and not allow_dirty and not dry_run:
@@ -242,22 +229,36 @@ def deploy(
             f"{ct.name}: payload sources differ from git HEAD ({shown}); commit them, or pass --allow-dirty "
             "(the deploy record will say so)"
         )
-    fplan = plan(t, manifest)
-    changed = [f for f, p in zip(manifest.files, fplan, strict=True) if p.action != "same"]
     deploy_id = _new_id()
-    entries = [{"index": i, "dest": f.dest, "sha256": f.sha256, "mode": f.mode, "from": "tar"}
-               for i, f in enumerate(changed)]
-    commands: tuple[str, ...] = (remote.shell_line(t, "hashes", remote.root_of(t), *[f.dest for f in manifest.files]),)
-    if changed:
-        commands += (remote.shell_line(t, "apply", remote.root_of(t), t.path(STORE), deploy_id)
-                     + "   # stdin: agent source + tar of " + ", ".join(shlex.quote(f.dest) for f in changed),)
-    if dry_run:
+    entries = [{"index": i, "dest": f.dest, "sha256": f.sha256, "mode": f.mode, "size": f.size}
+               for i, f in enumerate(manifest.files)]
+    args = (remote.root_of(t), t.path(STORE), deploy_id)
+    session = t.open(remote.agent_argv("sync", *args))
+    session.send(remote.agent_source() + json.dumps({"files": entries, "dry_run": dry_run}).encode() + b"\n")
+    answer = session.readline(timeout=120)
+    if not answer.strip():
+        res = session.finish(timeout=30)
+        remote.raise_agent_failure(t, "sync", res)
+    have = json.loads(answer)["have"]
+    fplan = [_file_plan(f, have.get(f.dest)) for f in manifest.files]
+    changed = [(e, f) for e, f, p in zip(entries, manifest.files, fplan, strict=True) if p.action != "same"]
+    commands: tuple[str, ...] = (
+        remote.shell_line(t, "sync", *args) + "   # stdin: agent source, a JSON line of pinned files, then "
+        '"apply" and a tar of ' + (", ".join(shlex.quote(f.dest) for _e, f in changed) or "nothing"),)
+    if dry_run or not changed:
+        session.finish(timeout=30)
         return DeployResult(ct.name, True, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands,
-                            dry_run=True)
-    if not changed:
-        return DeployResult(ct.name, True, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands)
-    bodies = [f.content for f in changed]
-    doc = _apply(t, entries, bodies, deploy_id)
+                            dry_run=dry_run)
+    bodies = [f.content for _e, f in changed]
+    session.send(b"apply\n" + bundle_bodies([e for e, _f in changed], bodies))
+    res = session.finish(timeout=600)
+    try:
+        doc = json.loads(res.out.strip().splitlines()[-1]) if res.out.strip() else None
+    except json.JSONDecodeError:
+        doc = None
+    if not isinstance(doc, dict):
+        remote.raise_agent_failure(t, "sync", res)
+        raise AssertionError  # unreachable: raise_agent_failure raises
     prev_modes = {r["dest"]: r.get("previous_mode") for r in doc.get("files", [])}
     files = [{"dest": p.dest, "sha256": p.want, "mode": f.mode, "previous": p.have, "action": p.action,
               "previous_mode": prev_modes.get(p.dest)} for f, p in zip(manifest.files, fplan, strict=True)]
@@ -269,6 +270,32 @@ def deploy(
         raise _classify(f"{ct.name}: {doc.get('error', 'apply failed')}")
     return DeployResult(ct.name, True, tuple(fplan), deploy_id, time.monotonic() - t0, sum(len(b) for b in bodies),
                         commands=commands)
+
+
+def _file_plan(f: PinnedFile, h: dict[str, Any] | None) -> FilePlan:
+    if h is not None and "error" in h:
+        raise InputError(f"{f.dest} exists in the container but is {h['error']}; refusing to replace it")
+    if h is None:
+        action = "create"
+    elif h["sha256"] != f.sha256:
+        action = "update"
+    elif h["mode"] != f.mode:
+        action = "mode"
+    else:
+        action = "same"
+    return FilePlan(f.dest, action, f.sha256, h["sha256"] if h else None, f.size)
+
+
+def bundle_bodies(entries: list[dict[str, Any]], bodies: list[bytes]) -> bytes:
+    """A tar stream of f<index> members only (the agent already has the manifest from the header line)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w|") as tar:
+        for e, data in zip(entries, bodies, strict=True):
+            info = tarfile.TarInfo(f"f{e['index']}")
+            info.size = len(data)
+            info.mtime = int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def check(inv: Inventory, ct: Container, t: Transport, reg: Registry | None) -> list[FilePlan]:

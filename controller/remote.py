@@ -6,10 +6,10 @@ import json
 import shlex
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from controller.errors import CtlError, RemoteCommandError
-from controller.transport.base import Transport
+from controller.transport.base import Result, Transport
 
 BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-agent','exec'))"
 
@@ -37,10 +37,16 @@ def call(t: Transport, verb: str, *args: str, payload: bytes = b"", timeout: flo
     except json.JSONDecodeError:
         doc = None
     if not isinstance(doc, dict):
-        if res.returncode == 127 or "python3: not found" in res.err or "No such file" in res.err[:200]:
-            raise CtlError(f"{t.name}: python3 is not available in the container (ctl's agent needs it)")
-        raise RemoteCommandError(t.name, [*argv[:1], "<agent>", verb], res.returncode, res.err, what=f"agent {verb}")
+        raise_agent_failure(t, verb, res)
+    assert isinstance(doc, dict)
     return doc
+
+
+def raise_agent_failure(t: Transport, verb: str, res: Result) -> NoReturn:
+    """The agent gave no JSON answer: python3 missing, or it died; say which, with its stderr."""
+    if res.returncode == 127 or "python3: not found" in res.err or "No such file" in res.err[:200]:
+        raise CtlError(f"{t.name}: python3 is not available in the container (ctl's agent needs it)")
+    raise RemoteCommandError(t.name, ["python3", "<agent>", verb], res.returncode, res.err, what=f"agent {verb}")
 
 
 def shell_line(t: Transport, verb: str, *args: str) -> str:

@@ -38,6 +38,21 @@ class Result:
         return self.stderr.decode("utf-8", "replace")
 
 
+class Duplex(ABC):
+    """A running command we converse with: send to its stdin, read lines from its stdout, then finish."""
+
+    @abstractmethod
+    def send(self, data: bytes) -> None: ...
+
+    @abstractmethod
+    def readline(self, timeout: float | None = None) -> bytes:
+        """One line of stdout (with its newline); b"" when stdout ended first."""
+
+    @abstractmethod
+    def finish(self, timeout: float | None = None) -> Result:
+        """Close stdin, wait for the exit; the Result holds the stdout not yet read and all stderr."""
+
+
 class Transport(ABC):
     """Somewhere commands run and files land: a host or a container."""
 
@@ -69,6 +84,10 @@ class Transport(ABC):
         if res.stderr:
             yield "err", res.stderr
         yield "exit", str(res.returncode).encode()
+
+    def open(self, argv: Sequence[str]) -> Duplex:
+        """Start argv for a conversation over stdin/stdout (one exec, several exchanges)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hold a conversation")
 
     def path(self, container_path: str) -> str:
         """Where a container path is, as seen by commands run through this transport."""

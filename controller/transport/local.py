@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from controller.errors import ConnectionFailed
-from controller.transport.base import Result, Transport
+from controller.transport.base import Duplex, Result, Transport
 
 
 class LocalContainer(Transport):
@@ -59,6 +59,15 @@ class LocalContainer(Transport):
                 p.kill()
                 p.wait()
 
+    def open(self, argv: Sequence[str]) -> Duplex:
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            p = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 cwd=self.root)
+        except FileNotFoundError:
+            raise ConnectionFailed(f"{self.name}: {argv[0]} not found") from None
+        return _PopenDuplex(p, tuple(argv))
+
     def put(self, local_path: str, remote_path: str) -> None:
         dest = Path(self.path(remote_path))
         tmp = dest.with_name(f".{dest.name}.ctl-tmp-{os.getpid()}")
@@ -70,3 +79,30 @@ class LocalContainer(Transport):
             shutil.copyfile(self.path(remote_path), local_path)
         except FileNotFoundError:
             raise ConnectionFailed(f"{self.name}: {remote_path} does not exist") from None
+
+
+class _PopenDuplex(Duplex):
+    def __init__(self, p: subprocess.Popen[bytes], argv: tuple[str, ...]) -> None:
+        self.p, self.argv = p, argv
+        self.t0 = time.monotonic()
+
+    def send(self, data: bytes) -> None:
+        assert self.p.stdin is not None
+        try:
+            self.p.stdin.write(data)
+            self.p.stdin.flush()
+        except BrokenPipeError:
+            pass  # the command ended early; finish() reports why
+
+    def readline(self, timeout: float | None = None) -> bytes:
+        assert self.p.stdout is not None
+        return self.p.stdout.readline()
+
+    def finish(self, timeout: float | None = None) -> Result:
+        # communicate() closes stdin (the command sees EOF), then drains stdout and stderr.
+        try:
+            out, err = self.p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            raise ConnectionFailed(f"`{self.argv[0]}` did not finish in {timeout}s") from None
+        return Result(self.argv, self.p.returncode, out, err, time.monotonic() - self.t0)

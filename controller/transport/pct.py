@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Literal
 
 from controller.errors import ConnectionFailed, NotRunning, RemoteCommandError, VerifyError
-from controller.transport.base import Result, Transport
+from controller.transport.base import Duplex, Result, Transport
 from controller.transport.ssh import SshEndpoint
 
 _NOT_RUNNING = re.compile(r"container '(\d+)' not running!|can only (push|pull) files (to|from) a running")
@@ -91,6 +91,9 @@ class PctContainer(Transport):
                 self._raise_pct(Result(tuple(argv), int(data), b"", err))
             yield kind, data
 
+    def open(self, argv: Sequence[str]) -> Duplex:
+        return _PctDuplex(self, self.host.open(self.exec_argv(argv)), tuple(argv))
+
     def script(self, argv: Sequence[str]) -> str:
         return self.host.script(self.exec_argv(argv))
 
@@ -135,3 +138,21 @@ class PctContainer(Transport):
             res = Result(("cat", remote_path), int(code), b"", err)
             self._raise_pct(res)
             raise RemoteCommandError(self.name, res.argv, res.returncode, res.err, what="download")
+
+
+class _PctDuplex(Duplex):
+    """A conversation through `pct exec`: pct's own refusals surface as NotRunning at finish()."""
+
+    def __init__(self, ct: PctContainer, inner: Duplex, argv: tuple[str, ...]) -> None:
+        self.ct, self.inner, self.argv = ct, inner, argv
+
+    def send(self, data: bytes) -> None:
+        self.inner.send(data)
+
+    def readline(self, timeout: float | None = None) -> bytes:
+        return self.inner.readline(timeout)
+
+    def finish(self, timeout: float | None = None) -> Result:
+        res = self.inner.finish(timeout)
+        self.ct._raise_pct(res)
+        return Result(self.argv, res.returncode, res.stdout, res.stderr, res.seconds)

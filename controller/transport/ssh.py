@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from controller.errors import ConnectionFailed, HostKeyError
-from controller.transport.base import Result, Transport
+from controller.transport.base import Duplex, Result, Transport
 
 if TYPE_CHECKING:  # fabric/paramiko cost ~0.1-0.25 s to import: only when a connection opens
     from fabric import Connection
@@ -199,6 +199,15 @@ class SshEndpoint(Transport):
         finally:
             chan.close()
 
+    def open(self, argv: Sequence[str]) -> Duplex:
+        chan = self._channel()
+        try:
+            chan.exec_command(self.command_line(argv))
+        except (OSError, EOFError) as e:
+            self.close()
+            raise ConnectionFailed(f"{self.name}: SSH connection dropped: {e or type(e).__name__}") from None
+        return _ChannelDuplex(self, chan, tuple(argv))
+
     # --- files -----------------------------------------------------------------------------------
 
     def put(self, local_path: str, remote_path: str) -> None:
@@ -223,6 +232,77 @@ class SshEndpoint(Transport):
         if self.identity_file:
             cmd += ["-i", self.identity_file]
         return [*cmd, f"{self.user}@{self.address}", "--", self.command_line(argv)]
+
+
+class _ChannelDuplex(Duplex):
+    def __init__(self, ep: SshEndpoint, chan: Any, argv: tuple[str, ...]) -> None:
+        self.ep, self.chan, self.argv = ep, chan, argv
+        self.buf = b""
+        self.err = b""
+        self.t0 = time.monotonic()
+
+    def _lost(self, e: BaseException | None = None) -> ConnectionFailed:
+        self.ep.close()
+        why = f": {e}" if e else ""
+        return ConnectionFailed(f"{self.ep.name}: SSH connection dropped while running `{self.argv[0]}`{why}")
+
+    def send(self, data: bytes) -> None:
+        # Chunked through a memoryview: paramiko's sendall re-slices the bytes (quadratic on large bundles).
+        view = memoryview(data)
+        try:
+            while view:
+                n = self.chan.send(view[:_CHUNK])
+                if n <= 0:
+                    raise self._lost()
+                view = view[n:]
+        except (OSError, EOFError) as e:
+            raise self._lost(e) from None
+
+    def _pump(self, timeout: float) -> bool:
+        got = False
+        while self.chan.recv_stderr_ready():
+            self.err += self.chan.recv_stderr(_CHUNK)
+        if self.chan.recv_ready():
+            data = self.chan.recv(_CHUNK)
+            self.buf += data
+            got = bool(data)
+        elif not (self.chan.eof_received or self.chan.closed):
+            select.select([self.chan], [], [], timeout)
+        return got
+
+    def readline(self, timeout: float | None = None) -> bytes:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while b"\n" not in self.buf:
+                if not self._pump(0.05) and (self.chan.eof_received or self.chan.closed) \
+                        and not self.chan.recv_ready():
+                    line, self.buf = self.buf, b""
+                    return line
+                if deadline is not None and time.monotonic() > deadline:
+                    raise ConnectionFailed(f"{self.ep.name}: no answer from `{self.argv[0]}` in {timeout}s")
+        except (OSError, EOFError) as e:
+            raise self._lost(e) from None
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line + b"\n"
+
+    def finish(self, timeout: float | None = None) -> Result:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self.chan.shutdown_write()
+            while not (self.chan.exit_status_ready() and not self.chan.recv_ready()
+                       and not self.chan.recv_stderr_ready() and (self.chan.eof_received or self.chan.closed)):
+                self._pump(0.05)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise ConnectionFailed(f"{self.ep.name}: `{self.argv[0]}` did not finish in {timeout}s")
+            status = self.chan.recv_exit_status()
+        except (OSError, EOFError) as e:
+            raise self._lost(e) from None
+        finally:
+            self.chan.close()
+        if status == -1:
+            raise self._lost()
+        out, self.buf = self.buf, b""
+        return Result(self.argv, status, out, self.err, time.monotonic() - self.t0)
 
 
 def _feed(chan: Any, data: bytes) -> None:
