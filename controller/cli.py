@@ -488,7 +488,7 @@ def main() -> None:
         sys.exit(130)
     except Exception as e:  # click's usage errors (typer vendors click, so match by shape)
         if callable(getattr(e, "show", None)) and hasattr(e, "exit_code"):
-            e.show()
+            e.show()  # type: ignore[attr-defined]
             sys.exit(int(ExitCode.USAGE))
         if type(e).__name__ == "Abort":
             sys.exit(1)
