@@ -170,8 +170,9 @@ def deploy_cmd(
         if rollback:
             results = fanout(pool, cts, lambda ct, t: deploy.rollback(ct, t, reg))
         else:
-            results = fanout(pool, cts, lambda ct, t: deploy.deploy(inv, ct, t, reg, dry_run=dry_run,
-                                                                     allow_dirty=allow_dirty))
+            with _TransferProgress(enabled=not OPTS.json and sys.stderr.isatty()) as progress:
+                results = fanout(pool, cts, lambda ct, t: deploy.deploy(
+                    inv, ct, t, reg, dry_run=dry_run, allow_dirty=allow_dirty, progress=progress))
     if OPTS.json:
         _out([r.value.to_json() if r.value else {"ct": r.ct, "ok": False, "error": r.error} for r in results])
     else:
@@ -192,6 +193,37 @@ def deploy_cmd(
                 for c in res.commands:
                     con.print(f"    {c}", soft_wrap=True, markup=False)
     raise typer.Exit(worst(results))
+
+
+class _TransferProgress:
+    """Progress bars (on stderr) for transfers that last over a second; silent for quick ones."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.t0 = time.monotonic()
+        self.bar: Any = None
+        self.tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> _TransferProgress | None:
+        return self if self.enabled else None
+
+    def __call__(self, ct: str, sent: int, total: int) -> None:
+        if self.bar is None:
+            if time.monotonic() - self.t0 < 1.0:
+                return
+            from rich.console import Console
+            from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+            self.bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                                TransferSpeedColumn(), console=Console(stderr=True), transient=True)
+            self.bar.start()
+        if ct not in self.tasks:
+            self.tasks[ct] = self.bar.add_task(ct, total=total)
+        self.bar.update(self.tasks[ct], completed=sent)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def _render_check(checks: list[Any]) -> None:

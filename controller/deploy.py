@@ -18,6 +18,7 @@ import subprocess
 import tarfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -216,9 +217,12 @@ def _classify(error: str) -> CtlError:
     return CtlError(f"{error}; nothing was replaced")
 
 
+Progress = Callable[[str, int, int], None]  # (container, bytes sent, bytes total)
+
+
 def deploy(
     inv: Inventory, ct: Container, t: Transport, reg: Registry | None, *, dry_run: bool = False,
-    allow_dirty: bool = False,
+    allow_dirty: bool = False, progress: Progress | None = None,
 ) -> DeployResult:
     """One exec per container: the agent answers what it has, then receives only what changed."""
     t0 = time.monotonic()
@@ -250,7 +254,12 @@ def deploy(
         return DeployResult(ct.name, True, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands,
                             dry_run=dry_run)
     bodies = [f.content for _e, f in changed]
-    session.send(b"apply\n" + bundle_bodies([e for e, _f in changed], bodies))
+    data = b"apply\n" + bundle_bodies([e for e, _f in changed], bodies)
+    step = 1 << 20
+    for pos in range(0, len(data), step):
+        session.send(data[pos:pos + step])
+        if progress is not None:
+            progress(ct.name, min(pos + step, len(data)), len(data))
     res = session.finish(timeout=600)
     try:
         doc = json.loads(res.out.strip().splitlines()[-1]) if res.out.strip() else None
