@@ -1,0 +1,294 @@
+"""DFlash drafter (arXiv 2602.06036): a few Qwen3-style layers that fill a block of masked tokens in one pass.
+
+The drafter owns no embedding and no LM head: it borrows the frozen target's `embed_tokens` and `lm_head`
+(kept as plain attributes, so they are neither trained nor saved). It is conditioned on the hidden states of
+a few target layers spread from 1 to L-3, concatenated and projected by `fc` (k*H -> H) + RMSNorm. In every
+layer K/V come from [target context ; noise block] and Q from the noise block only.
+
+Training (as SpecForge does it): per sequence, `num_anchors` anchor positions; block j is
+[token at anchor_j, MASK x (bs-1)] and its position k predicts token anchor_j + k. A query sees the context
+keys strictly before its anchor plus every key of its own block (`dflash_mask`). Loss: cross-entropy at
+k >= 1 weighted by exp(-(k-1)/gamma).
+
+Plain torch + flex_attention: runs on torch 2.11 (CUDA) to 2.13+ (CPU), compiled or eager.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+_flex_compiled = None
+
+
+def flex_attention_fn(compiled: bool):
+    """flex_attention, compiled once per process on first use when asked (the eager one materialises scores)."""
+    global _flex_compiled
+    if not compiled:
+        return flex_attention
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    return _flex_compiled
+
+
+def target_layer_ids(num_target_layers: int, k: int) -> list[int]:
+    """k layers spread evenly over 1..L-3 (Qwen3-8B, 36 layers, k=5 -> [1, 9, 17, 25, 33])."""
+    lo, hi = 1, max(1, num_target_layers - 3)
+    if k == 1:
+        return [(lo + hi) // 2]
+    return sorted({round(lo + i * (hi - lo) / (k - 1)) for i in range(k)})
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    target_layers: tuple[int, ...]
+    vocab_size: int
+    mask_token_id: int
+    block_size: int = 16
+    rms_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    gamma: float = 7.0
+
+    @classmethod
+    def from_target(cls, cfg, num_layers: int = 5, block_size: int = 16, mask_token_id: int | None = None):
+        """Same widths as the target (a Qwen3 config); `num_layers` decoder layers."""
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rope = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
+        return cls(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                   num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
+                   num_layers=num_layers, target_layers=tuple(target_layer_ids(cfg.num_hidden_layers, num_layers)),
+                   vocab_size=cfg.vocab_size,
+                   mask_token_id=cfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+                   block_size=block_size, rms_eps=getattr(cfg, "rms_norm_eps", 1e-6),
+                   rope_theta=float(rope or 1_000_000.0))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def dflash_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, device) -> BlockMask:
+    """BlockMask over Q = N blocks, KV = [context (ctx_len) ; N blocks]; anchors [B, N]."""
+    n = anchors.shape[1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_block = q_idx // block_size
+        anchor = anchors[b, q_block.clamp(max=n - 1)]  # clamp: padded query indices must stay in range
+        ctx = (kv_idx < ctx_len) & (kv_idx < anchor)
+        own = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == q_block)
+        return ctx | own
+
+    return create_block_mask(mask_mod, B=anchors.shape[0], H=None, Q_LEN=n * block_size,
+                             KV_LEN=ctx_len + n * block_size, device=device)
+
+
+def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """The same rule as a dense bool tensor [B, Q, KV]: the CPU path (flex has no CPU backward) and tests' reference."""
+    n = anchors.shape[1]
+    q = torch.arange(n * block_size, device=anchors.device)
+    kv = torch.arange(ctx_len + n * block_size, device=anchors.device)
+    anchor_of_q = anchors.repeat_interleave(block_size, dim=1)  # [B, Q]
+    ctx = (kv[None, None, :] < ctx_len) & (kv[None, None, :] < anchor_of_q[:, :, None])
+    own = (kv[None, :] >= ctx_len) & ((kv[None, :] - ctx_len).div(block_size, rounding_mode="floor")
+                                      == (q[:, None] // block_size))
+    return ctx | own[None]
+
+
+def block_loss_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """Weight of block position k: 0 for the anchor (k=0), exp(-(k-1)/gamma) after it."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    return torch.where(k == 0, 0.0, torch.exp(-(k - 1) / gamma))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        """Computed in fp32, returned in the input's dtype (bf16 activations stay bf16 under autocast)."""
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+
+def rope(x, cos, sin):
+    """x [B, H, T, D]; cos/sin [B, T, D] (fp32, cast to x's dtype)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None].to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin[:, None].to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_eps)
+
+    def forward(self, x, ctx, cos, sin, mask: BlockMask | torch.Tensor, compiled: bool):
+        b, q_len, _ = x.shape
+        d = self.c.head_dim
+        kv_in = torch.cat([ctx, x], dim=1)
+        q = self.q_norm(self.q_proj(x).view(b, q_len, -1, d)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(b, kv_in.shape[1], -1, d)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, kv_in.shape[1], -1, d).transpose(1, 2)
+        q = rope(q, cos[:, -q_len:], sin[:, -q_len:])
+        k = rope(k, cos, sin)
+        gqa = self.c.num_heads != self.c.num_kv_heads
+        if isinstance(mask, BlockMask):
+            out = flex_attention_fn(compiled)(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps)
+
+    def forward(self, x, ctx, cos, sin, mask, compiled):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, compiled)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DFlashDrafter(nn.Module):
+    """The trainable drafter; `embed_tokens` and `lm_head` are the target's modules, not registered here."""
+
+    def __init__(self, c: DrafterConfig, embed_tokens: nn.Module, lm_head: nn.Module, compiled: bool = False):
+        super().__init__()
+        self.c = c
+        self.compiled = compiled
+        self.attn_backend = "auto"  # "flex", "sdpa" (dense mask) or "auto": flex except on CPU
+        self.fc = nn.Linear(len(c.target_layers) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_eps)
+        # Borrowed, frozen, outside parameters() and state_dict(): the target owns them.
+        object.__setattr__(self, "embed_tokens", embed_tokens)
+        object.__setattr__(self, "lm_head", lm_head)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def use_flex(self, device) -> bool:
+        return self.attn_backend == "flex" or (self.attn_backend == "auto" and torch.device(device).type != "cpu")
+
+    def _rope_tables(self, pos):
+        freqs = pos.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor):
+        """hidden [B, S, k*H] (target layers, concatenated); input_ids [B, S]; anchors [B, N] sorted.
+
+        Returns the drafter's final hidden states [B, N*bs, H] (no LM head: see `loss`).
+        """
+        c = self.c
+        b, s = input_ids.shape
+        n, bs = anchors.shape[1], c.block_size
+        dev = input_ids.device
+        ctx = self.hidden_norm(self.fc(hidden))
+        noise = torch.full((b, n, bs), c.mask_token_id, dtype=torch.long, device=dev)
+        noise[:, :, 0] = torch.gather(input_ids, 1, anchors)
+        with torch.no_grad():
+            x = self.embed_tokens(noise.view(b, n * bs)).float()  # fp32 residual stream
+        offs = torch.arange(bs, device=dev)
+        pos = torch.cat([torch.arange(s, device=dev).expand(b, s), (anchors[:, :, None] + offs).view(b, -1)], dim=1)
+        cos, sin = self._rope_tables(pos)
+        # flex_attention on CUDA; on CPU it has no backward, so SDPA with the same mask, dense.
+        mask = dflash_mask(anchors, s, bs, dev) if self.use_flex(dev) else dense_mask(anchors, s, bs)
+        for layer in self.layers:
+            x = layer(x, ctx, cos, sin, mask, self.compiled)
+        return self.norm(x)
+
+    def loss(self, hidden, input_ids, loss_mask, anchors, keep, chunk_tokens: int = 8192):
+        """Weighted CE over the blocks; `keep` [B, N] switches whole blocks off (too few anchors)."""
+        c = self.c
+        out = self(hidden, input_ids, anchors)
+        b, s = input_ids.shape
+        n, bs = anchors.shape[1], c.block_size
+        idx = anchors[:, :, None] + torch.arange(bs, device=anchors.device)
+        inside = idx < s
+        idx = idx.clamp(max=s - 1)
+        labels = torch.gather(input_ids[:, None, :].expand(b, n, s), 2, idx)
+        w = block_loss_weights(bs, c.gamma, anchors.device) * inside * keep[:, :, None]
+        w = w * torch.gather(loss_mask[:, None, :].expand(b, n, s), 2, idx).float()
+        return weighted_ce(out.reshape(b * n * bs, -1), self.lm_head, labels.reshape(-1), w.reshape(-1), chunk_tokens)
+
+
+def _ce_chunk(h, weight, labels, w):
+    logits = F.linear(h, weight).float()
+    return (F.cross_entropy(logits, labels, reduction="none") * w).sum()
+
+
+def weighted_ce(h, lm_head: nn.Module, labels, w, chunk_tokens: int):
+    """sum(w * CE) / sum(w), the LM head applied in checkpointed chunks so [T, vocab] logits never exist at once."""
+    total = h.new_zeros((), dtype=torch.float32)
+    weight = lm_head.weight
+    for i in range(0, h.shape[0], chunk_tokens):
+        sl = slice(i, i + chunk_tokens)
+        if h.requires_grad and h.shape[0] > chunk_tokens:
+            total = total + torch.utils.checkpoint.checkpoint(_ce_chunk, h[sl], weight, labels[sl], w[sl],
+                                                              use_reentrant=False)
+        else:
+            total = total + _ce_chunk(h[sl], weight, labels[sl], w[sl])
+    return total / w.sum().clamp_min(1e-6)
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int, generator=None):
+    """Up to `num_anchors` sorted anchors per row among positions with loss (1 <= p <= S - bs).
+
+    Fixed shape [B, N] (compile-friendly); rows with fewer candidates repeat position 1 and get keep=False.
+    """
+    b, s = loss_mask.shape
+    valid = loss_mask.bool().clone()
+    valid[:, 0] = False
+    valid[:, max(1, s - block_size + 1):] = False
+    score = torch.rand(b, s, generator=generator, device=loss_mask.device)
+    score = torch.where(valid, score, torch.full_like(score, 2.0))
+    n = min(num_anchors, s)
+    top = score.topk(n, dim=1, largest=False)
+    keep = top.values < 2.0
+    anchors = torch.where(keep, top.indices, torch.ones_like(top.indices))
+    order = torch.where(keep, anchors, torch.full_like(anchors, s)).argsort(dim=1)
+    return torch.gather(anchors, 1, order), torch.gather(keep, 1, order)
+
+
+def param_count(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def lr_at(step: int, total: int, peak: float, warmup_ratio: float) -> float:
+    """Linear warm-up over warmup_ratio*total steps, then cosine to 10% of the peak."""
+    warm = max(1, math.ceil(warmup_ratio * total))
+    if step < warm:
+        return peak * (step + 1) / warm
+    t = (step - warm) / max(1, total - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))

@@ -1,0 +1,160 @@
+"""The drafter's pieces: the BlockMask against a dense reference, loss weights, borrowed embedding/LM head."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from remote_payload import dflash_model as dm
+
+TINY = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+
+
+@pytest.fixture(scope="module")
+def target():
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(Qwen3Config(**TINY), dtype=torch.float32).eval()
+
+
+def drafter_for(target, layers=2, bs=16):
+    cfg = dm.DrafterConfig.from_target(target.config, layers, bs)
+    return dm.DFlashDrafter(cfg, target.get_input_embeddings(), target.get_output_embeddings())
+
+
+def test_target_layers_spread_from_1_to_l_minus_3():
+    assert dm.target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, as in the paper
+    assert dm.target_layer_ids(8, 5) == [1, 2, 3, 4, 5]
+    assert dm.target_layer_ids(64, 10)[0] == 1 and dm.target_layer_ids(64, 10)[-1] == 61
+
+
+def reference(anchors, s, bs, b, q, kv):
+    """The rule, spelled out one element at a time."""
+    if kv < s:
+        return kv < anchors[b][q // bs]
+    return (kv - s) // bs == q // bs
+
+
+@pytest.mark.parametrize(("s", "n", "bs"), [(40, 3, 4), (64, 5, 16), (200, 9, 16)])
+def test_block_mask_matches_dense_reference(s, n, bs):
+    g = torch.Generator().manual_seed(s)
+    anchors, _ = dm.sample_anchors(torch.ones(2, s), n, bs, g)
+    dense = dm.dense_mask(anchors, s, bs)
+    # The dense tensor against the rule, element by element (a sample of them for the big case).
+    for b in range(2):
+        for q in range(0, n * bs, 3):
+            for kv in range(0, s + n * bs, 5):
+                assert bool(dense[b, q, kv]) == reference(anchors.tolist(), s, bs, b, q, kv)
+    mask = dm.dflash_mask(anchors, s, bs, "cpu")
+    bi = torch.arange(2)[:, None, None]
+    qi = torch.arange(n * bs)[None, :, None]
+    ki = torch.arange(s + n * bs)[None, None, :]
+    assert torch.equal(mask.mask_mod(bi, torch.zeros(1, dtype=torch.long), qi, ki), dense)
+    # Block-level sparsity: a (128 x 128) tile is listed iff some element in it is visible.
+    blocks = mask.to_dense()[:, 0].bool()  # [B, q tiles, kv tiles]
+    qb, kb = mask.BLOCK_SIZE
+    pad = torch.zeros(2, blocks.shape[1] * qb, blocks.shape[2] * kb, dtype=torch.bool)
+    pad[:, : n * bs, : s + n * bs] = dense
+    tiles = pad.view(2, blocks.shape[1], qb, blocks.shape[2], kb).any(dim=(2, 4))
+    assert torch.equal(blocks, tiles)
+
+
+def test_block_is_bidirectional_and_blocks_are_isolated():
+    anchors = torch.tensor([[5, 9]])
+    m = dm.dense_mask(anchors, 12, 4)[0]
+    assert m[0, 12:16].all() and m[3, 12:16].all()  # every key of its own block, also later positions
+    assert not m[0, 16:20].any() and not m[4, 12:16].any()  # never another block
+    assert m[0, :5].all() and not m[0, 5:12].any()  # context strictly before its anchor
+    assert m[4, :9].all() and not m[4, 9:12].any()
+
+
+def test_flex_attention_equals_dense_sdpa(target):
+    d = drafter_for(target)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 1000, (2, 96), generator=g)
+    anchors, _ = dm.sample_anchors(torch.ones_like(ids), 4, 16, g)
+    hs = torch.randn(2, 96, 2 * 256, generator=g)
+    with torch.no_grad():
+        d.attn_backend = "flex"
+        a = d(hs, ids, anchors)
+        d.attn_backend = "sdpa"
+        b = d(hs, ids, anchors)
+    assert (a - b).abs().max() < 1e-4
+
+
+def test_loss_weights_decay_with_gamma():
+    w = dm.block_loss_weights(16, 7.0)
+    assert w[0] == 0  # the anchor itself is given, not predicted
+    assert w[1] == pytest.approx(1.0)
+    for k in range(1, 16):
+        assert w[k] == pytest.approx(math.exp(-(k - 1) / 7.0))
+
+
+def test_weighted_ce_is_the_weighted_mean_and_chunking_changes_nothing():
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(50, 8, generator=g, requires_grad=True)
+    head = torch.nn.Linear(8, 30, bias=False)
+    labels = torch.randint(0, 30, (50,), generator=g)
+    w = torch.rand(50, generator=g)
+    per = torch.nn.functional.cross_entropy(head(h), labels, reduction="none")
+    expect = (per * w).sum() / w.sum()
+    whole = dm.weighted_ce(h, head, labels, w, 1000)
+    chunked = dm.weighted_ce(h, head, labels, w, 7)
+    assert whole.item() == pytest.approx(expect.item(), rel=1e-5)
+    assert chunked.item() == pytest.approx(expect.item(), rel=1e-5)
+    (ga,) = torch.autograd.grad(chunked, h)
+    (gb,) = torch.autograd.grad(expect, h)
+    assert torch.allclose(ga, gb, atol=1e-6)
+
+
+def test_loss_masks_positions_past_the_end_and_dropped_blocks(target):
+    d = drafter_for(target)
+    ids = torch.randint(2, 1000, (1, 40))
+    anchors = torch.tensor([[30, 35]])  # the second block runs past the sequence's end
+    keep = torch.tensor([[True, False]])
+    hs = torch.randn(1, 40, 2 * 256)
+    loss = d.loss(hs, ids, torch.ones_like(ids), anchors, keep)
+    assert torch.isfinite(loss)
+
+
+def test_drafter_borrows_the_targets_embedding_and_lm_head(target):
+    d = drafter_for(target)
+    assert d.embed_tokens is target.get_input_embeddings()
+    assert d.lm_head is target.get_output_embeddings()
+    assert not any(isinstance(m, torch.nn.Embedding) for m in d.modules())
+    vocab_shaped = [n for n, p in d.named_parameters() if 1024 in p.shape]
+    assert vocab_shaped == []
+    assert not any(k.startswith(("embed", "lm_head")) for k in d.state_dict())
+    before = target.get_input_embeddings().weight.clone()
+    target.requires_grad_(False)
+    ids = torch.randint(2, 1000, (1, 48))
+    anchors, keep = dm.sample_anchors(torch.ones_like(ids), 2, 16)
+    d.loss(torch.randn(1, 48, 2 * 256), ids, torch.ones_like(ids), anchors, keep).backward()
+    assert target.get_input_embeddings().weight.grad is None
+    assert torch.equal(before, target.get_input_embeddings().weight)
+    assert d.fc.weight.grad is not None
+
+
+def test_sample_anchors_are_sorted_in_range_and_on_loss_positions():
+    mask = torch.zeros(3, 64)
+    mask[0, 10:40] = 1
+    mask[1] = 1
+    mask[2, 5:8] = 1  # only 3 candidates for 8 anchors
+    anchors, keep = dm.sample_anchors(mask, 8, 16, torch.Generator().manual_seed(0))
+    assert anchors.shape == keep.shape == (3, 8)
+    for row in range(3):
+        kept = anchors[row][keep[row]]
+        assert torch.all(kept[1:] > kept[:-1])
+        assert torch.all((kept >= 1) & (kept <= 64 - 16))
+        assert torch.all(mask[row, kept] == 1)
+    assert keep[2].sum() == 3 and keep[0].all() and keep[1].all()
+
+
+def test_lr_warms_up_then_decays():
+    lrs = [dm.lr_at(s, 100, 6e-4, 0.04) for s in range(100)]
+    assert lrs[0] < lrs[3] == pytest.approx(6e-4)
+    assert lrs[-1] < lrs[50] < lrs[4]
