@@ -33,8 +33,6 @@ from controller.transport.base import Transport
 DEFAULT_STORE = "/workspace/.ctl-caches"
 WARMUP_SCRIPT = "warmup_compile.py"
 MARKER_FORMAT = "ctl-cache 1"
-# Pipeline flags that decide the compiled graphs' shapes; the warm-up gets the same ones (vars.train_args).
-SHAPE_FLAGS = ("model", "seq-len", "batch-size", "block-size", "num-anchors", "drafter-layers", "compile")
 
 
 def torch_build(p: Probe) -> str | None:
@@ -287,13 +285,15 @@ def warm_argv(inv: Inventory, ct: Container, t: Transport, script: str, gpu: int
     python = f"{env.venv.rstrip('/')}/bin/python" if env.venv else env.python
     if python.startswith("/"):
         python = t.path(python)
-    flags = {k: v for k, v in dict(ctx.get("train_args") or {}).items() if str(k).replace("_", "-") in SHAPE_FLAGS}
-    flags.update(dict(ctx.get("warmup_args") or {}))
-    args = shlex.split(_cli_args(flags)) if flags else []
+    # warmup_compile.py takes the pipeline's flags (vars.train_args, as start_training.sh passes them) and
+    # compiles on the drafters' GPUs; ctl gives it ONE visible GPU per invocation, so one drafter rank.
+    flags = {**dict(ctx.get("train_args") or {}), **dict(ctx.get("warmup_args") or {})}
+    args = ["--targets", "1", "--drafters", "1", "--device", "cuda" if gpu is not None else "cpu",
+            *(shlex.split(_cli_args(flags)) if flags else []),
+            "--compile-cache", t.path(posixpath.join(env.cache_dir, "artifacts.bin"))]
     envs = [f"TORCHINDUCTOR_CACHE_DIR={t.path(env.cache_dir)}", "PYTHONUNBUFFERED=1"]
     if gpu is not None:
         envs.append(f"CUDA_VISIBLE_DEVICES={gpu}")
-        args += ["--device", "cuda"]
     return ["env", *envs, python, t.path(script), *args]
 
 

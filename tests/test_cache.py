@@ -217,7 +217,9 @@ def test_warm_runs_one_gpu_at_a_time_and_marks_the_cache(tmp_path: Path) -> None
     assert [e["gpu"] for e in events] == ["5", "5", "6", "6", "7", "7"]
     for a, b in zip(events[1::2], events[2::2], strict=False):
         assert a["end"] <= b["start"]  # never concurrently
-    assert events[0]["argv"] == ["--model", "tiny", "--seq-len", "128", "--device", "cuda"]
+    assert events[0]["argv"] == ["--targets", "1", "--drafters", "1", "--device", "cuda", "--model", "tiny",
+                                 "--seq-len", "128", "--steps", "9", "--compile-cache",
+                                 str(box.root / CACHE / "artifacts.bin")]
     marker = json.loads((box.root / CACHE / "ctl-cache.json").read_text())
     assert marker["by"] == "warm" and marker["torch_build"] == "2.11.0+cu130"
 
