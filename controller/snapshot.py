@@ -200,6 +200,8 @@ def list_snapshots(t: Target) -> SnapshotList:
 
 def create(t: Target, name: str, description: str | None = None, *, dry_run: bool = False) -> SnapshotResult:
     check_snapshot_name(name)
+    if description and any(ord(c) < 32 for c in description):
+        raise InputError("snapshot description must be one line of text (no control characters)")
     request = t.backend.describe("snapshot", t.vmid, name, description=description)
     if dry_run:
         return SnapshotResult(t.ct, t.host, t.vmid, t.via, "snapshot", name, None, dry_run=True, request=request)
