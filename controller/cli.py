@@ -264,9 +264,11 @@ def launch_cmd(
     allow_drift: bool = typer.Option(False, "--allow-drift", help="Launch although deployed files differ from pins."),
     force: bool = typer.Option(False, "--force", help="Override GPU-busy and disk checks (never the log clobber)."),
     follow: bool = typer.Option(False, "-f", "--follow", help="Follow the log after the launch (like ctl tail -f)."),
+    allow_env_mismatch: bool = typer.Option(
+        False, "--allow-env-mismatch", help="Launch although the environment differs from its lock."),
 ) -> None:
     """Preflight, then start the run in a detached tmux session with its own, never-reused log."""
-    from controller import runs
+    from controller import envcmd, runs
     from controller.transport.pool import Pool
 
     inv = _inv()
@@ -275,7 +277,8 @@ def launch_cmd(
     with Pool(inv) as pool:
         t = pool.container(ct)
         rec, checks = runs.launch(inv, ct, t, reg, run, allow_drift=allow_drift, force=force,
-                                  env_probe=lambda: _env_probe(inv, ct, t))
+                                  env_probe=lambda: envcmd.probe_for_launch(inv, ct, t,
+                                                                            allow_mismatch=allow_env_mismatch))
         if OPTS.json and not follow:
             _out({"run": rec.to_json(), "checks": [c.__dict__ for c in checks]})
             return
@@ -286,19 +289,6 @@ def launch_cmd(
         con.print(f"launched {rec.name} on {ct.name}: tmux session {rec.session}, log {rec.log_path}")
         if follow:
             raise typer.Exit(_follow(t, reg, rec, -1, True))
-
-
-def _env_probe(inv: Any, ct: Any, t: Any) -> dict[str, Any] | None:
-    """The environment fingerprint of the container, when the probe is available (issue: env locks)."""
-    try:
-        from controller import envpin
-    except ImportError:
-        return None
-    probe = getattr(envpin, "probe_container", None)
-    if probe is None:
-        return None
-    result: dict[str, Any] | None = probe(inv, ct, t)
-    return result
 
 
 def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool) -> int:
