@@ -577,7 +577,8 @@ def sparkline(values: Sequence[float | None], width: int = 20) -> str:
 
 
 def format_rate(tok_s: float | None) -> str:
-    """4600 -> "4.6K", 12800 -> "12.8K", 1.2e6 -> "1.2M", 950 -> "950": three significant digits."""
+    """4600 -> "4.6K", 12800 -> "12.8K", 1.2e6 -> "1.2M", 950 -> "950": one decimal of the unit below 100
+    of it, none from 100 up (the pipeline's own style)."""
     if tok_s is None or not math.isfinite(tok_s):
         return "-"
     sign = "-" if tok_s < 0 else ""

@@ -244,8 +244,13 @@ def _tok_text(v: float, style: str) -> str:
 
 
 def _tolerance(style: str, v: float) -> float:
-    if style == "ctl":  # three significant digits
-        return max(0.06, abs(v) * 0.006)
+    if style == "ctl":  # format_rate: one decimal of the unit below 100 of it (4.6K), none above (128K)
+        a = abs(v)
+        for scale in (1e12, 1e9, 1e6, 1e3):
+            if a >= scale * 0.9995:
+                return (0.5 if a / scale >= 99.95 else 0.05) * scale + 1e-9 * a
+        return 0.5 + 1e-9
+
     return {"plain": 0.5, "K": 0.5, "M": 0.5}[style] + 1e-9 * abs(v)
 
 
