@@ -10,6 +10,7 @@ renames them into place (see controller/agent.py). Two execs per deploy, whateve
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -112,6 +113,16 @@ class DeployResult:
 
 def _git_state(paths: list[Path]) -> tuple[str | None, tuple[str, ...]]:
     """(HEAD commit, sources that differ from it). A source outside any git tree counts as dirty."""
+    stamps = tuple((p.stat().st_mtime_ns, p.stat().st_size) if p.exists() else (0, -1) for p in paths)
+    return _git_state_cached(tuple(paths), stamps)
+
+
+@functools.lru_cache(maxsize=8)
+def _git_state_cached(
+    paths: tuple[Path, ...], stamps: tuple[tuple[int, int], ...]
+) -> tuple[str | None, tuple[str, ...]]:
+    """Asked once for the containers of one deploy (same sources, same stamps); an edit changes the key."""
+    del stamps  # part of the cache key only
     if not paths:
         return None, ()
     top_dir = paths[0].parent

@@ -20,7 +20,8 @@ def agent_source() -> bytes:
 
 
 def agent_argv(verb: str, *args: str) -> list[str]:
-    return ["python3", "-c", BOOT, str(len(agent_source())), verb, *args]
+    # -I -S: the agent is stdlib only; ignore PYTHON* variables and site-packages of the container.
+    return ["python3", "-I", "-S", "-c", BOOT, str(len(agent_source())), verb, *args]
 
 
 def root_of(t: Transport) -> str:
