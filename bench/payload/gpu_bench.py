@@ -215,6 +215,11 @@ def phase2() -> None:
                                   str(RUNS / "cold_cache.bin"), "--transport", "ipc"], 200)
     pipeline("pipe-1b-warm-gloo", [*base, "--steps", "30", *warm, "--transport", "gloo"], 150)
     pipeline("pipe-1b-eager-ipc", [*base, "--steps", "20", "--no-compile", "--transport", "ipc"], 120)
+    fewer = [x if x != "64" else "16" for x in base]
+    pipeline("pipe-1b-n16-ipc", [*fewer, "--steps", "40", "--compile", "--transport", "ipc"], 120)
+    spec = ["--model", "1b", "--seq-len", "2048", "--batch-size", "1", "--num-anchors", "512", "--log-every", "5",
+            "--queue-size", "4"]
+    pipeline("pipe-1b-n512-b1-ipc", [*spec, "--steps", "40", "--compile", "--transport", "ipc"], 120)
 
 
 def main() -> None:
