@@ -28,7 +28,7 @@ from controller import remote
 from controller.errors import ClobberError, CtlError, DiskError, DriftError, InputError, VerifyError
 from controller.inventory import Container, Inventory
 from controller.names import check_container_path
-from controller.registry import DeployRecord, Registry
+from controller.registry import DeployRecord, Registry, state_dir
 from controller.render import context, render
 from controller.transport.base import Transport
 
@@ -257,15 +257,20 @@ def deploy(
     have = json.loads(answer)["have"]
     fplan = [_file_plan(f, have.get(f.dest)) for f in manifest.files]
     changed = [(e, f) for e, f, p in zip(entries, manifest.files, fplan, strict=True) if p.action != "same"]
-    commands: tuple[str, ...] = (
-        remote.shell_line(t, "sync", *args) + "   # stdin: agent source, a JSON line of pinned files, then "
-        '"apply" and a tar of ' + (", ".join(shlex.quote(f.dest) for _e, f in changed) or "nothing"),)
-    if dry_run or not changed:
-        session.finish(timeout=30)
-        return DeployResult(ct.name, True, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands,
-                            dry_run=dry_run)
     bodies = [f.content for _e, f in changed]
     data = b"apply\n" + bundle_bodies([e for e, _f in changed], bodies)
+    if dry_run or not changed:
+        session.finish(timeout=30)
+        commands: tuple[str, ...] = ()
+        if dry_run and changed:
+            # The exact exec, runnable by hand: its stdin (agent, pinned files, "apply", tar) is kept here.
+            stdin_file = state_dir() / "dry-run" / f"{ct.name}-{deploy_id}.stdin"
+            stdin_file.parent.mkdir(parents=True, exist_ok=True)
+            header = json.dumps({"files": entries, "dry_run": False}).encode() + b"\n"
+            stdin_file.write_bytes(remote.agent_source() + header + data)
+            commands = (f"{remote.shell_line(t, 'sync', *args)} < {shlex.quote(str(stdin_file))}",)
+        return DeployResult(ct.name, True, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands,
+                            dry_run=dry_run)
     step = 1 << 20
     for pos in range(0, len(data), step):
         session.send(data[pos:pos + step])
@@ -288,8 +293,7 @@ def deploy(
                                     files, doc.get("error")))
     if not ok:
         raise _classify(f"{ct.name}: {doc.get('error', 'apply failed')}")
-    return DeployResult(ct.name, True, tuple(fplan), deploy_id, time.monotonic() - t0, sum(len(b) for b in bodies),
-                        commands=commands)
+    return DeployResult(ct.name, True, tuple(fplan), deploy_id, time.monotonic() - t0, sum(len(b) for b in bodies))
 
 
 def _file_plan(f: PinnedFile, h: dict[str, Any] | None) -> FilePlan:

@@ -95,6 +95,7 @@ class PctContainer(Transport):
         return _PctDuplex(self, self.host.open(self.exec_argv(argv)), tuple(argv))
 
     def script(self, argv: Sequence[str]) -> str:
+        """`ssh ... host 'pct exec VMID -- argv'`, runnable from the operator's machine."""
         return self.host.script(self.exec_argv(argv))
 
     def put(self, local_path: str, remote_path: str) -> None:

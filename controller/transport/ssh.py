@@ -225,13 +225,20 @@ class SshEndpoint(Transport):
         except (OSError, EOFError) as e:
             raise ConnectionFailed(f"{self.name}: download of {remote_path} failed: {e}") from None
 
-    def interactive_argv(self, argv: Sequence[str]) -> list[str]:
-        """An `ssh -t` command line for interactive use (attach): same host-key rules as ours."""
-        cmd = ["ssh", "-t", "-p", str(self.port), "-o", f"UserKnownHostsFile={self.known_hosts}",
+    def ssh_argv(self, *, tty: bool = False) -> list[str]:
+        """The OpenSSH client line for this endpoint, with the same host-key rules as ours."""
+        cmd = ["ssh", *(["-t"] if tty else []), "-p", str(self.port), "-o", f"UserKnownHostsFile={self.known_hosts}",
                "-o", "StrictHostKeyChecking=yes"]
         if self.identity_file:
             cmd += ["-i", self.identity_file]
-        return [*cmd, f"{self.user}@{self.address}", "--", self.command_line(argv)]
+        return [*cmd, f"{self.user}@{self.address}"]
+
+    def script(self, argv: Sequence[str]) -> str:
+        return shlex.join([*self.ssh_argv(), "--", self.command_line(argv)])
+
+    def interactive_argv(self, argv: Sequence[str]) -> list[str]:
+        """An `ssh -t` command line for interactive use (attach): same host-key rules as ours."""
+        return [*self.ssh_argv(tty=True), "--", self.command_line(argv)]
 
 
 class _ChannelDuplex(Duplex):

@@ -51,7 +51,7 @@ def test_dry_run_changes_nothing_and_prints_commands(pve_env: Env) -> None:
     r = pve_env.ctl("deploy", "ct201", "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "would change 2 of 2 files" in r.stdout
-    assert "pct exec 201 -- python3 -I -S -c" in r.stdout
+    assert "pct exec 201 -- python3 -I -S -c" in r.stdout and "< " in r.stdout and ".stdin" in r.stdout
     assert not (pve_env.host.rootfs(201) / "root" / pve_env.tag).exists()
 
 
