@@ -223,3 +223,16 @@ def test_disk_error_classification() -> None:
     err = deploy_mod._classify("ct300: /workspace/small/.x.ctl-1: No space left on device")
     assert isinstance(err, DiskError) and err.exit_code == ExitCode.DISK
     assert isinstance(HostKeyError("x"), HostKeyError)
+
+
+def test_container_over_its_own_sshd(pve_env: Env) -> None:
+    """ct301 runs its own sshd (transport: ssh): same deploy, same verification, no pct in between."""
+    r = pve_env.ctl("deploy", "ct301", "--allow-dirty", "--json", check=True)
+    (res,) = json.loads(r.stdout)
+    assert res["ok"] and {f["action"] for f in res["files"]} == {"create"}
+    landed = pve_env.host.rootfs(301) / "root" / pve_env.tag / "emit_metrics.py"
+    assert sha(landed) == sha(pve_env.dir / "emit_metrics.py")
+    p = pve_env.ctl("ping", "ct301", "--json", check=True)
+    assert json.loads(p.stdout)[0]["ok"]
+    again = json.loads(pve_env.ctl("deploy", "ct301", "--allow-dirty", "--json", check=True).stdout)[0]
+    assert again["bytes_sent"] == 0
