@@ -295,8 +295,26 @@ def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool) -> int:
     from controller import metrics, runs
 
     con = _console()
-    end = runs.follow(t, reg, rec, lines=lines, follow=follow, emit=lambda line: con.print(line, markup=False),
-                      detect=metrics.detect_crash)
+    live = follow and sys.stdout.isatty() and not OPTS.json
+    status = con.status(f"following {rec.ct}/{rec.name}") if live else None
+
+    def emit(line: str) -> None:
+        con.print(line, markup=False)
+        if status is not None:  # the latest metric line, as a status line under the log
+            p = metrics.parse_line(line)
+            if isinstance(p, metrics.MetricPoint):
+                status.update(
+                    f"{rec.name}  step {p.step}  loss {p.loss if p.loss is not None else '-'}  "
+                    f"{metrics.format_rate(p.tok_s)} tok/s  ETA {metrics.format_eta(p.eta_s)}"
+                    + (f"  q_hs={list(p.q_hs)}" if p.q_hs is not None else ""))
+
+    if status is not None:
+        status.start()
+    try:
+        end = runs.follow(t, reg, rec, lines=lines, follow=follow, emit=emit, detect=metrics.detect_crash)
+    finally:
+        if status is not None:
+            status.stop()
     if follow:
         if end.crash:
             con.print(f"[red]run {rec.name}: crash signature '{end.crash}' seen ({end.state})[/red]")
