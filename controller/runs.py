@@ -13,7 +13,7 @@ import posixpath
 import re
 import shlex
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,7 +328,7 @@ def follow(
             if st.get("pid") and st.get("alive"):
                 argv += ["-F", f"--pid={st['pid']}", "-s", "0.2"]  # tail ends when the training does
             argv.append(t.path(run.log_path))
-            for kind, data in _with_idle(t.stream(argv)):
+            for kind, data in t.stream(argv, idle=0.5):
                 if kind == "out":
                     offset += len(data)
                     pending += data
@@ -368,7 +368,3 @@ def _runstate(t: Transport, run: RunRecord) -> dict[str, Any]:
         {"name": run.name, "log": run.log_path, "session": run.session}]}))
     st: dict[str, Any] = doc["runs"][0]
     return st
-
-
-def _with_idle(stream: Iterator[tuple[str, bytes]]) -> Iterator[tuple[str, bytes]]:
-    yield from stream

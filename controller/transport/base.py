@@ -73,8 +73,11 @@ class Transport(ABC):
     def get(self, remote_path: str, local_path: str) -> None:
         """Copy remote_path to a local file."""
 
-    def stream(self, argv: Sequence[str], *, timeout: float | None = None) -> Iterator[tuple[str, bytes]]:
-        """Yield ("out"|"err", chunk) as output arrives, then ("exit", b"<code>").
+    def stream(
+        self, argv: Sequence[str], *, timeout: float | None = None, idle: float | None = None
+    ) -> Iterator[tuple[str, bytes]]:
+        """Yield ("out"|"err", chunk) as output arrives, then ("exit", b"<code>"). With `idle`, also yield
+        ("idle", b"") after that many seconds without output, so a follower can act on silence.
 
         The default runs to completion first; transports that can stream override it.
         """

@@ -7,6 +7,7 @@ Commands run here as subprocesses (no shell). Container paths are mapped under t
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import subprocess
 import time
@@ -41,11 +42,17 @@ class LocalContainer(Transport):
             raise ConnectionFailed(f"{self.name}: `{argv[0]}` timed out after {timeout}s") from None
         return Result(tuple(argv), p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
 
-    def stream(self, argv: Sequence[str], *, timeout: float | None = None) -> Iterator[tuple[str, bytes]]:
+    def stream(
+        self, argv: Sequence[str], *, timeout: float | None = None, idle: float | None = None
+    ) -> Iterator[tuple[str, bytes]]:
         p = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.root)
         assert p.stdout is not None and p.stderr is not None
         try:
             while True:
+                ready, _, _ = select.select([p.stdout], [], [], idle if idle is not None else None)
+                if not ready:
+                    yield "idle", b""
+                    continue
                 chunk = os.read(p.stdout.fileno(), 1 << 16)
                 if not chunk:
                     break

@@ -82,9 +82,11 @@ class PctContainer(Transport):
         self._raise_pct(res)
         return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)
 
-    def stream(self, argv: Sequence[str], *, timeout: float | None = None) -> Iterator[tuple[str, bytes]]:
+    def stream(
+        self, argv: Sequence[str], *, timeout: float | None = None, idle: float | None = None
+    ) -> Iterator[tuple[str, bytes]]:
         err = b""
-        for kind, data in self.host.stream(self.exec_argv(argv), timeout=timeout):
+        for kind, data in self.host.stream(self.exec_argv(argv), timeout=timeout, idle=idle):
             if kind == "err":
                 err += data[:4096]
             if kind == "exit" and data != b"0":

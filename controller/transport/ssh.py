@@ -154,15 +154,18 @@ class SshEndpoint(Transport):
                 code = int(data)
         return Result(tuple(argv), code, b"".join(out), b"".join(err), time.monotonic() - t0)
 
-    def stream(self, argv: Sequence[str], *, timeout: float | None = None) -> Iterator[tuple[str, bytes]]:
-        """Yield ("out"|"err", chunk) as they arrive, then ("exit", b"<code>")."""
-        yield from self._exec(argv, stdin=None, timeout=timeout)
+    def stream(
+        self, argv: Sequence[str], *, timeout: float | None = None, idle: float | None = None
+    ) -> Iterator[tuple[str, bytes]]:
+        """Yield ("out"|"err", chunk) as they arrive, then ("exit", b"<code>"); ("idle", b"") on silence."""
+        yield from self._exec(argv, stdin=None, timeout=timeout, idle=idle)
 
     def _exec(
-        self, argv: Sequence[str], *, stdin: bytes | None, timeout: float | None
+        self, argv: Sequence[str], *, stdin: bytes | None, timeout: float | None, idle: float | None = None
     ) -> Iterator[tuple[str, bytes]]:
         chan = self._channel()
         deadline = None if timeout is None else time.monotonic() + timeout
+        quiet_since = time.monotonic()
         try:
             chan.exec_command(self.command_line(argv))
             if stdin is not None:
@@ -185,8 +188,13 @@ class SshEndpoint(Transport):
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     raise ConnectionFailed(f"{self.name}: `{shlex.join(argv)[:120]}` timed out after {timeout}s")
-                if not got:
+                if got:
+                    quiet_since = time.monotonic()
+                else:
                     select.select([chan], [], [], 0.05)
+                    if idle is not None and time.monotonic() - quiet_since >= idle:
+                        quiet_since = time.monotonic()
+                        yield "idle", b""
             # paramiko reports -1 when the channel closed without an exit status: the connection went away.
             status = chan.recv_exit_status() if chan.exit_status_ready() else -1
             if status == -1:

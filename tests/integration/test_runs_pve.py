@@ -196,3 +196,19 @@ def test_attach_command_line_goes_through_host_and_pct(pve_env: Env) -> None:
         assert argv[-1].startswith("pct exec 200 -- tmux attach-session -t")
     finally:
         pve_env.ctl("stop", "att1", "--grace", "2")
+
+
+def test_tail_f_ends_on_a_crash_even_when_the_process_hangs(pve_env: Env) -> None:
+    """An NCCL error often leaves the process alive: the follow still ends, shortly after the signature."""
+    (pve_env.dir / "templates" / "start_training.sh.j2").write_text(
+        "#!/usr/bin/env bash\necho 'Traceback (most recent call last):'\n"
+        "echo 'torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error'\n"
+        "exec sleep 600\n")
+    deployed(pve_env)
+    t0 = time.monotonic()
+    r = pve_env.ctl("launch", "ct200", "--run", "hang1", "-f", timeout=60)
+    assert r.returncode == ExitCode.RUN_FAILED, r.stdout + r.stderr
+    assert "crash signature 'nccl'" in r.stdout and "(crashed)" in r.stdout
+    assert time.monotonic() - t0 < 30
+    stop = pve_env.ctl("stop", "hang1", "--grace", "2")
+    assert stop.returncode == 0, stop.stdout + stop.stderr
