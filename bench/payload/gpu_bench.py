@@ -128,8 +128,10 @@ def case_target(model: str, b: int, s: int, reps: int) -> None:
                                   "tok_s": round(b * s / dt, 1), "peak_gib": peak}))
 
 
-def case_drafter(model: str, b: int, s: int, n: int, compiled: bool, reps: int) -> None:
-    """One drafter training step (fwd + bwd + AdamW) at the run's shapes, compiled or eager flex_attention."""
+def case_drafter(model: str, b: int, s: int, n: int, compiled: bool, reps: int, cache: str | None = None) -> None:
+    """One drafter training step (fwd + bwd + AdamW) at the run's shapes, compiled or eager flex_attention.
+
+    With `cache`: load the portable cache first when the file exists, else save it after the first step."""
     import torch
 
     sys.path.insert(0, str(ROOT / "remote_payload"))
@@ -160,10 +162,17 @@ def case_drafter(model: str, b: int, s: int, n: int, compiled: bool, reps: int) 
         opt.zero_grad()
         return loss
 
+    loaded = tp.load_compile_cache(cache) if cache else "none"
     t = time.perf_counter()
     step(0)
     torch.cuda.synchronize()
     first = time.perf_counter() - t
+    if cache and loaded == "none":
+        tp.save_compile_cache(cache)
+    from torch._dynamo.utils import counters
+
+    hits = {k: v for k, v in counters["inductor"].items() if "cache" in k}
+    hits.update({f"aot_{k}": v for k, v in counters["aot_autograd"].items() if "cache" in k})
     for i in range(2):
         step(i + 1)
     torch.cuda.synchronize()
@@ -172,7 +181,8 @@ def case_drafter(model: str, b: int, s: int, n: int, compiled: bool, reps: int) 
         step(i)
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / reps
-    print("RESULT " + json.dumps({"compiled": compiled, "drafter_params_m": round(dm.param_count(d) / 1e6, 1),
+    print("RESULT " + json.dumps({"cache": loaded, "cache_counters": hits, "compiled": compiled,
+                                  "drafter_params_m": round(dm.param_count(d) / 1e6, 1),
                                   "batch": b, "seq": s, "anchors": n, "first_step_s": round(first, 1),
                                   "ms_per_step": round(dt * 1e3, 1), "tok_s": round(b * s / dt, 1),
                                   "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}))
@@ -222,6 +232,15 @@ def phase2() -> None:
     pipeline("pipe-1b-n512-b1-ipc", [*spec, "--steps", "40", "--compile", "--transport", "ipc"], 120)
 
 
+def phase3() -> None:
+    """Does the portable cache hit? The same drafter step in two fresh processes with fresh inductor dirs."""
+    py, me = sys.executable, str(Path(__file__).resolve())
+    cache = str(RUNS / "micro_cache.bin")
+    for name in ("micro-cold-save", "micro-warm-load"):
+        run(name, [py, me, "--case", "drafter", "--model", "1b", "--b", "4", "--s", "2048", "--n", "64", "--reps", "3",
+                   "--compiled", "--cache", cache], 120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", type=int)
@@ -232,14 +251,15 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--compiled", action="store_true")
+    ap.add_argument("--cache", default=None)
     a = ap.parse_args()
     if a.case == "target":
         return case_target(a.model, a.b, a.s, a.reps)
     if a.case == "drafter":
-        return case_drafter(a.model, a.b, a.s, a.n, a.compiled, a.reps)
+        return case_drafter(a.model, a.b, a.s, a.n, a.compiled, a.reps, a.cache)
     OUT.mkdir(parents=True, exist_ok=True)
     PHASE["n"] = a.phase
-    (phase1 if a.phase == 1 else phase2)()
+    {1: phase1, 2: phase2, 3: phase3}[a.phase]()
     (OUT / f"results_phase{a.phase}.json").write_text(json.dumps(RESULTS, indent=1))
     print("\n=== summary")
     for r in RESULTS:
