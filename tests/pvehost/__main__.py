@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
             host = PveHost(base=base, port=args.port).up()
             print(f"up in {time.monotonic() - t0:.1f}s at {host.base}")
             _describe(host)
+            inv = _write_inventory(host)
+            print(f"  inventory: {inv}   try: ctl -i {inv} ping; ctl -i {inv} deploy ct200 --dry-run")
         elif args.action == "down":
             down(base)
             print(f"down: {base} removed")
@@ -38,6 +40,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _write_inventory(host: PveHost) -> Path:
+    """An inventory for trying ctl by hand: this repository's payload and the test host's containers
+    (8 idle stand-in GPUs each)."""
+    repo = Path(__file__).resolve().parents[2]
+    for node in host.nodes:
+        for vmid in node.vmids:
+            host.set_gpus(vmid, count=8)
+    payload = [
+        {"src": str(repo / "remote_payload" / "dflash_model.py"), "dest": "/root/dflash_model.py"},
+        {"src": str(repo / "remote_payload" / "train_dflash_pipeline.py"),
+         "dest": "/root/train_dflash_pipeline.py"},
+        {"template": str(repo / "templates" / "start_training.sh.j2"), "dest": "/root/start_training.sh",
+         "mode": "0755"},
+    ]
+    runs = {"series": "fresh", "session": "dflash", "log": "/workspace/train_stdout_{run}.log"}
+    return host.write_inventory(host.base / "inventory.yaml", payload=payload, runs=runs)
 
 
 def _describe(host: PveHost) -> None:
