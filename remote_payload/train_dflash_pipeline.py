@@ -177,8 +177,8 @@ class Data:
 
     Default: generated patterns (a motif of 2..12 tokens out of 64 repeated): learnable, so the loss visibly goes
     down within a minute on a CPU even with a random target (whose frozen random LM head caps how low it goes).
-    With --data: a jsonl of {"prompt", "response"} (loss on
-    the response) or {"text"} records, tokenised, packed into one stream, rows cut at random offsets.
+    With --data: a jsonl of {"prompt", "response"} (loss on the response) or {"text"} records, tokenised,
+    packed into one stream, rows cut at random offsets.
     """
 
     def __init__(self, path: str | None, vocab: int, seq_len: int, seed: int, tokenizer=None):
@@ -274,7 +274,9 @@ def pack_meta(ids, loss_mask, anchors, keep):
 
 
 def unpack_meta(meta, s: int, n: int):
-    return meta[:, :s], meta[:, s:2 * s], meta[:, 2 * s:2 * s + n], meta[:, 2 * s + n:].bool()
+    # Contiguous: compiled graphs (and the portable cache) are keyed on strides; the warm-up uses fresh tensors.
+    parts = meta[:, :s], meta[:, s:2 * s], meta[:, 2 * s:2 * s + n], meta[:, 2 * s + n:].bool()
+    return tuple(p.contiguous() for p in parts)
 
 
 class Outbox:
