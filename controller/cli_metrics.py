@@ -287,6 +287,39 @@ def status_cmd(
 # --- ctl watch -----------------------------------------------------------------------------------
 
 
+def _watch_loop(inv: Any, reg: Any, rec: Any, t: Any, *, until_step: int | None, limit_s: float | None,
+                for_text: str | None, every_s: float, slow_ratio: float, stall_s: float, glob: str | None,
+                tick: Any = None) -> tuple[Any, str]:
+    """Pull every `every_s` until the step, the time limit, the run's end or a stall: (RunStatus, why it ended).
+    Shared by `ctl watch` and the runbook's `watch` step, so both judge a run the same way."""
+    from controller import metricspull, runs
+    from controller.metrics import RunState
+
+    ct = inv.container(rec.ct)
+    t0 = time.monotonic()
+    why = ""
+    base = _baseline_for(inv, reg, rec, glob)
+    while True:
+        rec = runs.refresh(inv, ct, t, reg, [reg.run_by_id(rec.id)])[0]
+        res = metricspull.pull(t, reg, rec, checkpoints=glob)
+        rec = reg.run_by_id(rec.id)
+        st = metricspull.status_of(rec, reg, base, pull=res, slow_ratio=slow_ratio, stall_after_s=stall_s)
+        v = st.verdict
+        if tick is not None:
+            tick(st)
+        if until_step is not None and v.step is not None and v.step >= until_step:
+            why = f"reached step {v.step}"
+        elif rec.state not in runs.LIVE or v.state in (RunState.CRASHED, RunState.FINISHED):
+            why = f"run ended ({rec.state})"
+        elif v.state == RunState.STALLED:
+            why = "run stalled"
+        elif limit_s is not None and time.monotonic() - t0 >= limit_s:
+            why = f"watched for {for_text}"
+        if why:
+            return st, why
+        time.sleep(every_s)
+
+
 @app.command("watch")
 def watch_cmd(
     run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID."),
@@ -299,8 +332,8 @@ def watch_cmd(
 ) -> None:
     """Pull every few seconds until --until-step or --for is reached, or the run ends, crashes or stalls;
     print the verdict and exit with its code."""
-    from controller import metricspull, runs
-    from controller.metrics import RunState, format_rate
+    from controller import metricspull
+    from controller.metrics import format_rate
     from controller.transport.pool import Pool
 
     if until_step is None and for_ is None:
@@ -315,33 +348,20 @@ def watch_cmd(
     rec = reg.find_run(run)
     ct = inv.container(rec.ct)
     con = _console()
-    t0 = time.monotonic()
-    why = ""
-    with Pool(inv) as pool:
-        t = pool.container(ct)
-        base = _baseline_for(inv, reg, rec, glob)
-        while True:
-            rec = runs.refresh(inv, ct, t, reg, [reg.run_by_id(rec.id)])[0]
-            res = metricspull.pull(t, reg, rec, checkpoints=glob)
-            rec = reg.run_by_id(rec.id)
-            st = metricspull.status_of(rec, reg, base, pull=res, slow_ratio=slow_ratio, stall_after_s=stall_s)
+
+    def tick(st: Any) -> None:
+        if not OPTS.json:
             v = st.verdict
-            if not OPTS.json:
-                step = v.step if v.step is not None else "-"
-                con.print(f"{time.strftime('%H:%M:%S')} {rec.ct}/{rec.name} step {step} "
-                          f"{format_rate(st.last.tok_s if st.last else None)} tok/s  {v.state.label.upper()}",
-                          markup=False)
-            if until_step is not None and v.step is not None and v.step >= until_step:
-                why = f"reached step {v.step}"
-            elif rec.state not in runs.LIVE or v.state in (RunState.CRASHED, RunState.FINISHED):
-                why = f"run ended ({rec.state})"
-            elif v.state == RunState.STALLED:
-                why = "run stalled"
-            elif limit_s is not None and time.monotonic() - t0 >= limit_s:
-                why = f"watched for {for_}"
-            if why:
-                break
-            time.sleep(every_s)
+            step = v.step if v.step is not None else "-"
+            con.print(f"{time.strftime('%H:%M:%S')} {st.run.ct}/{st.run.name} step {step} "
+                      f"{format_rate(st.last.tok_s if st.last else None)} tok/s  {v.state.label.upper()}",
+                      markup=False)
+
+    with Pool(inv) as pool:
+        st, why = _watch_loop(inv, reg, rec, pool.container(ct), until_step=until_step, limit_s=limit_s,
+                              for_text=for_, every_s=every_s, slow_ratio=slow_ratio, stall_s=stall_s, glob=glob,
+                              tick=tick)
+    rec, v = st.run, st.verdict
     if OPTS.json:
         _out({**st.to_json(), "ended_because": why})
     else:
