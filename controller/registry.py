@@ -92,6 +92,23 @@ SCHEMA = [
         PRIMARY KEY (run_id, kind, path)
     );
     """,
+    # version 3: runs of runbooks (`ctl runbook run`, listed by `ctl runbook history`)
+    """
+    CREATE TABLE runbook_runs (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        name TEXT NOT NULL,             -- the runbook's `name:`
+        path TEXT NOT NULL,             -- the file, absolute
+        sha256 TEXT NOT NULL,           -- of the file's bytes
+        started REAL NOT NULL,
+        ended REAL,
+        outcome TEXT NOT NULL,          -- running | ok | failed | interrupted
+        exit_code INTEGER,
+        message TEXT,                   -- why it failed (the failing step's error or `fail:` message)
+        vars TEXT NOT NULL,             -- JSON {name: value} after --var
+        steps TEXT NOT NULL             -- JSON list of {path, kind, label, outcome, exit_code, seconds, detail}
+    );
+    CREATE INDEX runbook_runs_started ON runbook_runs(started);
+    """,
 ]
 
 
@@ -358,6 +375,52 @@ class Registry:
             (run_id, kind))
         return {r[0]: ({"sha256": r[1], "size": r[2], "mtime_ns": r[3]} if r[1] is not None else None)
                 for r in rows}
+
+    # --- runbook runs (schema version 3) ----------------------------------------------------------
+
+    def start_runbook(self, name: str, path: str, sha256: str, variables: dict[str, Any]) -> int:
+        """Record a runbook run as 'running' before its first step, so an interrupted one still shows up."""
+        with self.tx() as db:
+            cur = db.execute(
+                "INSERT INTO runbook_runs (name, path, sha256, started, outcome, vars, steps) "
+                "VALUES (?,?,?,?,'running',?,'[]')",
+                (name, path, sha256, time.time(), json.dumps(variables, sort_keys=True, default=str)))
+            run_id = cur.lastrowid
+        assert run_id is not None
+        return run_id
+
+    def finish_runbook(self, run_id: int, outcome: str, exit_code: int, message: str | None,
+                       steps: list[dict[str, Any]]) -> None:
+        with self.tx() as db:
+            db.execute("UPDATE runbook_runs SET ended=?, outcome=?, exit_code=?, message=?, steps=? WHERE id=?",
+                       (time.time(), outcome, exit_code, message, json.dumps(steps, default=str), run_id))
+
+    def runbook_runs(self, *, name: str | None = None, limit: int = 30) -> list[RunbookRun]:
+        if name:
+            rows = self._db.execute("SELECT * FROM runbook_runs WHERE name=? ORDER BY id DESC LIMIT ?", (name, limit))
+        else:
+            rows = self._db.execute("SELECT * FROM runbook_runs ORDER BY id DESC LIMIT ?", (limit,))
+        return [RunbookRun(r["id"], r["name"], r["path"], r["sha256"], r["started"], r["ended"], r["outcome"],
+                           r["exit_code"], r["message"], json.loads(r["vars"]), json.loads(r["steps"]))
+                for r in rows]
+
+
+@dataclass(frozen=True)
+class RunbookRun:
+    id: int
+    name: str
+    path: str
+    sha256: str
+    started: float
+    ended: float | None
+    outcome: str
+    exit_code: int | None
+    message: str | None
+    vars: dict[str, Any]
+    steps: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
 _JSON_FIELDS = {"files", "vars", "rendered", "env"}
