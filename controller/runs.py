@@ -320,10 +320,10 @@ def follow(
     crash_at: float | None = None
     tries = 0
     while True:
-        st = _runstate(t, run)
-        if not st.get("alive") and st.get("log_size") == offset and crash_at is None:
-            break
         try:
+            st = _runstate(t, run)
+            if not st.get("alive") and st.get("log_size") == offset and crash_at is None:
+                break
             argv = ["tail", "-c", f"+{offset + 1}"]
             if st.get("pid") and st.get("alive"):
                 argv += ["-F", f"--pid={st['pid']}", "-s", "0.2"]  # tail ends when the training does

@@ -50,6 +50,7 @@ class SshEndpoint(Transport):
         self._conn: Connection | None = None
         self._lock = threading.Lock()
         self.round_trips = 0  # exec channels opened: what the benchmarks count
+        self.connects = 0  # SSH connections opened (more than one: a dropped connection was re-opened)
 
     # --- connection ------------------------------------------------------------------------------
 
@@ -61,6 +62,7 @@ class SshEndpoint(Transport):
             if self._conn is not None and self._conn.is_connected:
                 return self._conn
             self._conn = self._open()
+            self.connects += 1
             return self._conn
 
     def _open(self) -> Connection:

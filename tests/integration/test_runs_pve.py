@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -212,3 +214,39 @@ def test_tail_f_ends_on_a_crash_even_when_the_process_hangs(pve_env: Env) -> Non
     assert time.monotonic() - t0 < 30
     stop = pve_env.ctl("stop", "hang1", "--grace", "2")
     assert stop.returncode == 0, stop.stdout + stop.stderr
+
+
+def test_follow_survives_a_dropped_connection_without_losing_or_repeating_lines(pve_env: Env) -> None:
+    import threading
+
+    from controller import metrics, runs
+    from controller.inventory import load
+    from controller.registry import Registry
+    from controller.transport.pool import Pool
+
+    deployed(pve_env, steps=40, interval=0.1)
+    pve_env.ctl("launch", "ct200", "--run", "drop1", check=True)
+    inv = load(pve_env.inventory)
+    reg = Registry(pve_env.state / "registry.sqlite3")
+    rec = reg.find_run("drop1")
+    listener = int((pve_env.host.base / "pve1" / "sshd.pid").read_text())
+    lines: list[str] = []
+
+    def cut() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len([x for x in lines if "step=" in x]) < 10:
+            time.sleep(0.05)
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(listener)], capture_output=True, text=True).stdout
+        for pid in out.split():
+            os.kill(int(pid), signal.SIGKILL)
+
+    cutter = threading.Thread(target=cut)
+    cutter.start()
+    with Pool(inv) as pool:
+        end = runs.follow(pool.container(inv.container("ct200")), reg, rec, lines=-1, follow=True,
+                          emit=lines.append, detect=metrics.detect_crash)
+        assert pool.host("pve1").connects >= 2  # the connection was really cut and re-opened
+    cutter.join()
+    steps = [p.step for p in map(metrics.parse_line, lines) if isinstance(p, metrics.MetricPoint)]
+    assert steps == list(range(1, 41)), steps
+    assert end.state == "finished" and end.exit_status == 0
