@@ -95,6 +95,7 @@ class Step:
     on: tuple[tuple[str, tuple[Step, ...]], ...]
     path: str  # steps[3] | steps[3].on.SLOW[0]
     line: int | None
+    arg_lines: Mapping[str, int | None] = field(default_factory=dict)
 
     @property
     def spec(self) -> Kind:
@@ -304,7 +305,8 @@ class _Parser:
                 if not isinstance(sub, list) or not sub:
                     raise self.error((*loc, "on", key), "must be a non-empty list of steps")
                 branches.append((key, self.steps(sub, (*loc, "on", key), known | set(kind.sets))))
-        return Step(kind.name, args, tuple(branches), _dotted(loc), self.lines.get(loc))
+        return Step(kind.name, args, tuple(branches), _dotted(loc), self.lines.get(loc),
+                    {k: self.lines.get(arg_locs[k]) for k in args})
 
     def check_value(self, param: Param, value: Any, loc: tuple[Any, ...], known: set[str]) -> None:
         """Literal values through the validators now; templates: syntax and variables now, values when run."""
@@ -354,7 +356,7 @@ def template_variables(text: str) -> set[str]:
 
 def render_value(value: Any, variables: Mapping[str, Any]) -> Any:
     """Render a string (or each string of a list) with StrictUndefined; other values pass through."""
-    from jinja2 import UndefinedError
+    from jinja2 import TemplateError
 
     if isinstance(value, list):
         return [render_value(v, variables) for v in value]
@@ -362,8 +364,10 @@ def render_value(value: Any, variables: Mapping[str, Any]) -> Any:
         return value
     try:
         return _env().from_string(value).render(**variables)
-    except UndefinedError as e:
-        raise KeyError(str(e.message or "undefined variable")) from None
+    except TemplateError as e:  # UndefinedError (StrictUndefined), SecurityError (the sandbox)
+        text = str(e.message or type(e).__name__)
+        m = re.fullmatch(r"'(\w+)' is undefined", text)
+        raise KeyError(f"undefined variable {m.group(1)!r}" if m else text) from None
 
 
 # --- values --------------------------------------------------------------------------------------
@@ -544,15 +548,16 @@ def render_args(book: Runbook, step: Step, variables: Mapping[str, Any]) -> dict
     out: dict[str, Any] = {}
     for param in step.spec.params:
         key = kloc if step.spec.scalar else f"{kloc}.{param.key}"
+        line = step.arg_lines.get(param.key) or step.line
         try:
             value = render_value(step.args.get(param.key), variables)
         except KeyError as e:
-            raise RunbookError(file, e.args[0], line=step.line, key=key) from None
+            raise RunbookError(file, e.args[0], line=line, key=key) from None
         try:
             out[param.key] = coerce(param, value)
         except ValueError as e:
             raise RunbookError(file, f"{e} (rendered: {value!r})" if _is_template(step.args.get(param.key))
-                               else str(e), line=step.line, key=key) from None
+                               else str(e), line=line, key=key) from None
     if step.kind == "watch" and out["until_step"] is None and out["for"] is None:
         raise RunbookError(file, "give until_step or for (or both)", line=step.line, key=kloc)
     return out
