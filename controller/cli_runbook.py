@@ -17,22 +17,9 @@ from typing import Any
 
 import typer
 
+from controller import cli_base as _cli
 from controller.errors import ExitCode
 
-
-def _cli_module() -> Any:
-    """controller.cli, or `__main__` when run as `python -m controller.cli` (see cli_metrics)."""
-    main = sys.modules.get("__main__")
-    if getattr(getattr(main, "__spec__", None), "name", None) == "controller.cli":
-        return main
-    if "controller.cli" in sys.modules:  # imported from cli.py itself: the module is still initialising
-        return sys.modules["controller.cli"]
-    import controller.cli
-
-    return controller.cli
-
-
-_cli = _cli_module()
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
 _console, _inv, _out, _registry, _table = _cli._console, _cli._inv, _cli._out, _cli._registry, _cli._table
