@@ -246,7 +246,7 @@ def test_env_check_lock_and_sync_without_uv(box: Ctl) -> None:
     probe = box("env", "probe", "box")
     assert "2.11.0+cu128 (CUDA tag cu128" in probe.stdout and "fingerprint" in probe.stdout
 
-    dry = box("env", "sync", "box", "--dry-run")
+    dry = box("env", "sync", "box", "--dry-run", "--uv", "/opt/uv/bin/uv")  # not found, whatever this machine has
     assert dry.returncode == 0, dry.stderr
     assert "take a snapshot first: ctl snapshot box pre-sync-" in dry.stdout
     assert "uv venv --python" in dry.stdout and "mv -T" in dry.stdout and "uv is not installed" in dry.stdout
