@@ -297,19 +297,18 @@ class Registry:
 
     # --- metrics ---------------------------------------------------------------------------------
 
-    def add_points(self, run_id: int, points: list[dict[str, Any]]) -> None:
-        if not points:
-            return
-        with self.tx() as db:
-            seq = db.execute("SELECT COALESCE(MAX(seq), -1) FROM metrics WHERE run_id=?", (run_id,)).fetchone()[0]
-            db.executemany(
-                "INSERT INTO metrics VALUES (?,?,?,?,?,?,?,?)",
-                [
-                    (run_id, seq + 1 + i, p.get("step"), p.get("time"), p.get("elapsed_s"), p.get("loss"),
-                     p.get("tok_s"), json.dumps(p))
-                    for i, p in enumerate(points)
-                ],
-            )
+    @staticmethod
+    def _insert_points(db: sqlite3.Connection, run_id: int, points: list[dict[str, Any]]) -> None:
+        """Append points after the run's last one (inside the caller's transaction)."""
+        seq = db.execute("SELECT COALESCE(MAX(seq), -1) FROM metrics WHERE run_id=?", (run_id,)).fetchone()[0]
+        db.executemany(
+            "INSERT INTO metrics VALUES (?,?,?,?,?,?,?,?)",
+            [
+                (run_id, seq + 1 + i, p.get("step"), p.get("time"), p.get("elapsed_s"), p.get("loss"),
+                 p.get("tok_s"), json.dumps(p))
+                for i, p in enumerate(points)
+            ],
+        )
 
     def points(self, run_id: int) -> list[dict[str, Any]]:
         rows = self._db.execute("SELECT data FROM metrics WHERE run_id=? ORDER BY seq", (run_id,))
@@ -340,15 +339,7 @@ class Registry:
             now = (int(row[0]), row[1]) if row is not None else (0, None)
             if now != expect:
                 return False
-            seq = db.execute("SELECT COALESCE(MAX(seq), -1) FROM metrics WHERE run_id=?", (run_id,)).fetchone()[0]
-            db.executemany(
-                "INSERT INTO metrics VALUES (?,?,?,?,?,?,?,?)",
-                [
-                    (run_id, seq + 1 + i, p.get("step"), p.get("time"), p.get("elapsed_s"), p.get("loss"),
-                     p.get("tok_s"), json.dumps(p))
-                    for i, p in enumerate(points)
-                ],
-            )
+            self._insert_points(db, run_id, points)
             db.execute(
                 "INSERT INTO log_cursor VALUES (?,?,?,?,?) ON CONFLICT(run_id) DO UPDATE SET "
                 "offset=excluded.offset, ident=excluded.ident, partial=excluded.partial, updated=excluded.updated",
