@@ -18,7 +18,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,38 +25,13 @@ sys.path.insert(0, str(REPO))
 
 from controller import metricspull  # noqa: E402
 from controller.registry import Registry  # noqa: E402
-from controller.transport.base import Result, Transport  # noqa: E402
+from controller.transport.counting import Counting  # noqa: E402
 
 NOISE = "kpro6:1234:1301 [{r}] NCCL INFO Channel {c:02d}/0 : {r}[{r}] -> {n}[{n}] via P2P/CUMEM/read\n"
 METRIC = ("[{m}m] step={s} loss=9.8123 lr=3.0e-04 tgt=0.33b/s dft=0.33b/s (12.8Ktok/s) q_hs=[0, 2, 1] "
           "| ETA=13.1d\n")
 
 
-class Counting(Transport):
-    """Wraps a transport and counts what crosses it."""
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner, self.name = inner, inner.name
-        self.sent = self.received = self.calls = 0
-
-    def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None) -> Result:
-        res = self.inner.run(argv, stdin=stdin, timeout=timeout)
-        self.calls += 1
-        self.sent += len(stdin or b"") + sum(len(a.encode()) for a in argv)
-        self.received += len(res.stdout) + len(res.stderr)
-        return res
-
-    def put(self, local_path: str, remote_path: str) -> None:
-        self.inner.put(local_path, remote_path)
-
-    def get(self, remote_path: str, local_path: str) -> None:
-        self.inner.get(remote_path, local_path)
-
-    def path(self, container_path: str) -> str:
-        return self.inner.path(container_path)
-
-    def reset(self) -> None:
-        self.sent = self.received = self.calls = 0
 
 
 def write_log(path: Path, size: int, every: int) -> int:

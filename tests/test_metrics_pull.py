@@ -24,7 +24,8 @@ from controller.errors import BusyError, ExitCode, InputError
 from controller.inventory import load
 from controller.metrics import parse_line
 from controller.registry import Registry, RunRecord
-from controller.transport.base import Result, Transport
+from controller.transport.base import Result
+from controller.transport.counting import Counting
 from controller.transport.local import LocalContainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,29 +202,6 @@ def test_export_plot_and_pull_through_the_cli(env: Env) -> None:
 # --- the pull itself: bytes on the wire, cursor, truncation, rotation, hashes -----------------------
 
 
-class Counting(Transport):
-    """The local transport, counting what crosses it (stdin in, stdout + stderr back)."""
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.sent = self.received = self.calls = 0
-
-    def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None) -> Result:
-        res = self.inner.run(argv, stdin=stdin, timeout=timeout)
-        self.calls += 1
-        self.sent += len(stdin or b"") + sum(len(a) for a in argv)
-        self.received += len(res.stdout) + len(res.stderr)
-        return res
-
-    def put(self, local_path: str, remote_path: str) -> None:
-        self.inner.put(local_path, remote_path)
-
-    def get(self, remote_path: str, local_path: str) -> None:
-        self.inner.get(remote_path, local_path)
-
-    def path(self, container_path: str) -> str:
-        return self.inner.path(container_path)
 
 
 def lines(first: int, n: int, tok: str = "12.8K") -> bytes:
