@@ -250,3 +250,32 @@ def test_follow_survives_a_dropped_connection_without_losing_or_repeating_lines(
     steps = [p.step for p in map(metrics.parse_line, lines) if isinstance(p, metrics.MetricPoint)]
     assert steps == list(range(1, 41)), steps
     assert end.state == "finished" and end.exit_status == 0
+
+
+def test_attach_really_attaches_and_detaches(pve_env: Env, tmp_path: Path) -> None:
+    """`ctl attach` on a terminal: ssh -t to the host, pct exec, tmux attach; C-b d detaches, run goes on."""
+    deployed(pve_env, steps=100000, interval=0.2)
+    pve_env.ctl("launch", "ct200", "--run", "att2", check=True)
+    sock = str(tmp_path / "tmux.sock")  # the operator's own terminal: a tmux on this machine
+    env = {k: v for k, v in pve_env.env.items() if k != "TMUX"}
+    cmd = f"{sys.executable} -m controller -i {pve_env.inventory} attach att2"
+    subprocess.run(["tmux", "-S", sock, "new-session", "-d", "-x", "160", "-y", "40", cmd], env=env, check=True)
+    try:
+        deadline = time.monotonic() + 20
+        screen = ""
+        while time.monotonic() < deadline and "step=" not in screen:
+            time.sleep(0.3)
+            screen = subprocess.run(["tmux", "-S", sock, "capture-pane", "-p"], capture_output=True,
+                                    text=True).stdout
+        assert "step=" in screen, screen  # the run's own pane, seen through ssh + pct exec + tmux attach
+        subprocess.run(["tmux", "-S", sock, "send-keys", "C-b", "d"], check=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and subprocess.run(
+                ["tmux", "-S", sock, "has-session"], capture_output=True).returncode == 0:
+            time.sleep(0.2)
+        assert subprocess.run(["tmux", "-S", sock, "has-session"], capture_output=True).returncode != 0
+        run = wait_state(pve_env, "att2", {"running"})  # detaching leaves the training alone
+        assert run["state"] == "running"
+    finally:
+        subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True)
+        pve_env.ctl("stop", "att2", "--grace", "2")
