@@ -16,7 +16,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   else
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq --no-install-recommends openssh-server openssh-client lxc tmux git procps >/dev/null
+    apt-get install -y -qq openssh-server openssh-client lxc tmux git procps >/dev/null
   fi
 fi
 
