@@ -170,11 +170,16 @@ def _gpu_check(ct: Container, info: dict[str, Any], threshold: float, force: boo
 # --- launch --------------------------------------------------------------------------------------
 
 
-def launcher_script(t: Transport, rp: RunPaths, start_script: str) -> str:
-    """What tmux runs: log opened with noclobber, training in its own process group, exit status kept."""
+def launcher_script(t: Transport, rp: RunPaths, start_script: str, env: dict[str, str]) -> str:
+    """What tmux runs: log opened with noclobber, training in its own process group, exit status kept.
+
+    The run's variables are exported by the script itself: a tmux server that is already running gives
+    new sessions ITS environment, not the launching client's, so CTL_RUN would be a previous run's.
+    """
     log = shlex.quote(t.path(rp.log))
     start = shlex.quote(t.path(start_script))
     return "\n".join([
+        *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
         "set -m -C",
         f"exec 3>{log} || {{ echo 'ctl: refusing to overwrite '{log} >&2; exit 97; }}",
         f"bash {start} >&3 2>&1 3>&- &",
@@ -205,10 +210,9 @@ def launch(
     try:
         checks = preflight(inv, ct, t, rp, manifest, allow_drift=allow_drift, force=force)
         env = env_probe() if env_probe is not None else None
-        script = launcher_script(t, rp, start[0].dest)
         run_env = {"CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
-        command = " ".join(f"{k}={shlex.quote(v)}" for k, v in run_env.items()) + " " + shlex.join(
-            ["tmux", "new-session", "-d", "-s", rp.session, "bash", "-c", script])
+        script = launcher_script(t, rp, start[0].dest, run_env)
+        command = shlex.join(["tmux", "new-session", "-d", "-s", rp.session, "bash", "-c", script])
         record = {
             "run": name, "ct": ct.name, "host": ct.host_name, "vmid": ct.spec.vmid, "created": rec.created,
             "commit": manifest.commit, "dirty": manifest.dirty, "files": manifest.hashes(), "vars": manifest.vars,

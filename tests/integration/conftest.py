@@ -23,6 +23,7 @@ START_TEMPLATE = """\
 #!/usr/bin/env bash
 # test start script: the fake payload prints the seeds' log format
 set -euo pipefail
+echo "ctl run: $CTL_RUN in $CTL_RUN_DIR"
 exec python3 {{ payload["emit_metrics.py"] }} --tok-s {{ tok_s }} --steps {{ steps }} --interval {{ interval }} \
   {{ extra }}
 """

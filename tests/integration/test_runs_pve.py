@@ -279,3 +279,19 @@ def test_attach_really_attaches_and_detaches(pve_env: Env, tmp_path: Path) -> No
     finally:
         subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True)
         pve_env.ctl("stop", "att2", "--grace", "2")
+
+
+def test_a_run_gets_its_own_variables_while_another_holds_the_tmux_server(pve_env: Env) -> None:
+    """tmux gives new sessions the running server's environment: the launcher must export CTL_RUN itself."""
+    deployed(pve_env, steps=100000, interval=0.2)
+    pve_env.ctl("launch", "ct200", "--run", "first1", check=True)  # keeps the container's tmux server up
+    try:
+        pve_env.ctl("launch", "ct200", "--run", "second1", check=True)
+        deadline = time.monotonic() + 10
+        log = Path(log_path(pve_env, 200, "second1"))
+        while time.monotonic() < deadline and "ctl run:" not in log.read_text():
+            time.sleep(0.1)
+        assert f"ctl run: second1 in /workspace/{pve_env.tag}/runs/second1" in log.read_text()
+    finally:
+        pve_env.ctl("stop", "first1", "--grace", "2")
+        pve_env.ctl("stop", "second1", "--grace", "2")
