@@ -16,7 +16,7 @@ from typing import Any
 import typer
 
 from controller import cli_base as _cli
-from controller.errors import CtlError, ExitCode
+from controller.errors import BusyError, CtlError, ExitCode
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
@@ -162,11 +162,19 @@ def sync_cmd(
     python: str | None = typer.Option(None, "--python", help="Python version or interpreter (default: the lock's)."),
     uv: str | None = typer.Option(None, "--uv", help="uv inside the container (default: PATH, ~/.local/bin/uv)."),
     lock: str | None = typer.Option(None, "--lock", help="Lock file (default: the container's `lock:`)."),
+    force: bool = typer.Option(False, "--force", help="Switch although a run is live on the container."),
 ) -> None:
     """Build a NEW venv beside the old one from the lock (uv), verify it, then switch the venv symlink to it."""
-    from controller import envcmd
+    from controller import envcmd, runs
 
     with _container(container) as (inv, ct, t):
+        if not dry_run and not force:
+            busy = runs.live(inv, ct, t, _registry())
+            if busy:
+                names = ", ".join(r.name for r in busy)
+                raise BusyError(f"{ct.name}: run {names} is live; switching its venv under it would mix two "
+                                f"environments in one run (stop it first: ctl stop {ct.name}/{busy[0].name}; "
+                                "or --force)")
         plan = envcmd.sync(inv, ct, t, dry_run=True, python=python, uv=uv, lock_override=lock)
         con = _console()
         if not OPTS.json:

@@ -270,6 +270,14 @@ def refresh(inv: Inventory, ct: Container, t: Transport, reg: Registry, runs: li
     return [updated.get(r.id, r) for r in runs]
 
 
+def live(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> list[RunRecord]:
+    """Runs the registry believes live on this CT, confirmed by asking the container (one round trip)."""
+    candidates = [r for r in reg.runs(ct.name, limit=10_000) if r.state in LIVE]
+    if not candidates:
+        return []
+    return [r for r in refresh(inv, ct, t, reg, candidates) if r.state in LIVE]
+
+
 def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRecord, grace: float = 30) -> RunRecord:
     if run.state not in LIVE:
         raise InputError(f"run {run.name} on {ct.name} is not running (state: {run.state})")

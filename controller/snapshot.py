@@ -224,20 +224,19 @@ def live_runs(inv: Inventory, ct: Container, t: Target, pool: Pool, reg: Registr
     """Runs the registry believes live on this CT, confirmed by asking the container (runs.refresh)."""
     from controller import runs
 
-    live = [r for r in reg.runs(ct.name, limit=10_000) if r.state in runs.LIVE]
-    if not live:
+    believed = [r for r in reg.runs(ct.name, limit=10_000) if r.state in runs.LIVE]
+    if not believed:
         return []
     try:
         if t.backend.status(t.vmid) != "running":
             return []  # a stopped container runs nothing
-        fresh = runs.refresh(inv, ct, pool.container(ct), reg, live)
+        return runs.live(inv, ct, pool.container(ct), reg)
     except PveFailure as e:
         raise _failed(t, "status", e) from None
     except CtlError as e:
-        names = ", ".join(r.name for r in live)
+        names = ", ".join(r.name for r in believed)
         raise BusyError(f"{t.label}: cannot tell whether run {names} is still live ({e}); "
                         "a rollback would kill it (--force to roll back anyway)") from None
-    return [r for r in fresh if r.state in runs.LIVE]
 
 
 def rollback(

@@ -295,3 +295,14 @@ def test_a_run_gets_its_own_variables_while_another_holds_the_tmux_server(pve_en
     finally:
         pve_env.ctl("stop", "first1", "--grace", "2")
         pve_env.ctl("stop", "second1", "--grace", "2")
+
+
+def test_env_sync_refuses_while_a_run_is_live(pve_env: Env) -> None:
+    deployed(pve_env, steps=100000, interval=0.2)
+    pve_env.ctl("launch", "ct200", "--run", "busyenv", check=True)
+    try:
+        r = pve_env.ctl("env", "sync", "ct200", "--yes")
+        assert r.returncode == ExitCode.BUSY, r.stdout + r.stderr
+        assert "run busyenv is live" in r.stderr and "ctl stop ct200/busyenv" in r.stderr
+    finally:
+        pve_env.ctl("stop", "busyenv", "--grace", "2")
