@@ -186,11 +186,6 @@ def remote_hashes(t: Transport, dests: list[str]) -> dict[str, dict[str, Any] | 
     return files
 
 
-def plan(t: Transport, manifest: Manifest) -> list[FilePlan]:
-    have = remote_hashes(t, [f.dest for f in manifest.files])
-    return [_file_plan(f, have.get(f.dest)) for f in manifest.files]
-
-
 # --- apply ---------------------------------------------------------------------------------------
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shlex
 from functools import cache
 from pathlib import Path
 from typing import Any, NoReturn
@@ -53,7 +52,3 @@ def raise_agent_failure(t: Transport, verb: str, res: Result) -> NoReturn:
 def shell_line(t: Transport, verb: str, *args: str) -> str:
     """The copy-pasteable line a user could run by hand (stdin: agent source + payload)."""
     return t.script(agent_argv(verb, *args))
-
-
-def quote(s: str) -> str:
-    return shlex.quote(s)
