@@ -24,6 +24,7 @@ from controller.cli_base import (
     _refresh_all,
     _registry,
     _run_and_ct,
+    _session,
     _table,
     app,
 )
@@ -202,12 +203,9 @@ def launch_cmd(
 ) -> None:
     """Preflight, then start the run in a detached tmux session with its own, never-reused log."""
     from controller import envcmd, runs
-    from controller.transport.pool import Pool
 
-    inv = _inv()
-    ct = _one_ct(inv, container)
     reg = _registry()
-    with Pool(inv) as pool:
+    with _session(container) as (inv, ct, pool):
         t = pool.container(ct)
         rec, checks = runs.launch(inv, ct, t, reg, run, allow_drift=allow_drift, force=force,
                                   env_probe=lambda: envcmd.probe_for_launch(inv, ct, t,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +85,17 @@ def _registry() -> Any:
     from controller.registry import Registry
 
     return Registry()
+
+
+@contextmanager
+def _session(container: str) -> Iterator[tuple[Any, Any, Any]]:
+    """(inventory, the one container named, a connection pool closed at the end) for a one-container verb."""
+    from controller.transport.pool import Pool
+
+    inv = _inv()
+    ct = _one_ct(inv, container)
+    with Pool(inv) as pool:
+        yield inv, ct, pool
 
 
 def _one_ct(inv: Any, name: str) -> Any:

@@ -31,11 +31,7 @@ app.add_typer(cache_app, name="cache")
 
 @contextmanager
 def _container(name: str) -> Iterator[tuple[Any, Any, Any]]:
-    from controller.transport.pool import Pool
-
-    inv = _inv()
-    ct = _cli._one_ct(inv, name)
-    with Pool(inv) as pool:
+    with _cli._session(name) as (inv, ct, pool):
         yield inv, ct, pool.container(ct)
 
 

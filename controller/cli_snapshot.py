@@ -86,12 +86,9 @@ def create_cmd(
 ) -> None:
     """Take a snapshot of the container (waits for the PVE task and reports its exit status)."""
     from controller import snapshot
-    from controller.transport.pool import Pool
 
     _name(name)
-    inv = _inv()
-    ct = _one_ct(inv, container)
-    with Pool(inv) as pool:
+    with _cli._session(container) as (inv, ct, pool):
         res = snapshot.create(snapshot.target(inv, ct, pool), name, description, dry_run=dry_run)
     _render(res)
 
@@ -100,11 +97,8 @@ def create_cmd(
 def list_cmd(container: str = typer.Argument(..., help="The container.")) -> None:
     """List the container's snapshots (oldest first; * = the one the container currently derives from)."""
     from controller import snapshot
-    from controller.transport.pool import Pool
 
-    inv = _inv()
-    ct = _one_ct(inv, container)
-    with Pool(inv) as pool:
+    with _cli._session(container) as (inv, ct, pool):
         lst = snapshot.list_snapshots(snapshot.target(inv, ct, pool))
     if OPTS.json:
         _out(lst.to_json())
@@ -128,13 +122,10 @@ def rollback_cmd(
 ) -> None:
     """Roll the container back to a snapshot: stops it, discards every change since; asks first."""
     from controller import snapshot
-    from controller.transport.pool import Pool
 
     _name(name)
-    inv = _inv()
-    ct = _one_ct(inv, container)
     reg = _registry()
-    with Pool(inv) as pool:
+    with _cli._session(container) as (inv, ct, pool):
         t = snapshot.target(inv, ct, pool)
         res = snapshot.rollback(inv, ct, t, pool, reg, name, start=start, force=force, dry_run=dry_run,
                                 confirm=_confirm(yes, f"rollback of {ct.name} to {name!r} discards every change "
@@ -155,12 +146,9 @@ def delete_cmd(
 ) -> None:
     """Delete a snapshot (the container itself is not touched); asks first."""
     from controller import snapshot
-    from controller.transport.pool import Pool
 
     _name(name)
-    inv = _inv()
-    ct = _one_ct(inv, container)
-    with Pool(inv) as pool:
+    with _cli._session(container) as (inv, ct, pool):
         t = snapshot.target(inv, ct, pool)
         res = snapshot.delete(t, name, dry_run=dry_run,
                               confirm=_confirm(yes, f"deleting snapshot {name!r} of {ct.name}"))
