@@ -123,16 +123,17 @@ def _start_venv(venv):
     py = _venv_python(venv)
     if py is None:
         return None, f"venv {venv} has no bin/python"
+    # -I: no cwd, PYTHONPATH or user site: the venv alone
+    return _spawn([py, "-I", "-c", _SNIPPET], py, cwd="/")
+
+
+def _spawn(argv, what, cwd=None):
+    """Start argv with its output captured; returns (popen, None) or (None, why it could not start)."""
     try:
-        proc = subprocess.Popen(
-            [py, "-I", "-c", _SNIPPET],  # -I: no cwd, PYTHONPATH or user site: the venv alone
-            cwd="/",
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-        )
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL)
     except OSError as exc:
-        return None, f"cannot run {py}: {exc}"
+        return None, f"cannot run {what}: {exc}"
     return proc, None
 
 
@@ -244,16 +245,7 @@ def _start_nvsmi():
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None, "nvidia-smi not found on PATH"
-    try:
-        proc = subprocess.Popen(
-            [exe, _NVSMI_QUERY, "--format=csv,noheader,nounits"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-        )
-    except OSError as exc:
-        return None, f"cannot run nvidia-smi: {exc}"
-    return proc, None
+    return _spawn([exe, _NVSMI_QUERY, "--format=csv,noheader,nounits"], "nvidia-smi")
 
 
 def _finish_nvsmi(proc):
