@@ -322,9 +322,7 @@ def follow(
     crash = None
     for line in info["text"].splitlines():
         emit(line)
-        found = detect(line)
-        if found and (crash is None or crash == "traceback"):
-            crash = found
+        crash = _named(crash, detect(line))
     offset = int(info["size"]) if lines >= 0 else 0  # lines < 0: the whole log, from its first byte
     if not follow:
         return FollowEnd(run.exit_status, crash, run.state)
@@ -348,10 +346,9 @@ def follow(
                     for raw in complete:
                         line = raw.decode("utf-8", "replace")
                         emit(line)
-                        found = detect(line)
-                        # A traceback's cause line (OOM, NCCL...) names the crash better than the traceback.
-                        if found and (crash is None or (crash == "traceback" and found != crash)):
-                            crash, crash_at = found, crash_at or time.monotonic()
+                        crash = _named(crash, detect(line))
+                        if crash is not None and crash_at is None:
+                            crash_at = time.monotonic()
                 if crash_at is not None and time.monotonic() - crash_at > crash_grace:
                     break
                 if kind == "exit":
@@ -373,6 +370,13 @@ def follow(
     if crash:
         reg.update_run(run.id, crash=crash)
     return FollowEnd(code, crash, state)
+
+
+def _named(crash: str | None, found: str | None) -> str | None:
+    """The crash so far, renamed when a traceback's cause line (OOM, NCCL, ...) names it better."""
+    if found is None or (crash is not None and crash != "traceback"):
+        return crash
+    return found
 
 
 def _runstate(t: Transport, run: RunRecord) -> dict[str, Any]:
