@@ -19,6 +19,7 @@ from controller.cli_base import (
     _ago,
     _console,
     _inv,
+    _note,
     _one_ct,
     _out,
     _refresh_all,
@@ -107,7 +108,8 @@ def deploy_cmd(
     inv = _inv()
     cts = inv.select(containers or [])
     reg = _registry()
-    with Pool(inv) as pool:
+    with Pool(inv, note=_note) as pool:
+        pool.share_exec(cts)  # several containers of one host: one exec for them all
         if check:
             checks = fanout(pool, cts, lambda ct, t: deploy.check(inv, ct, t, reg))
             _render_check(checks)

@@ -60,6 +60,12 @@ def _inv() -> Any:
     return inventory.load(OPTS.inventory)
 
 
+def _note(msg: str) -> None:
+    """What --debug adds on stderr: how ctl reached the containers (relay or not, and why)."""
+    if OPTS.debug:
+        sys.stderr.write(f"ctl: debug: {msg}\n")
+
+
 def _out(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 

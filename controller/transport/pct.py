@@ -13,11 +13,14 @@ import re
 import shlex
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from controller.errors import ConnectionFailed, NotRunning, RemoteCommandError, VerifyError
 from controller.transport.base import Duplex, Result, Transport
 from controller.transport.ssh import SshEndpoint
+
+if TYPE_CHECKING:
+    from controller.transport.relay import HostRelay
 
 _NOT_RUNNING = re.compile(r"container '(\d+)' not running!|can only (push|pull) files (to|from) a running")
 _NO_CONFIG = re.compile(r"Configuration file '([^']+)' does not exist")
@@ -34,12 +37,14 @@ def file_sha256(path: str) -> str:
 
 
 class PctContainer(Transport):
-    def __init__(self, name: str, host: SshEndpoint, vmid: int, *, pct: str = "pct", stage_dir: str = "/tmp"):
+    def __init__(self, name: str, host: SshEndpoint, vmid: int, *, pct: str = "pct", stage_dir: str = "/tmp",
+                 relay: HostRelay | None = None):
         self.name = name
         self.host = host
         self.vmid = vmid
         self.pct = pct
         self.stage_dir = stage_dir
+        self.relay = relay  # several containers of this host share one exec (run/open go through it)
 
     # --- pct-level ------------------------------------------------------------------------------
 
@@ -78,7 +83,13 @@ class PctContainer(Transport):
     def run(
         self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None
     ) -> Result:
-        res = self.host.run(self.exec_argv(argv), stdin=stdin, timeout=timeout)
+        if self.relay is not None and self.relay.available():
+            session = self.relay.open(self.exec_argv(argv))
+            if stdin:
+                session.send(stdin)
+            res = session.finish(timeout)
+        else:
+            res = self.host.run(self.exec_argv(argv), stdin=stdin, timeout=timeout)
         self._raise_pct(res)
         return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)
 
@@ -94,6 +105,8 @@ class PctContainer(Transport):
             yield kind, data
 
     def open(self, argv: Sequence[str]) -> Duplex:
+        if self.relay is not None and self.relay.available():
+            return _PctDuplex(self, self.relay.open(self.exec_argv(argv)), tuple(argv))
         return _PctDuplex(self, self.host.open(self.exec_argv(argv)), tuple(argv))
 
     def script(self, argv: Sequence[str]) -> str:

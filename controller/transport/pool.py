@@ -3,22 +3,44 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 
 from controller.inventory import Container, Inventory
 from controller.transport.base import Transport
 from controller.transport.local import LocalContainer
 from controller.transport.pct import PctContainer
+from controller.transport.relay import HostRelay
 from controller.transport.ssh import SshEndpoint
 
 
 class Pool:
     """Opens endpoints lazily and closes them all at the end (use as a context manager)."""
 
-    def __init__(self, inventory: Inventory) -> None:
+    def __init__(self, inventory: Inventory, *, note: Callable[[str], None] | None = None) -> None:
         self.inventory = inventory
+        self.note = note  # what --debug shows: relay used or not, and why
         self._hosts: dict[str, SshEndpoint] = {}
         self._direct: dict[str, SshEndpoint] = {}
+        self._relays: dict[str, HostRelay] = {}
         self._lock = threading.Lock()
+
+    def share_exec(self, cts: Iterable[Container]) -> list[str]:
+        """Hosts with two or more of these `pct` containers get one exec for all of them (ctl's host relay,
+        controller/transport/relay.py): their login shell and SSH channel are paid once, not per container.
+        One container alone keeps its direct exec (the relay would add a hop). Returns those hosts."""
+        per_host: dict[str, int] = {}
+        for ct in cts:
+            if ct.spec.transport == "pct" and ct.host_name is not None:
+                per_host[ct.host_name] = per_host.get(ct.host_name, 0) + 1
+        shared = [h for h, n in per_host.items() if n > 1]
+        for h in shared:
+            with self._lock:
+                if h in self._relays:
+                    continue
+            relay = HostRelay(self.host(h), note=self.note)
+            with self._lock:
+                self._relays.setdefault(h, relay)
+        return shared
 
     def __enter__(self) -> Pool:
         return self
@@ -61,11 +83,13 @@ class Pool:
                 return ep
         assert ct.host_name is not None and ct.host is not None and spec.vmid is not None
         return PctContainer(ct.name, self.host(ct.host_name), spec.vmid, pct=ct.host.pct,
-                            stage_dir=ct.host.stage_dir)
+                            stage_dir=ct.host.stage_dir, relay=self._relays.get(ct.host_name))
 
     def round_trips(self) -> int:
         return sum(ep.round_trips for ep in [*self._hosts.values(), *self._direct.values()])
 
     def close(self) -> None:
+        for relay in self._relays.values():
+            relay.close()
         for ep in [*self._hosts.values(), *self._direct.values()]:
             ep.close()

@@ -209,6 +209,16 @@ class SshEndpoint(Transport):
         finally:
             chan.close()
 
+    def exec_channel(self, argv: Sequence[str]) -> Any:
+        """A raw paramiko channel running argv (for protocols of our own, e.g. the host relay)."""
+        chan = self._channel()
+        try:
+            chan.exec_command(self.command_line(argv))
+        except (OSError, EOFError) as e:
+            self.close()
+            raise ConnectionFailed(f"{self.name}: SSH connection dropped: {e or type(e).__name__}") from None
+        return chan
+
     def open(self, argv: Sequence[str]) -> Duplex:
         chan = self._channel()
         try:

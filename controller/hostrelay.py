@@ -1,0 +1,158 @@
+"""ctl's host relay: runs ON a Proxmox host (stdlib only, Python >= 3.6), one per host and command.
+
+The controller never imports this module. It sends its source over the stdin of ONE SSH exec
+(`python3 -I -S -c BOOT N`, like the agent), and the relay then starts, for each container of that
+host, the exact argv ctl would otherwise have sent through its own exec (`pct exec VMID -- python3
+... agent ...`), concurrently, with no shell. Their stdin, stdout, stderr and exit status travel as
+frames over the relay's own stdin/stdout, so every container's conversation with its agent is the
+same as over a direct exec, while the host's login shell and the SSH channel are paid once.
+
+Frame: 7-byte header (kind: 1 byte, stream id: 2 bytes, length: 4 bytes, big-endian), then the data.
+  controller -> relay  S start (data: JSON argv)   I stdin data   C close that stdin
+  relay -> controller  H hello (stream 0, JSON)    O stdout data  E stderr data  X exit status (ASCII)
+A child that cannot be started answers E (the reason) and X 127, as a shell would. End of the
+relay's stdin (ctl is done, or the connection dropped) closes every child's stdin; the relay waits
+for the children (an agent that sees its stdin end leaves every old file whole) and exits.
+"""
+
+import json
+import os
+import queue
+import struct
+import subprocess
+import sys
+import threading
+
+HEADER = struct.Struct(">cHI")
+_CHUNK = 1 << 16
+_out_lock = threading.Lock()
+_broken = []  # set once our stdout is gone: keep draining children, stop writing
+
+
+def _emit(kind, sid, data=b""):
+    if _broken:
+        return
+    with _out_lock:
+        try:
+            out = sys.stdout.buffer
+            out.write(HEADER.pack(kind, sid, len(data)) + data)
+            out.flush()
+        except (OSError, ValueError):
+            _broken.append(True)
+
+
+def _read_exact(stream, n):
+    buf = b""
+    while len(buf) < n:
+        b = stream.read(n - len(buf))
+        if not b:
+            return None
+        buf += b
+    return buf
+
+
+class Child:
+    def __init__(self, sid, argv):
+        self.sid = sid
+        self.inbox = queue.Queue(maxsize=256)  # bounded: a slow reader holds the relay back, not its memory
+        self.threads = []
+        self.closed = False
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, close_fds=True)
+        except OSError as e:
+            self.proc = None
+            _emit(b"E", sid, ("ctl relay: cannot start %s: %s\n" % (argv[0] if argv else "?", e.strerror or e))
+                  .encode())
+            _emit(b"X", sid, b"127")
+            return
+        err = threading.Thread(target=self._pump, args=(self.proc.stderr, b"E"))
+        out = threading.Thread(target=self._finish, args=(err,))
+        writer = threading.Thread(target=self._write)
+        self.threads = [err, out, writer]
+        for t in self.threads:
+            t.daemon = True
+            t.start()
+
+    def _pump(self, pipe, kind):
+        fd = pipe.fileno()
+        while True:
+            try:
+                b = os.read(fd, _CHUNK)
+            except OSError:
+                b = b""
+            if not b:
+                break
+            _emit(kind, self.sid, b)
+        pipe.close()
+
+    def _finish(self, err_thread):
+        self._pump(self.proc.stdout, b"O")
+        err_thread.join()
+        rc = self.proc.wait()
+        _emit(b"X", self.sid, str(128 - rc if rc < 0 else rc).encode())
+
+    def _write(self):
+        stdin = self.proc.stdin
+        broken = False
+        while True:
+            data = self.inbox.get()
+            if data is None:
+                break
+            if broken:
+                continue
+            try:
+                stdin.write(data)
+                stdin.flush()
+            except OSError:
+                broken = True  # the child stopped reading (it exited): drop the rest of its input
+        try:
+            stdin.close()
+        except OSError:
+            pass
+
+    def send(self, data):
+        if self.proc is not None:
+            self.inbox.put(data)
+
+    def close_stdin(self):
+        if self.proc is not None and not self.closed:
+            self.closed = True
+            self.inbox.put(None)
+
+    def join(self):
+        for t in self.threads:
+            t.join()
+
+
+def main():
+    stdin = sys.stdin.buffer
+    children = {}
+    _emit(b"H", 0, json.dumps({"relay": 1, "pid": os.getpid(), "python": sys.version.split()[0]}).encode())
+    while True:
+        head = _read_exact(stdin, HEADER.size)
+        if head is None:
+            break
+        kind, sid, n = HEADER.unpack(head)
+        data = _read_exact(stdin, n) if n else b""
+        if data is None:
+            break
+        if kind == b"S":
+            if sid in children:
+                _emit(b"E", sid, b"ctl relay: stream id reused\n")
+                continue
+            children[sid] = Child(sid, [str(a) for a in json.loads(data.decode())])
+        elif kind == b"I" and sid in children:
+            children[sid].send(data)
+        elif kind == b"C" and sid in children:
+            children[sid].close_stdin()
+    for c in children.values():
+        c.close_stdin()
+    for c in children.values():
+        c.join()
+    return 0
+
+
+if __name__ == "__main__":
+    # Under BOOT (python3 -c BOOT N) argv is ["-c", N].
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Several containers of one host through ONE SSH exec: the client side of ctl's host relay.
+
+Each exec channel costs the host a login shell (and its ~/.bashrc) before `pct` even starts; ten
+containers on a host paid that ten times. `HostRelay` opens one exec per host running
+controller/hostrelay.py (stdlib Python, sent over the exec's stdin) and asks it to start, for each
+container, the very argv a direct exec would have run (`pct exec VMID -- ...`), with no shell. The
+containers' stdin/stdout/stderr and exit statuses are multiplexed as frames over that one channel,
+so `_RelayDuplex` behaves like a direct exec's duplex: pct's refusals, the agent's answers, exit
+codes and dropped connections look the same to the caller.
+
+When the host has no usable python3 the relay never says hello: `available()` turns false, the
+reason goes to the `note` callback (`ctl --debug` prints it) and callers use one exec per container.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shlex
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from controller.errors import ConnectionFailed
+from controller.transport.base import Duplex, Result
+from controller.transport.ssh import SshEndpoint
+
+HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/hostrelay.py)
+BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-relay','exec'))"
+# The host's own python3 first: a PATH python3 may be a shim or a venv of the login shell's rc files.
+_START = 'p=/usr/bin/python3; [ -x "$p" ] || p=python3; exec "$p" -I -S -c "$0" "$@"'
+_CHUNK = 1 << 16
+
+
+@cache
+def relay_source() -> bytes:
+    return (Path(__file__).resolve().parents[1] / "hostrelay.py").read_bytes()
+
+
+def relay_argv() -> list[str]:
+    return ["sh", "-c", _START, BOOT, str(len(relay_source()))]
+
+
+class _Stream:
+    def __init__(self, argv: tuple[str, ...]) -> None:
+        self.argv = argv
+        self.out = b""
+        self.err = b""
+        self.code: int | None = None
+        self.t0 = time.monotonic()
+
+
+class HostRelay:
+    """One exec channel on `host` that runs and multiplexes the containers' execs (see module doc)."""
+
+    def __init__(self, host: SshEndpoint, *, note: Callable[[str], None] | None = None,
+                 hello_timeout: float = 30.0) -> None:
+        self.host = host
+        self.note = note
+        self.hello_timeout = hello_timeout
+        self._lock = threading.Lock()  # start-up
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._state = "new"  # new | up | unavailable
+        self._chan: Any = None
+        self._reader: threading.Thread | None = None
+        self._streams: dict[int, _Stream] = {}
+        self._next = 1
+        self._dead: str | None = None  # why the relay's channel ended while streams were open
+        self.streams_opened = 0
+
+    # --- start-up ---------------------------------------------------------------------------------
+
+    def available(self) -> bool:
+        """Start the relay on first use; false when the host cannot run it (use one exec per container)."""
+        with self._lock:
+            if self._state == "new":
+                self._start()
+            return self._state == "up"
+
+    def _start(self) -> None:
+        chan = self.host.exec_channel(relay_argv())
+        try:
+            self._send_raw(chan, relay_source())
+            hello = self._read_hello(chan)
+        except (OSError, EOFError) as e:
+            chan.close()
+            self.host.close()
+            raise ConnectionFailed(f"{self.host.name}: SSH connection dropped while starting ctl's relay: "
+                                   f"{e or type(e).__name__}") from None
+        if hello is None:
+            status = chan.recv_exit_status()  # waits for the status, or -1 when the channel closed without one
+            err = b""
+            while chan.recv_stderr_ready():
+                err += chan.recv_stderr(_CHUNK)
+            chan.close()
+            if status == -1:
+                self.host.close()
+                raise ConnectionFailed(f"{self.host.name}: SSH connection dropped while starting ctl's relay")
+            last = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit status {status}"]
+            why = "no python3 on the host" if status == 127 else f"relay did not start ({last[0]})"
+            self._state = "unavailable"
+            if self.note is not None:
+                self.note(f"{self.host.name}: {why}; falling back to one exec per container")
+            return
+        self._chan = chan
+        self._state = "up"
+        self._reader = threading.Thread(target=self._read_loop, name=f"relay-{self.host.name}", daemon=True)
+        self._reader.start()
+        if self.note is not None:
+            self.note(f"{self.host.name}: containers share one exec through ctl's host relay "
+                      f"(python {hello.get('python')})")
+
+    def _read_hello(self, chan: Any) -> dict[str, Any] | None:
+        buf = b""
+        deadline = time.monotonic() + self.hello_timeout
+        chan.settimeout(0.5)
+        while True:
+            if len(buf) >= HEADER.size:
+                kind, _sid, n = HEADER.unpack(buf[:HEADER.size])
+                if kind != b"H":
+                    return None
+                if len(buf) >= HEADER.size + n:
+                    rest = buf[HEADER.size + n:]
+                    if rest:  # nothing but the hello can come before we start a stream
+                        return None
+                    chan.settimeout(None)
+                    doc = json.loads(buf[HEADER.size:HEADER.size + n].decode())
+                    return doc if isinstance(doc, dict) else None
+            try:
+                data = chan.recv(_CHUNK)
+            except TimeoutError:
+                data = None
+            if data == b"":
+                return None
+            if data:
+                buf += data
+            if time.monotonic() > deadline:
+                raise ConnectionFailed(f"{self.host.name}: ctl's relay did not answer in {self.hello_timeout}s")
+
+    # --- frames -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _send_raw(chan: Any, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = chan.send(view[:_CHUNK])
+            if n <= 0:
+                raise EOFError("channel closed")
+            view = view[n:]
+
+    def _send(self, kind: bytes, sid: int, data: bytes = b"") -> None:
+        with self._cond:
+            dead = self._dead
+        if dead is not None:
+            raise ConnectionFailed(f"{self.host.name}: {dead}")
+        try:
+            with self._send_lock:
+                self._send_raw(self._chan, HEADER.pack(kind, sid, len(data)) + data)
+        except (OSError, EOFError) as e:
+            self._fail(f"SSH connection dropped: {e or type(e).__name__}")
+            raise ConnectionFailed(f"{self.host.name}: SSH connection dropped: {e or type(e).__name__}") from None
+
+    def _read_loop(self) -> None:
+        buf = bytearray()
+        chan = self._chan
+        try:
+            while True:
+                data = chan.recv(_CHUNK)
+                if not data:
+                    break
+                buf += data
+                while len(buf) >= HEADER.size:
+                    kind, sid, n = HEADER.unpack_from(buf)
+                    if len(buf) < HEADER.size + n:
+                        break
+                    payload = bytes(buf[HEADER.size:HEADER.size + n])
+                    del buf[:HEADER.size + n]
+                    self._dispatch(kind, sid, payload)
+        except (OSError, EOFError) as e:
+            self._fail(f"SSH connection dropped: {e or type(e).__name__}")
+            return
+        status = chan.recv_exit_status() if chan.exit_status_ready() else -1
+        self._fail("SSH connection dropped" if status == -1 else f"ctl's relay exited with status {status}")
+
+    def _dispatch(self, kind: bytes, sid: int, payload: bytes) -> None:
+        with self._cond:
+            st = self._streams.get(sid)
+            if st is None:
+                return
+            if kind == b"O":
+                st.out += payload
+            elif kind == b"E":
+                st.err += payload
+            elif kind == b"X":
+                st.code = int(payload.decode() or "-1")
+            self._cond.notify_all()
+
+    def _fail(self, why: str) -> None:
+        with self._cond:
+            if self._dead is None:
+                self._dead = why
+            self._cond.notify_all()
+        if why.startswith("SSH connection dropped"):
+            self.host.close()
+
+    # --- streams ----------------------------------------------------------------------------------
+
+    def open(self, argv: Sequence[str]) -> Duplex:
+        """Start argv on the host (no shell) through the relay; a conversation like a direct exec's."""
+        with self._cond:
+            sid = self._next
+            self._next += 1
+            self._streams[sid] = _Stream(tuple(argv))
+        self.streams_opened += 1
+        self._send(b"S", sid, json.dumps(list(argv)).encode())
+        return _RelayDuplex(self, sid)
+
+    def close(self) -> None:
+        """End of our input: the relay closes every child's stdin, waits for them and exits."""
+        chan = self._chan
+        if chan is None:
+            return
+        with contextlib.suppress(OSError, EOFError):
+            chan.shutdown_write()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        chan.close()
+        self._chan = None
+
+
+class _RelayDuplex(Duplex):
+    def __init__(self, relay: HostRelay, sid: int) -> None:
+        self.relay, self.sid = relay, sid
+        self.st = relay._streams[sid]
+        self.closed = False
+
+    def _lost(self, why: str) -> ConnectionFailed:
+        return ConnectionFailed(f"{self.relay.host.name}: {why} while running `{self.st.argv[0]}` "
+                                f"({shlex.join(self.st.argv[:3])} ...)")
+
+    def send(self, data: bytes) -> None:
+        view = memoryview(data)
+        for pos in range(0, len(view), _CHUNK):
+            self.relay._send(b"I", self.sid, bytes(view[pos:pos + _CHUNK]))
+
+    def readline(self, timeout: float | None = None) -> bytes:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        st = self.st
+        with self.relay._cond:
+            while b"\n" not in st.out:
+                if st.code is not None:
+                    line, st.out = st.out, b""
+                    return line
+                if self.relay._dead is not None:
+                    raise self._lost(self.relay._dead)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise ConnectionFailed(f"{self.relay.host.name}: no answer from `{st.argv[0]}` in {timeout}s")
+                self.relay._cond.wait(left)
+            line, _, st.out = st.out.partition(b"\n")
+            return line + b"\n"
+
+    def finish(self, timeout: float | None = None) -> Result:
+        if not self.closed:
+            self.closed = True
+            self.relay._send(b"C", self.sid)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        st = self.st
+        with self.relay._cond:
+            while st.code is None:
+                if self.relay._dead is not None:
+                    raise self._lost(self.relay._dead)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise ConnectionFailed(f"{self.relay.host.name}: `{st.argv[0]}` did not finish in {timeout}s")
+                self.relay._cond.wait(left)
+            self.relay._streams.pop(self.sid, None)
+            out, st.out = st.out, b""
+        return Result(st.argv, st.code, out, st.err, time.monotonic() - st.t0)
