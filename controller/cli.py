@@ -1,7 +1,7 @@
 """The `ctl` command line: thin typer commands that call one function and render its result.
 
 Every CtlError is caught in `main` and printed as one line; `--debug` shows the traceback.
-Heavy modules (fabric, paramiko, jinja2, matplotlib) are imported inside commands, so that
+Heavy modules (paramiko, jinja2, matplotlib) are imported inside commands, so that
 `ctl --help` stays fast. Shared plumbing (app, options, output) lives in cli_base.
 """
 

@@ -2,7 +2,7 @@
 
 Implementations: a Proxmox host over SSH (`ssh.HostConnection`), a container through the host's
 `pct` (`pct.PctContainer`), a container over its own sshd (`ssh.SshContainer`) and this machine
-(`local.LocalContainer`). Commands above this layer never import paramiko or fabric.
+(`local.LocalContainer`). Commands above this layer never import paramiko.
 """
 
 from __future__ import annotations

@@ -117,11 +117,10 @@ class PctContainer(Transport):
         """Stage on the host (private dir), `pct push`, then verify the sha256 inside the container."""
         stage = f"{self.stage_dir.rstrip('/')}/ctl-stage-{uuid.uuid4().hex}"
         staged = f"{stage}/file"
-        conn = self.host.connection()
-        sftp = conn.sftp()
         try:
-            sftp.mkdir(stage, mode=0o700)
-            sftp.put(local_path, staged)
+            with self.host.connection().open_sftp() as sftp:
+                sftp.mkdir(stage, mode=0o700)
+                sftp.put(local_path, staged)
         except OSError as e:
             raise ConnectionFailed(f"{self.host.name}: staging {local_path} in {stage} failed: {e}") from None
         push = shlex.join(self.pct_argv("push", str(self.vmid), staged, remote_path))

@@ -1,8 +1,10 @@
 """SSH endpoints: a Proxmox host, or a container running its own sshd.
 
-One Fabric `Connection` per endpoint, opened lazily and reused for every call of a command
+One paramiko `SSHClient` per endpoint, opened lazily and reused for every call of a command
 (exec channels are cheap; handshakes are not). Host keys are verified against known_hosts: an
-unknown or changed key is refused with a message that says how to accept it. Exec goes straight
+unknown or changed key is refused with a message that says how to accept it (jump hosts of
+ssh_config's ProxyJump too). HostName, IdentityFile, ProxyJump and ProxyCommand of ~/.ssh/config and
+/etc/ssh/ssh_config are honoured, as they were when this went through Fabric. Exec goes straight
 to a paramiko channel so that stdin/stdout stay binary-safe and stdout/stderr stay apart.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 import os
 import select
 import shlex
+import stat
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -19,15 +23,57 @@ from typing import TYPE_CHECKING, Any
 from controller.errors import ConnectionFailed, HostKeyError
 from controller.transport.base import Duplex, Result, Transport
 
-if TYPE_CHECKING:  # fabric/paramiko cost ~0.1-0.25 s to import: only when a connection opens
-    from fabric import Connection
+if TYPE_CHECKING:  # paramiko costs ~50 ms to import: only when a connection opens
+    from paramiko import SSHClient
 
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+SSH_CONFIGS = ("~/.ssh/config", "/etc/ssh/ssh_config")  # the user's first: the first value found wins
 _CHUNK = 1 << 16
 
 
+def _paramiko() -> Any:
+    """paramiko, imported on first use without invoke: paramiko.config imports invoke (~40 ms, most of
+    paramiko's import time) only to evaluate `Match exec` in ssh_config, which _ssh_config loads on demand."""
+    if "paramiko" not in sys.modules and "invoke" not in sys.modules:
+        sys.modules["invoke"] = None  # type: ignore[assignment]  # import invoke -> ImportError, handled by paramiko
+        try:
+            import paramiko
+        finally:
+            del sys.modules["invoke"]
+    import paramiko
+
+    return paramiko
+
+
+def _ssh_config(address: str) -> dict[str, Any]:
+    """What ssh_config says about address (HostName, IdentityFile, ProxyJump, ProxyCommand), as Fabric read it."""
+    paramiko = _paramiko()
+    paths = [p for p in (os.path.expanduser(c) for c in SSH_CONFIGS) if os.path.isfile(p)]
+    if not paths:
+        return {}
+    config = paramiko.SSHConfig()
+    for p in paths:
+        try:
+            with open(p) as f:
+                config.parse(f)
+        except OSError:
+            continue
+    try:
+        return dict(config.lookup(address))
+    except ImportError:  # `Match exec` needs invoke after all
+        import invoke
+
+        paramiko.config.invoke = invoke
+        return dict(config.lookup(address))
+
+
+def _active(client: SSHClient) -> bool:
+    t = client.get_transport()
+    return t is not None and t.is_active()
+
+
 class SshEndpoint(Transport):
-    """Commands and files over one SSH connection (Fabric + paramiko)."""
+    """Commands and files over one SSH connection (paramiko; ssh_config honoured)."""
 
     def __init__(
         self,
@@ -39,6 +85,7 @@ class SshEndpoint(Transport):
         identity_file: str | None = None,
         known_hosts: str | None = None,
         connect_timeout: float = 10.0,
+        jump: list[str] | None = None,
     ) -> None:
         self.name = name
         self.address = address
@@ -47,7 +94,9 @@ class SshEndpoint(Transport):
         self.identity_file = os.path.expanduser(identity_file) if identity_file else None
         self.known_hosts = os.path.expanduser(known_hosts or DEFAULT_KNOWN_HOSTS)
         self.connect_timeout = connect_timeout
-        self._conn: Connection | None = None
+        self.jump = jump  # ProxyJump hops still to go through (None: ask ssh_config)
+        self._jump_ep: SshEndpoint | None = None
+        self._conn: SSHClient | None = None
         self._lock = threading.Lock()
         self.round_trips = 0  # exec channels opened: what the benchmarks count
         self.connects = 0  # SSH connections opened (more than one: a dropped connection was re-opened)
@@ -57,26 +106,23 @@ class SshEndpoint(Transport):
     def _host_key_label(self) -> str:
         return self.address if self.port == 22 else f"[{self.address}]:{self.port}"
 
-    def connection(self) -> Connection:
+    def connection(self) -> SSHClient:
         with self._lock:
-            if self._conn is not None and self._conn.is_connected:
+            if self._conn is not None and _active(self._conn):
                 return self._conn
+            if self._conn is not None:
+                self._conn.close()
             self._conn = self._open()
             self.connects += 1
             return self._conn
 
-    def _open(self) -> Connection:
-        import paramiko
-        from fabric import Connection
-
-        kwargs: dict[str, Any] = {"allow_agent": True, "look_for_keys": self.identity_file is None}
-        if self.identity_file:
-            kwargs["key_filename"] = [self.identity_file]
-        conn = Connection(
-            self.address, user=self.user, port=self.port, connect_timeout=int(self.connect_timeout),
-            connect_kwargs=kwargs,
-        )
-        client = conn.client
+    def _open(self) -> SSHClient:
+        paramiko = _paramiko()
+        cfg = _ssh_config(self.address)
+        host = cfg.get("hostname", self.address)
+        keys = [self.identity_file] if self.identity_file else []
+        keys += [os.path.expanduser(k) for k in cfg.get("identityfile", [])]
+        client: SSHClient = paramiko.SSHClient()
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
         if os.path.exists(self.known_hosts):
             try:
@@ -88,14 +134,21 @@ class SshEndpoint(Transport):
             f">> {self.known_hosts}"
         )
         try:
-            conn.open()
+            sock = self._gateway(cfg, host)
+            kwargs: dict[str, Any] = {"key_filename": keys} if keys else {}  # a list works (the stubs say str)
+            client.connect(
+                host, port=self.port, username=self.user, timeout=self.connect_timeout, sock=sock,
+                allow_agent=True, look_for_keys=self.identity_file is None, **kwargs,
+            )
         except paramiko.BadHostKeyException as e:
+            client.close()
             raise HostKeyError(
                 f"{self.name}: host key for {self._host_key_label()} CHANGED "
                 f"(got {e.key.get_name()} {e.key.fingerprint}); refusing to connect",
                 hint=f"if the host was reinstalled, remove the old line from {self.known_hosts} and {accept}",
             ) from None
         except paramiko.SSHException as e:
+            client.close()
             if "not found in known_hosts" in str(e):
                 raise HostKeyError(
                     f"{self.name}: host key for {self._host_key_label()} is unknown "
@@ -109,23 +162,51 @@ class SshEndpoint(Transport):
                 ) from None
             raise ConnectionFailed(f"{self.name}: SSH to {self.address}:{self.port} failed: {e}") from None
         except (TimeoutError, OSError, EOFError) as e:
+            client.close()
             reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
             raise ConnectionFailed(f"{self.name}: cannot reach {self.address}:{self.port}: {reason}") from None
-        return conn
+        return client
+
+    def _gateway(self, cfg: dict[str, Any], host: str) -> Any:
+        """ssh_config's ProxyJump (each hop verified against the same known_hosts) or ProxyCommand."""
+        paramiko = _paramiko()
+        hops = [h for h in (self.jump if self.jump is not None else
+                            cfg.get("proxyjump", "").split(",")) if h and h.lower() != "none"]
+        if hops:
+            user, _, rest = hops[-1].rpartition("@")
+            hop_host, _, hop_port = rest.partition(":")
+            if hop_host in (host, self.address):
+                return None  # a wildcard Host entry naming ourselves as our own jump host
+            if self._jump_ep is None:
+                self._jump_ep = SshEndpoint(
+                    f"{self.name} (via {hops[-1]})", hop_host, port=int(hop_port or 22), user=user or self.user,
+                    identity_file=self.identity_file, known_hosts=self.known_hosts,
+                    connect_timeout=self.connect_timeout, jump=hops[:-1],
+                )
+            transport = self._jump_ep.connection().get_transport()
+            assert transport is not None
+            return transport.open_channel("direct-tcpip", (host, self.port), ("", 0))
+        if cfg.get("proxycommand"):
+            return paramiko.ProxyCommand(cfg["proxycommand"])
+        return None
 
     def close(self) -> None:
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+        if self._jump_ep is not None:
+            self._jump_ep.close()
 
     def _channel(self) -> Any:
         conn = self.connection()
-        transport = conn.client.get_transport()
+        transport = conn.get_transport()
         if transport is None or not transport.is_active():
             self.close()
             conn = self.connection()
-            transport = conn.client.get_transport()
+            transport = conn.get_transport()
+        if transport is None:
+            raise ConnectionFailed(f"{self.name}: SSH connection lost")
         try:
             chan = transport.open_session(timeout=self.connect_timeout)
         except Exception as e:  # paramiko raises SSHException/EOFError when the peer went away
@@ -233,13 +314,19 @@ class SshEndpoint(Transport):
     def put(self, local_path: str, remote_path: str) -> None:
         """SFTP upload (not atomic: callers that need atomicity write a temp name and rename)."""
         try:
-            self.connection().put(local_path, remote=remote_path)
+            with self.connection().open_sftp() as sftp:
+                sftp.put(local_path, remote_path)
+                sftp.chmod(remote_path, stat.S_IMODE(os.stat(local_path).st_mode))  # the local mode, as before
         except (OSError, EOFError) as e:
             raise ConnectionFailed(f"{self.name}: upload of {local_path} to {remote_path} failed: {e}") from None
 
     def get(self, remote_path: str, local_path: str) -> None:
         try:
-            self.connection().get(remote_path, local=local_path)
+            with self.connection().open_sftp() as sftp:
+                sftp.get(remote_path, local_path)
+                mode = sftp.stat(remote_path).st_mode
+            if mode is not None:
+                os.chmod(local_path, stat.S_IMODE(mode))
         except FileNotFoundError:
             raise ConnectionFailed(f"{self.name}: {remote_path} does not exist") from None
         except (OSError, EOFError) as e:
