@@ -10,6 +10,7 @@ renames them into place (see controller/agent.py). Two execs per deploy, whateve
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -17,6 +18,7 @@ import json
 import shlex
 import subprocess
 import tarfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -30,7 +32,7 @@ from controller.inventory import Container, Inventory
 from controller.names import check_container_path
 from controller.registry import DeployRecord, Registry, state_dir
 from controller.render import context, render
-from controller.transport.base import Transport
+from controller.transport.base import Duplex, Transport
 
 STORE = "/var/lib/ctl"  # inside the container: objects/<sha256>, deploys/<id>.json
 
@@ -226,24 +228,63 @@ def _classify(error: str) -> CtlError:
 Progress = Callable[[str, int, int], None]  # (container, bytes sent, bytes total)
 
 
+class _Opening:
+    """t.open(argv) on a thread of its own; session() waits for it (and raises what it raised)."""
+
+    def __init__(self, t: Transport, argv: list[str]) -> None:
+        self._t, self._argv = t, argv
+        self._value: Duplex | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"open-{t.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._t.open(self._argv)
+        except BaseException as e:  # handed to session()
+            self._error = e
+
+    def session(self) -> Duplex:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+    def discard(self) -> None:
+        """Pinning failed: end the exec if it opened (the agent reads no source and exits); never wait on a
+        connection that is still being made (the pool closes it)."""
+        if self._thread.is_alive() or self._value is None:
+            return
+        with contextlib.suppress(CtlError):
+            self._value.finish(timeout=10)
+
+
 def deploy(
     inv: Inventory, ct: Container, t: Transport, reg: Registry | None, *, dry_run: bool = False,
     allow_dirty: bool = False, progress: Progress | None = None,
 ) -> DeployResult:
     """One exec per container: the agent answers what it has, then receives only what changed."""
     t0 = time.monotonic()
-    manifest = pin(inv, ct)
-    if manifest.dirty and not allow_dirty and not dry_run:
-        shown = ", ".join(manifest.dirty_paths[:3]) + (" ..." if len(manifest.dirty_paths) > 3 else "")
-        raise DriftError(
-            f"{ct.name}: payload sources differ from git HEAD ({shown}); commit them, or pass --allow-dirty "
-            "(the deploy record will say so)"
-        )
     deploy_id = _new_id()
+    args = (remote.root_of(t), t.path(STORE), deploy_id)
+    # The exec does not depend on the pins: open it in the background, so that the SSH handshake and the
+    # host's start of pct + agent overlap with pinning (templates, hashes, git state) here.
+    opening = _Opening(t, remote.agent_argv("sync", *args))
+    try:
+        manifest = pin(inv, ct)
+        if manifest.dirty and not allow_dirty and not dry_run:
+            shown = ", ".join(manifest.dirty_paths[:3]) + (" ..." if len(manifest.dirty_paths) > 3 else "")
+            raise DriftError(
+                f"{ct.name}: payload sources differ from git HEAD ({shown}); commit them, or pass --allow-dirty "
+                "(the deploy record will say so)"
+            )
+    except BaseException:
+        opening.discard()
+        raise
     entries = [{"index": i, "dest": f.dest, "sha256": f.sha256, "mode": f.mode, "size": f.size}
                for i, f in enumerate(manifest.files)]
-    args = (remote.root_of(t), t.path(STORE), deploy_id)
-    session = t.open(remote.agent_argv("sync", *args))
+    session = opening.session()
     session.send(remote.agent_source() + json.dumps({"files": entries, "dry_run": dry_run}).encode() + b"\n")
     answer = session.readline(timeout=120)
     if not answer.strip():
