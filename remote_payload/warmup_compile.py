@@ -6,10 +6,10 @@
 Takes the same flags as train_dflash_pipeline.py (only model, shapes, --device/--gpus and --compile-cache
 matter) and needs no target weights: the drafter is built from the target's config with placeholder
 embedding/LM head of the right shapes. For each drafter GPU of a distinct kind (the cache is keyed on the GPU's
-name, not its ordinal) it runs two training steps with compiled flex_attention, strictly one after the other
-in this one process, then writes torch.compiler.save_cache_artifacts() to PATH. The pipeline loads that file
-(torch.compiler.load_cache_artifacts) before its first step, so drafters that start together never compile
-from scratch concurrently. Entries are valid only for the same torch/triton/CUDA build and GPU kind.
+name, not its ordinal) it runs two training steps of the compiled drafter (--compile-mode), strictly one
+after the other in this one process, then writes torch.compiler.save_cache_artifacts() to PATH. The pipeline
+loads that file (torch.compiler.load_cache_artifacts) before its first step, so drafters that start together
+never compile from scratch concurrently. Entries are valid only for the same torch/triton/CUDA build and GPU kind.
 
 On CPU there is nothing to compile: flex_attention has no CPU backward, the pipeline trains with SDPA there;
 this says so and exits 0. Exit 1 with one line on errors.
@@ -48,7 +48,7 @@ def compile_on(args, ordinal: int) -> dict:
     head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=torch.bfloat16)
     embed.requires_grad_(False)
     head.requires_grad_(False)
-    drafter = dm.DFlashDrafter(dc, embed, head, compiled=True).to(device).train()
+    drafter = dm.DFlashDrafter(dc, embed, head, compiled=True, compile_mode=args.compile_mode).to(device).train()
     b, s, n = args.batch_size, args.seq_len, args.num_anchors
     times = []
     for i in range(2):

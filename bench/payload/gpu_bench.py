@@ -128,10 +128,11 @@ def case_target(model: str, b: int, s: int, reps: int) -> None:
                                   "tok_s": round(b * s / dt, 1), "peak_gib": peak}))
 
 
-def case_drafter(model: str, b: int, s: int, n: int, compiled: bool, reps: int, cache: str | None = None) -> None:
-    """One drafter training step (fwd + bwd + AdamW) at the run's shapes, compiled or eager flex_attention.
-
-    With `cache`: load the portable cache first when the file exists, else save it after the first step."""
+def case_drafter(model: str, b: int, s: int, n: int, compiled: bool, reps: int, cache: str | None = None,
+                 mode: str = "layers", fused: bool = True, profile: bool = False) -> None:
+    """One drafter training step (fwd + bwd + AdamW) at the run's shapes, compiled (`mode`: layers or flex alone)
+    or eager. With `cache`: load the portable cache first when the file exists, else save it after the first step.
+    With `profile`: the CUDA kernels of two steps, grouped, to the log."""
     import torch
 
     sys.path.insert(0, str(ROOT / "remote_payload"))
@@ -144,8 +145,8 @@ def case_drafter(model: str, b: int, s: int, n: int, compiled: bool, reps: int, 
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=dev, dtype=torch.bfloat16).requires_grad_(False)
     head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=dev, dtype=torch.bfloat16)
     head.requires_grad_(False)
-    d = dm.DFlashDrafter(dc, embed, head, compiled=compiled).to(dev).train()
-    opt = torch.optim.AdamW(d.parameters(), lr=1e-4)
+    d = dm.DFlashDrafter(dc, embed, head, compiled=compiled, compile_mode=mode).to(dev).train()
+    opt = torch.optim.AdamW(d.parameters(), lr=1e-4, fused=fused)
     batches = []
     for i in range(3):
         g = torch.Generator().manual_seed(i)
@@ -181,7 +182,26 @@ def case_drafter(model: str, b: int, s: int, n: int, compiled: bool, reps: int, 
         step(i)
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / reps
+    mask_ms = {}
+    for mc in (False, True):
+        dm.dflash_mask(batches[0][3], s, 16, dev, mc)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for i in range(10):
+            dm.dflash_mask(batches[i % 3][3], s, 16, dev, mc)
+        torch.cuda.synchronize()
+        mask_ms["compiled" if mc else "eager"] = round((time.perf_counter() - t) * 100, 2)
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof
+
+        with prof(activities=[ProfilerActivity.CUDA]) as pr:
+            for i in range(2):
+                step(i)
+            torch.cuda.synchronize()
+        print(pr.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
     print("RESULT " + json.dumps({"cache": loaded, "cache_counters": hits, "compiled": compiled,
+                                  "mode": mode if compiled else "eager", "fused_adamw": fused, "mask_ms": mask_ms,
                                   "drafter_params_m": round(dm.param_count(d) / 1e6, 1),
                                   "batch": b, "seq": s, "anchors": n, "first_step_s": round(first, 1),
                                   "ms_per_step": round(dt * 1e3, 1), "tok_s": round(b * s / dt, 1),
@@ -241,6 +261,44 @@ def phase3() -> None:
                    "--compiled", "--cache", cache], 120)
 
 
+def phase4() -> None:
+    """The drafter step after regional compilation, side by side with the first version, then the pipeline."""
+    py, me = sys.executable, str(Path(__file__).resolve())
+    run("target-1b", [py, me, "--case", "target", "--model", "1b", "--b", "4", "--s", "2048", "--reps", "10"], 90)
+    micro = [py, me, "--case", "drafter", "--model", "1b", "--b", "4", "--s", "2048", "--reps", "5", "--compiled"]
+    run("drafter-n64-flex-foreach", [*micro, "--n", "64", "--mode", "flex", "--no-fused"], 120)
+    run("drafter-n64-layers-fused", [*micro, "--n", "64", "--mode", "layers", "--profile"], 150)
+    run("drafter-n64-flex-fused-profile", [*micro, "--n", "64", "--mode", "flex", "--profile"], 120)
+    for n in (32, 16):
+        run(f"drafter-n{n}-layers-fused", [*micro, "--n", str(n), "--mode", "layers"], 120)
+
+
+def phase6() -> None:
+    """The block mask compiled too (phase 4's layers mode built it eagerly each step)."""
+    py, me = sys.executable, str(Path(__file__).resolve())
+    micro = [py, me, "--case", "drafter", "--model", "1b", "--b", "4", "--s", "2048", "--reps", "10", "--compiled"]
+    for n in (64, 32, 16):
+        run(f"drafter-n{n}-layers-maskc", [*micro, "--n", str(n), "--mode", "layers"], 120)
+
+
+def phase5() -> None:
+    """The pipeline with the regionally compiled drafter: cold vs warm start, and the anchor count."""
+    py = sys.executable
+    cache = RUNS / "compile_cache.bin"
+    base = ["--model", "1b", "--seq-len", "2048", "--batch-size", "4", "--log-every", "5", "--queue-size", "4",
+            "--transport", "ipc", "--compile"]
+    run("target-1b", [py, str(Path(__file__).resolve()), "--case", "target", "--model", "1b", "--b", "4", "--s",
+                      "2048", "--reps", "10"], 90)
+    run("warmup-layers", [py, str(ROOT / "remote_payload" / "warmup_compile.py"), *base, "--num-anchors", "64",
+                          "--device", "cuda", "--gpus", "0,0", "--compile-cache", str(cache)], 150)
+    pipeline("pipe-1b-n64-layers-warm", [*base, "--num-anchors", "64", "--steps", "40", "--compile-cache",
+                                         str(cache)], 150)
+    pipeline("pipe-1b-n64-layers-cold", [*base, "--num-anchors", "64", "--steps", "15", "--compile-cache",
+                                         str(RUNS / "cold.bin")], 150)
+    for n in (32, 16):
+        pipeline(f"pipe-1b-n{n}-layers", [*base, "--num-anchors", str(n), "--steps", "40"], 120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", type=int)
@@ -252,14 +310,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--compiled", action="store_true")
     ap.add_argument("--cache", default=None)
+    ap.add_argument("--mode", default="layers", choices=["layers", "flex"])
+    ap.add_argument("--no-fused", action="store_true")
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     if a.case == "target":
         return case_target(a.model, a.b, a.s, a.reps)
     if a.case == "drafter":
-        return case_drafter(a.model, a.b, a.s, a.n, a.compiled, a.reps, a.cache)
+        return case_drafter(a.model, a.b, a.s, a.n, a.compiled, a.reps, a.cache, a.mode, not a.no_fused, a.profile)
     OUT.mkdir(parents=True, exist_ok=True)
     PHASE["n"] = a.phase
-    {1: phase1, 2: phase2, 3: phase3}[a.phase]()
+    {1: phase1, 2: phase2, 3: phase3, 4: phase4, 5: phase5, 6: phase6}[a.phase]()
     (OUT / f"results_phase{a.phase}.json").write_text(json.dumps(RESULTS, indent=1))
     print("\n=== summary")
     for r in RESULTS:

@@ -158,3 +158,65 @@ def test_lr_warms_up_then_decays():
     lrs = [dm.lr_at(s, 100, 6e-4, 0.04) for s in range(100)]
     assert lrs[0] < lrs[3] == pytest.approx(6e-4)
     assert lrs[-1] < lrs[50] < lrs[4]
+
+
+def test_the_anchor_position_never_reaches_the_lm_head_and_the_loss_is_unchanged(target):
+    """loss() drops block position 0 (weight 0) before the LM head: same value as the CE over every position."""
+    d = drafter_for(target)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(2, 1000, (2, 64), generator=g)
+    anchors, keep = dm.sample_anchors(torch.ones_like(ids), 3, 16, g)
+    hs = torch.randn(2, 64, 2 * 256, generator=g)
+    rows = []
+
+    def counting_ce(h, weight, labels, w):
+        rows.append(h.shape[0])
+        return dm._ce_chunk(h, weight, labels, w)
+
+    d._ce = counting_ce
+    loss = d.loss(hs, ids, torch.ones_like(ids), anchors, keep)
+    assert rows == [2 * 3 * 15]  # 3 blocks of 16 in 2 rows, the anchor of each left out
+    out = d(hs, ids, anchors).reshape(2 * 3 * 16, -1)
+    idx = (anchors[:, :, None] + torch.arange(16)).clamp(max=63)
+    labels = torch.gather(ids[:, None, :].expand(2, 3, 64), 2, idx).reshape(-1)
+    w = (dm.block_loss_weights(16, d.c.gamma) * keep[:, :, None] * (anchors[:, :, None] + torch.arange(16) < 64))
+    every = dm.weighted_ce(out, d.lm_head, labels, w.reshape(-1).float(), 8192)
+    assert loss.item() == pytest.approx(every.item(), rel=1e-5)
+
+
+def test_unknown_compile_mode_is_refused(target):
+    cfg = dm.DrafterConfig.from_target(target.config, 1, 16)
+    with pytest.raises(ValueError, match="compile_mode 'whole'"):
+        dm.DFlashDrafter(cfg, target.get_input_embeddings(), target.get_output_embeddings(), compile_mode="whole")
+
+
+def test_compiled_block_mask_equals_the_eager_one():
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):  # the second call reuses the compiled graph (new anchors, same shapes)
+        anchors, _keep = dm.sample_anchors(torch.ones(2, 256, dtype=torch.long), 8, 16, g)
+        eager = dm.dflash_mask(anchors, 256, 16, "cpu", compiled=False)
+        comp = dm.dflash_mask(anchors, 256, 16, "cpu", compiled=True)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(eager, name), getattr(comp, name)), name
+
+
+def test_regionally_compiled_drafter_matches_eager(target):
+    """compile_mode='layers' (what --compile runs on a GPU) gives the eager loss and gradients; on CPU through
+    the SDPA path, as torch.compile runs anywhere."""
+    cfg = dm.DrafterConfig.from_target(target.config, 1, 16)
+    emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(2, 1000, (2, 48), generator=g)
+    anchors, keep = dm.sample_anchors(torch.ones_like(ids), 2, 16, g)
+    hs = torch.randn(2, 48, len(cfg.target_layers) * 256, generator=g)
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        d = dm.DFlashDrafter(cfg, emb, head, compiled=compiled)
+        assert d.compile_mode == "layers"
+        loss = d.loss(hs, ids, torch.ones_like(ids), anchors, keep)
+        loss.backward()
+        results.append((loss.item(), d.fc.weight.grad.clone(), d.layers[0].down_proj.weight.grad.clone()))
+    (l0, f0, g0), (l1, f1, g1) = results
+    assert l1 == pytest.approx(l0, rel=1e-5)
+    assert torch.allclose(f0, f1, atol=1e-5) and torch.allclose(g0, g1, atol=1e-5)
