@@ -91,6 +91,11 @@ def run(host: PveHost, base: Path, args: argparse.Namespace) -> int:
     payload.append({"template": TEMPLATE, "dest": f"/root/{tag}/start_training.sh", "mode": "0755"})
     inv = host.write_inventory(work / "inventory.yaml", payload=payload)
     env = dict(os.environ, CTL_STATE_DIR=str(base / "state"), PYTHONPATH=str(REPO))
+    # An installed ctl runs from compiled bytecode (pip compiles it; a checkout writes __pycache__ on its
+    # first run). A PYTHONDONTWRITEBYTECODE inherited from the calling shell would make every timed run
+    # recompile ctl's own sources (~35 ms on 2 cores); the warm-up deploy below writes them once.
+    if env.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+        print("bench: PYTHONDONTWRITEBYTECODE ignored for ctl (its bytecode is written by the warm-up run)")
     ctl = [sys.executable, "-m", "controller", "-i", str(inv)]
     # The seeds' way pushes the rendered script too: render it once the way ctl does.
     rendered = work / "start_training.sh"
