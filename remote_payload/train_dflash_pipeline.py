@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--compile", action=argparse.BooleanOptionalAction, default=False, help="compile the drafter (CUDA)")
     a("--compile-mode", choices=list(dm.COMPILE_MODES), default="layers",
       help="layers: each decoder layer, the context projection and the LM-head loss; flex: flex_attention alone")
+    a("--compile-target", action=argparse.BooleanOptionalAction, default=None,
+      help="compile the target's decoder layers too (CUDA; default: as --compile)")
     a("--compile-cache", default=None, help="portable compile cache file: loaded when present, else written")
     a("--data", default=None, help="jsonl with prompt/response or text fields; default: generated patterns")
     a("--seed", type=int, default=0)
@@ -122,6 +124,8 @@ def check_args(args) -> None:
         args.gpu_list = None
     if args.transport == "ipc" and args.device != "cuda":
         problems.append("--transport ipc needs --device cuda")
+    if args.compile_target is None:
+        args.compile_target = args.compile
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -169,6 +173,14 @@ def truncate_target(model, last_layer: int) -> None:
     layers = model.model.layers
     keep = min(len(layers), last_layer + 2)
     model.model.layers = layers[:keep]
+
+
+def compile_target_layers(model) -> int:
+    """Regional compilation of the frozen target: every decoder layer compiled (one graph, reused by all), the
+    embedding, rotary tables and mask set-up left eager. Returns the number of layers compiled."""
+    for layer in model.model.layers:
+        layer.compile(dynamic=False)
+    return len(model.model.layers)
 
 
 # ------------------------------------------------------------------------------------------------- data
@@ -451,6 +463,7 @@ def run_target(args, topo: Topo, groups) -> None:
     cfg = model.config
     layers = hs_layers(cfg, args.drafter_layers)
     truncate_target(model, max(layers))
+    compiled_layers = compile_target_layers(model) if args.compile_target and topo.device.type == "cuda" else 0
     tok = tokenizer_for(args.model)
     data = Data(args.data, cfg.vocab_size, args.seq_len, args.seed, tok)
     hs_dtype = torch.bfloat16 if topo.device.type == "cuda" else torch.float32
@@ -461,7 +474,8 @@ def run_target(args, topo: Topo, groups) -> None:
     if topo.rank == 0:
         n = sum(p.numel() for p in model.parameters())
         print(f"target: {args.model} {n / 1e6:.1f}M params (layers {layers} of {cfg.num_hidden_layers}) "
-              f"on {topo.device}, {args.targets} target(s), transport {mode}, ready in {time.time() - t0:.1f}s",
+              f"on {topo.device}, {args.targets} target(s), transport {mode}, "
+              f"{f'{compiled_layers} layers compiled, ' if compiled_layers else ''}ready in {time.time() - t0:.1f}s",
               flush=True)
     gen = torch.Generator().manual_seed(args.seed)
     for g in range(topo.rank, args.steps * topo.drafters, topo.targets):

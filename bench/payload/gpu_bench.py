@@ -85,8 +85,9 @@ def pipeline(name, flags, timeout, env=None, fresh_cache=True):
 # ------------------------------------------------------------------------------------- in-process cases
 
 
-def case_target(model: str, b: int, s: int, reps: int) -> None:
-    """The target role's work alone: forward with hidden states, the drafter's layers concatenated."""
+def case_target(model: str, b: int, s: int, reps: int, compiled: bool = False) -> None:
+    """The target role's work alone: forward with hidden states, the drafter's layers concatenated
+    (`compiled`: its decoder layers compiled, as the pipeline's --compile-target)."""
     import torch
 
     sys.path.insert(0, str(ROOT / "remote_payload"))
@@ -107,6 +108,8 @@ def case_target(model: str, b: int, s: int, reps: int) -> None:
     full_layers = len(m.model.layers)
     if model != "ref183":
         tp.truncate_target(m, max(layers))
+    if compiled:
+        tp.compile_target_layers(m)
     ids = torch.randint(2, m.config.vocab_size - 2, (b, s), device=dev)
 
     def step():
@@ -123,7 +126,8 @@ def case_target(model: str, b: int, s: int, reps: int) -> None:
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / reps
     peak = round(torch.cuda.max_memory_allocated() / 2**30, 1)
-    print("RESULT " + json.dumps({"params_b": round(params / 1e9, 3), "layers_run": len(m.model.layers),
+    print("RESULT " + json.dumps({"compiled": compiled, "params_b": round(params / 1e9, 3),
+                                  "layers_run": len(m.model.layers),
                                   "layers_total": full_layers, "batch": b, "seq": s, "ms_per_batch": round(dt * 1e3, 2),
                                   "tok_s": round(b * s / dt, 1), "peak_gib": peak}))
 
@@ -281,6 +285,18 @@ def phase6() -> None:
         run(f"drafter-n{n}-layers-maskc", [*micro, "--n", str(n), "--mode", "layers"], 120)
 
 
+def phase7() -> None:
+    """The target's layers compiled too: the target alone both ways, then the pipeline with both compiled."""
+    py, me = sys.executable, str(Path(__file__).resolve())
+    tgt = [py, me, "--case", "target", "--model", "1b", "--b", "4", "--s", "2048", "--reps", "10"]
+    run("target-1b-eager", tgt, 90)
+    run("target-1b-compiled", [*tgt, "--compiled"], 150)
+    base = ["--model", "1b", "--seq-len", "2048", "--batch-size", "4", "--log-every", "5", "--queue-size", "4",
+            "--transport", "ipc", "--compile", "--compile-target"]
+    for n in (64, 16):
+        pipeline(f"pipe-1b-n{n}-both-compiled", [*base, "--num-anchors", str(n), "--steps", "60"], 170)
+
+
 def phase5() -> None:
     """The pipeline with the regionally compiled drafter: cold vs warm start, and the anchor count."""
     py = sys.executable
@@ -315,12 +331,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     if a.case == "target":
-        return case_target(a.model, a.b, a.s, a.reps)
+        return case_target(a.model, a.b, a.s, a.reps, a.compiled)
     if a.case == "drafter":
         return case_drafter(a.model, a.b, a.s, a.n, a.compiled, a.reps, a.cache, a.mode, not a.no_fused, a.profile)
     OUT.mkdir(parents=True, exist_ok=True)
     PHASE["n"] = a.phase
-    {1: phase1, 2: phase2, 3: phase3, 4: phase4, 5: phase5, 6: phase6}[a.phase]()
+    {1: phase1, 2: phase2, 3: phase3, 4: phase4, 5: phase5, 6: phase6, 7: phase7}[a.phase]()
     (OUT / f"results_phase{a.phase}.json").write_text(json.dumps(RESULTS, indent=1))
     print("\n=== summary")
     for r in RESULTS:

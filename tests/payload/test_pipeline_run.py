@@ -109,3 +109,34 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path):
     proc = torchrun(tmp_path, "--seq-len", "8")
     assert proc.returncode != 0
     assert "error: --seq-len must exceed --block-size + 1" in proc.stderr
+
+
+@pytest.mark.parametrize(("flags", "expect"), [((), False), (("--compile",), True),
+                                               (("--compile", "--no-compile-target"), False),
+                                               (("--compile-target",), True)])
+def test_compile_target_follows_compile_unless_told(flags, expect):
+    from remote_payload import train_dflash_pipeline as tp
+
+    args = tp.build_parser().parse_args(list(flags))
+    tp.check_args(args)
+    assert args.compile_target is expect
+
+
+def test_compiled_target_layers_give_the_eager_hidden_states():
+    import torch
+
+    from remote_payload import train_dflash_pipeline as tp
+
+    m = tp.build_target("tiny", torch.device("cpu"), 0)
+    layers = tp.hs_layers(m.config, 2)
+    tp.truncate_target(m, max(layers))
+    ids = torch.randint(2, 1000, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def hidden():
+        with torch.no_grad():
+            o = m.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            return torch.cat([o.hidden_states[i + 1] for i in layers], dim=-1)
+
+    eager = hidden()
+    assert tp.compile_target_layers(m) == len(m.model.layers)
+    assert torch.allclose(hidden(), eager, atol=1e-5)
