@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -168,15 +169,33 @@ class Registry:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or state_dir() / "registry.sqlite3"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA busy_timeout=30000")
-        self._db.execute("PRAGMA foreign_keys=ON")
+        # One connection per thread (fan-out commands record from worker threads): SQLite's own locking then
+        # orders them exactly as it orders two ctl processes, and no transaction is ever nested in another.
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+        self._conns_lock = threading.Lock()
         self._migrate()
 
+    @property
+    def _db(self) -> sqlite3.Connection:
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA busy_timeout=30000")
+            db.execute("PRAGMA foreign_keys=ON")
+            self._local.db = db
+            with self._conns_lock:
+                self._conns.append(db)
+        return db
+
     def close(self) -> None:
-        self._db.close()
+        with self._conns_lock:
+            for db in self._conns:
+                db.close()
+            self._conns.clear()
+        self._local = threading.local()
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
