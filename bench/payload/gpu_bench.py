@@ -297,6 +297,19 @@ def phase7() -> None:
         pipeline(f"pipe-1b-n{n}-both-compiled", [*base, "--num-anchors", str(n), "--steps", "60"], 170)
 
 
+def phase8() -> None:
+    """SpecForge's (and the seeds') 512 anchors per sequence, 1 x 2048: first pass vs regions, then the pipeline."""
+    py, me = sys.executable, str(Path(__file__).resolve())
+    run("target-1b-b1", [py, me, "--case", "target", "--model", "1b", "--b", "1", "--s", "2048", "--reps", "10"], 90)
+    micro = [py, me, "--case", "drafter", "--model", "1b", "--b", "1", "--s", "2048", "--n", "512", "--reps", "5",
+             "--compiled"]
+    run("drafter-n512-flex", [*micro, "--mode", "flex"], 120)
+    run("drafter-n512-layers", [*micro, "--mode", "layers"], 150)
+    pipeline("pipe-1b-n512-b1-both-compiled", ["--model", "1b", "--seq-len", "2048", "--batch-size", "1",
+                                               "--num-anchors", "512", "--log-every", "5", "--queue-size", "4",
+                                               "--transport", "ipc", "--compile", "--steps", "40"], 150)
+
+
 def phase5() -> None:
     """The pipeline with the regionally compiled drafter: cold vs warm start, and the anchor count."""
     py = sys.executable
@@ -336,7 +349,7 @@ def main() -> None:
         return case_drafter(a.model, a.b, a.s, a.n, a.compiled, a.reps, a.cache, a.mode, not a.no_fused, a.profile)
     OUT.mkdir(parents=True, exist_ok=True)
     PHASE["n"] = a.phase
-    {1: phase1, 2: phase2, 3: phase3, 4: phase4, 5: phase5, 6: phase6, 7: phase7}[a.phase]()
+    {1: phase1, 2: phase2, 3: phase3, 4: phase4, 5: phase5, 6: phase6, 7: phase7, 8: phase8}[a.phase]()
     (OUT / f"results_phase{a.phase}.json").write_text(json.dumps(RESULTS, indent=1))
     print("\n=== summary")
     for r in RESULTS:
