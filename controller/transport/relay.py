@@ -51,6 +51,7 @@ class _Stream:
         self.out = b""
         self.err = b""
         self.code: int | None = None
+        self.dead: str | None = None  # why the channel this stream ran on ended
         self.t0 = time.monotonic()
 
 
@@ -163,7 +164,7 @@ class HostRelay:
                 self._send_raw(self._chan, HEADER.pack(kind, sid, len(data)) + data)
         except (OSError, EOFError) as e:
             self._fail(f"SSH connection dropped: {e or type(e).__name__}")
-            raise ConnectionFailed(f"{self.host.name}: SSH connection dropped: {e or type(e).__name__}") from None
+            raise ConnectionFailed(f"{self.host.name}: {self._dead}") from None  # the first reason, as _fail kept it
 
     def _read_loop(self) -> None:
         buf = bytearray()
@@ -204,6 +205,9 @@ class HostRelay:
         with self._cond:
             if self._dead is None:
                 self._dead = why
+            for st in self._streams.values():
+                if st.dead is None and st.code is None:
+                    st.dead = self._dead
             self._cond.notify_all()
         if why.startswith("SSH connection dropped"):
             self.host.close()
@@ -256,8 +260,8 @@ class _RelayDuplex(Duplex):
                 if st.code is not None:
                     line, st.out = st.out, b""
                     return line
-                if self.relay._dead is not None:
-                    raise self._lost(self.relay._dead)
+                if st.dead is not None:
+                    raise self._lost(st.dead)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise ConnectionFailed(f"{self.relay.host.name}: no answer from `{st.argv[0]}` in {timeout}s")
@@ -273,8 +277,8 @@ class _RelayDuplex(Duplex):
         st = self.st
         with self.relay._cond:
             while st.code is None:
-                if self.relay._dead is not None:
-                    raise self._lost(self.relay._dead)
+                if st.dead is not None:
+                    raise self._lost(st.dead)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise ConnectionFailed(f"{self.relay.host.name}: `{st.argv[0]}` did not finish in {timeout}s")
