@@ -399,6 +399,7 @@ def diff_cmd(
 # Command groups kept in their own modules register themselves on `app` when imported.
 from controller import cli_env as _cli_env  # noqa: E402,F401
 from controller import cli_metrics as _cli_metrics  # noqa: E402,F401
+from controller import cli_mux as _cli_mux  # noqa: E402,F401
 from controller import cli_runbook as _cli_runbook  # noqa: E402,F401
 from controller import cli_snapshot as _cli_snapshot  # noqa: E402,F401
 

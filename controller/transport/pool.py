@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from controller.inventory import Container, Inventory
 from controller.transport.base import Transport
 from controller.transport.local import LocalContainer
+from controller.transport.mux import MuxRelay, persist_seconds
 from controller.transport.pct import PctContainer
 from controller.transport.relay import HostRelay
 from controller.transport.ssh import SshEndpoint
@@ -23,6 +24,12 @@ class Pool:
         self._direct: dict[str, SshEndpoint] = {}
         self._relays: dict[str, HostRelay] = {}
         self._lock = threading.Lock()
+        self.persist = persist_seconds()  # CTL_PERSIST: pct hosts go through the user's persistent session
+
+    def _new_relay(self, host: str) -> HostRelay:
+        if self.persist:
+            return MuxRelay(self.host(host), self.persist, note=self.note)
+        return HostRelay(self.host(host), note=self.note)
 
     def share_exec(self, cts: Iterable[Container]) -> list[str]:
         """Hosts with two or more of these `pct` containers get one exec for all of them (ctl's host relay,
@@ -37,7 +44,7 @@ class Pool:
             with self._lock:
                 if h in self._relays:
                     continue
-            relay = HostRelay(self.host(h), note=self.note)
+            relay = self._new_relay(h)
             with self._lock:
                 self._relays.setdefault(h, relay)
         return shared
@@ -82,6 +89,10 @@ class Pool:
                     self._direct[ct.name] = ep
                 return ep
         assert ct.host_name is not None and ct.host is not None and spec.vmid is not None
+        if self.persist and ct.host_name not in self._relays:  # one container alone uses the session too
+            relay = self._new_relay(ct.host_name)
+            with self._lock:
+                self._relays.setdefault(ct.host_name, relay)
         return PctContainer(ct.name, self.host(ct.host_name), spec.vmid, pct=ct.host.pct,
                             stage_dir=ct.host.stage_dir, relay=self._relays.get(ct.host_name))
 

@@ -1,0 +1,225 @@
+"""Persistent host sessions (CTL_PERSIST) against the local Proxmox host: reuse, drops, idle exit, permissions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controller.errors import ConnectionFailed, ExitCode
+from controller.inventory import load
+from controller.transport import mux as mux_mod
+from controller.transport.pct import PctContainer
+from controller.transport.pool import Pool
+from tests.integration.conftest import REPO, Env
+
+pytestmark = pytest.mark.pvehost
+
+_PID = re.compile(r"(started|reused) ctl's persistent session \(pid (\d+)")
+
+
+def sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie child of this test process counts as gone
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_gone(pid: int, timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _sshd_sessions(env: Env, node: str) -> set[int]:
+    listener = int((env.host.base / node / "sshd.pid").read_text().strip())
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(listener)], capture_output=True, text=True).stdout
+    return {int(x) for x in out.split()}
+
+
+@pytest.fixture
+def persist(pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+    """CTL_PERSIST=60 for ctl runs and for Pools made here; every session started is stopped afterwards."""
+    pve_env.env["CTL_PERSIST"] = "60"
+    monkeypatch.setenv("CTL_PERSIST", "60")
+    monkeypatch.setenv("CTL_STATE_DIR", str(pve_env.state))
+    yield pve_env
+    mux_mod.stop(timeout=10)
+    d = pve_env.state / "mux"
+    for info in d.glob("*.json") if d.is_dir() else []:  # a session that did not answer: by its own pid
+        pid = json.loads(info.read_text())["pid"]
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    for pid in _pids_seen:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid)
+    _pids_seen.clear()
+
+
+_pids_seen: list[int] = []
+
+
+def _session_pid(stderr: str) -> int:
+    m = _PID.search(stderr)
+    assert m, stderr
+    _pids_seen.append(int(m.group(2)))
+    return int(m.group(2))
+
+
+def test_persistence_is_off_by_default(pve_env: Env) -> None:
+    env = dict(pve_env.env)
+    env.pop("CTL_PERSIST", None)
+    r = subprocess.run([sys.executable, "-m", "controller", "-i", str(pve_env.inventory), "--debug", "deploy",
+                        "ct200", "--allow-dirty"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "persistent session" not in r.stderr
+    assert not (pve_env.state / "mux").exists()
+    env["CTL_PERSIST"] = "soon"
+    bad = subprocess.run([sys.executable, "-m", "controller", "-i", str(pve_env.inventory), "deploy", "ct200",
+                          "--allow-dirty"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == ExitCode.INPUT
+    assert "CTL_PERSIST: expected whole seconds >= 0" in bad.stderr and "'soon'" in bad.stderr
+
+
+def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env) -> None:
+    env = persist
+    before = _sshd_sessions(env, "pve1")
+    first = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
+    assert "deployed 2 of 2 files" in first.stdout
+    pid = _session_pid(first.stderr)
+    assert "started ctl's persistent session" in first.stderr
+    sessions = _sshd_sessions(env, "pve1")
+    mine = sessions - before
+    assert len(mine) == 1  # the session's own SSH connection, kept after ctl exited
+    second = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
+    assert "up to date (2 files verified" in second.stdout
+    assert f"reused ctl's persistent session (pid {pid}," in second.stderr
+    assert not _sshd_sessions(env, "pve1") - sessions and mine <= _sshd_sessions(env, "pve1")  # no new one
+    for name in ("emit_metrics.py", "start_training.sh"):
+        assert (env.host.rootfs(200) / "root" / env.tag / name).exists()
+    landed = env.host.rootfs(200) / "root" / env.tag / "emit_metrics.py"
+    assert sha(landed) == sha(env.dir / "emit_metrics.py")
+    # A client that finds the session imports no paramiko and opens no SSH connection of its own.
+    probe = (
+        "import sys, json\n"
+        "from controller.inventory import load\nfrom controller.transport.pool import Pool\n"
+        "from controller import deploy\n"
+        f"inv = load({str(env.inventory)!r}); ct = inv.container('ct200')\n"
+        "with Pool(inv) as pool:\n"
+        "    r = deploy.deploy(inv, ct, pool.container(ct), None, allow_dirty=True)\n"
+        "    h = pool.host('pve1')\n"
+        "    print(json.dumps([r.changed, len(r.plan), 'paramiko' in sys.modules, h.connects, h.round_trips,\n"
+        "                      pool._relays['pve1'].hello['pid']]))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env.env, timeout=120,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [0, 2, False, 0, 0, pid]
+    # Changed content through the same session lands whole and verified.
+    (env.dir / "emit_metrics.py").write_bytes((env.dir / "emit_metrics.py").read_bytes() + b"\n# v2\n")
+    third = env.ctl("deploy", "ct200", "ct201", "--allow-dirty", check=True)
+    assert "ct200        deployed 1 of 2 files" in third.stdout, third.stdout
+    assert "ct201        deployed 2 of 2 files" in third.stdout, third.stdout  # first deploy there
+    for vmid in (200, 201):
+        assert sha(env.host.rootfs(vmid) / "root" / env.tag / "emit_metrics.py") == sha(env.dir / "emit_metrics.py")
+    assert not _sshd_sessions(env, "pve1") - sessions and mine <= _sshd_sessions(env, "pve1")
+    st = env.ctl("mux", "status", "--json", check=True)
+    assert [(d["host"], d["pid"], d["live"]) for d in json.loads(st.stdout)] == [("pve1", pid, True)]
+    stop = env.ctl("mux", "stop", check=True)
+    assert f"pve1: stopped session (pid {pid})" in stop.stdout
+    assert _wait_gone(pid)
+    assert not list((env.state / "mux").glob("*.sock"))
+
+
+def test_socket_directory_and_socket_are_private(persist: Env) -> None:
+    env = persist
+    r = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
+    pid = _session_pid(r.stderr)
+    d = env.state / "mux"
+    st = d.stat()
+    assert (st.st_mode & 0o777, st.st_uid) == (0o700, os.getuid())
+    (sock,) = d.glob("*.sock")
+    assert (sock.stat().st_mode & 0o777, sock.stat().st_uid) == (0o600, os.getuid())
+    assert not any(str(env.dir) in line or "BEGIN" in line for line in (d / sock.with_suffix(".log").name)
+                   .read_text().splitlines())
+    # Someone else's socket under our name is refused, never used.
+    os.chown(sock, 65534, 65534, follow_symlinks=False)
+    try:
+        bad = env.ctl("deploy", "ct200", "--allow-dirty")
+        assert bad.returncode == ExitCode.CONNECTION, bad.stdout + bad.stderr
+        assert "not a socket owned by uid 0" in bad.stdout + bad.stderr
+    finally:
+        os.chown(sock, os.getuid(), os.getgid(), follow_symlinks=False)
+    # A directory others may enter is refused too.
+    d.chmod(0o755)
+    try:
+        bad = env.ctl("deploy", "ct200", "--allow-dirty")
+        assert bad.returncode == ExitCode.CONNECTION
+        assert "must be a directory owned by uid 0 with mode 0700" in bad.stdout + bad.stderr
+    finally:
+        d.chmod(0o700)
+    assert _alive(pid)
+
+
+def test_killed_session_fails_open_streams_clearly_and_the_next_command_starts_a_new_one(persist: Env) -> None:
+    env = persist
+    inv = load(env.inventory)
+    ct = inv.container("ct200")
+    with Pool(inv) as pool:
+        t = pool.container(ct)
+        assert isinstance(t, PctContainer) and t.relay is not None
+        d = t.open(["sleep", "8"])
+        pid = t.relay.hello["pid"]  # type: ignore[attr-defined]
+        _pids_seen.append(pid)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ConnectionFailed, match=r"connection dropped.*ctl's session process.*ended; the next "
+                                                   r"ctl command starts a new one"):
+            d.finish(timeout=30)
+        # The next exec of the same command connects to a new session, as SSH reconnects after a drop.
+        again = t.run(["echo", "hi"])
+        assert again.out == "hi\n"
+        new = t.relay.hello["pid"]  # type: ignore[attr-defined]
+        _pids_seen.append(new)
+        assert new != pid and t.relay.started_session  # type: ignore[attr-defined]
+    assert _wait_gone(pid)
+    r = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
+    assert f"reused ctl's persistent session (pid {new}," in r.stderr
+    # The SSH connection under a live session drops: the session ends, its socket goes, the next one is fresh.
+    for p in _sshd_sessions(env, "pve1"):
+        os.kill(p, signal.SIGKILL)
+    assert _wait_gone(new)
+    assert not list((env.state / "mux").glob("*.sock"))
+    again = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
+    assert "up to date" in again.stdout
+    assert _session_pid(again.stderr) not in (pid, new)
+
+
+def test_idle_session_exits_and_removes_its_socket(persist: Env) -> None:
+    env = persist
+    env.env["CTL_PERSIST"] = "1"
+    r = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
+    pid = _session_pid(r.stderr)
+    assert _wait_gone(pid, timeout=10)
+    assert not list((env.state / "mux").glob("*.sock"))
+    assert "ending: idle for 1s" in next((env.state / "mux").glob("*.log")).read_text()
