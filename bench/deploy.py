@@ -3,7 +3,9 @@
 The seeds' way (shared/seeds/): one `scp` of the files to the host, then `ssh host "pct push ..."`
 per file, then an md5sum check through `pct exec`. ctl: `ctl deploy CT` (a whole CLI process each
 time, start-up included). Cases: the two payload scripts + start_training.sh when all changed, when
-none changed, and ten containers on two hosts against one.
+none changed, and ten containers on two hosts against one. "Nothing changed" is also timed with a
+persistent host session (CTL_PERSIST=60, controller/transport/mux.py): cold (the session is stopped
+first, so that run starts it) and warm (the next run reuses it).
 
     sudo python3 bench/deploy.py [--repeat 5] [--out bench/results/deploy.json]
 
@@ -74,6 +76,9 @@ def main() -> int:
     try:
         return run(host, base, args)
     finally:
+        # never leave a session behind: stop them (they live under this run's state dir)
+        subprocess.run([sys.executable, "-m", "controller", "mux", "stop"], capture_output=True,
+                       env=dict(os.environ, CTL_STATE_DIR=str(base / "state"), PYTHONPATH=str(REPO)))
         host.down()
 
 
@@ -110,7 +115,9 @@ def run(host: PveHost, base: Path, args: argparse.Namespace) -> int:
 
     results: dict[str, list[float]] = {k: [] for k in
                                        ("seeds_all_changed", "ctl_all_changed", "seeds_none_changed",
-                                        "ctl_none_changed", "ctl_one_ct", "ctl_ten_cts")}
+                                        "ctl_none_changed", "ctl_none_changed_persist_cold",
+                                        "ctl_none_changed_persist_warm", "ctl_one_ct", "ctl_ten_cts")}
+    persist_env = dict(env, CTL_PERSIST="60")
     all_cts = [f"ct{v}" for n in host.nodes for v in n.vmids]
     for _ in range(args.repeat):
         touch_all()
@@ -119,6 +126,12 @@ def run(host: PveHost, base: Path, args: argparse.Namespace) -> int:
         # none changed: the seeds have no way to know, so they copy and check again
         results["seeds_none_changed"].append(seeds_way(host, "pve1", 200, seeds_files, tag))
         results["ctl_none_changed"].append(timed([*ctl, "deploy", "ct200", "--allow-dirty"], env))
+        # the same with a persistent host session: stopped first (untimed), so the cold run starts it
+        subprocess.run([*ctl, "mux", "stop"], check=True, capture_output=True, env=persist_env)
+        results["ctl_none_changed_persist_cold"].append(timed([*ctl, "deploy", "ct200", "--allow-dirty"],
+                                                              persist_env))
+        results["ctl_none_changed_persist_warm"].append(timed([*ctl, "deploy", "ct200", "--allow-dirty"],
+                                                              persist_env))
         touch_all()
         results["ctl_one_ct"].append(timed([*ctl, "deploy", "ct300", "--allow-dirty"], env))
         results["ctl_ten_cts"].append(timed([*ctl, "deploy", *all_cts, "--allow-dirty"], env))
@@ -126,13 +139,17 @@ def run(host: PveHost, base: Path, args: argparse.Namespace) -> int:
     ratios = {
         "all_changed_speedup": med["seeds_all_changed"] / med["ctl_all_changed"],
         "none_changed_speedup": med["seeds_none_changed"] / med["ctl_none_changed"],
+        "none_changed_persist_warm_speedup": med["seeds_none_changed"] / med["ctl_none_changed_persist_warm"],
+        "none_changed_persist_cold_speedup": med["seeds_none_changed"] / med["ctl_none_changed_persist_cold"],
         "ten_over_one": med["ctl_ten_cts"] / med["ctl_one_ct"],
     }
-    print(f"{'case':<22} {'median s':>9}   (n={args.repeat})")
+    print(f"{'case':<30} {'median s':>9}   (n={args.repeat})")
     for k, v in med.items():
-        print(f"{k:<22} {v:9.3f}")
+        print(f"{k:<30} {v:9.3f}")
     print(f"all changed:  ctl is {ratios['all_changed_speedup']:.2f}x faster than the seeds' way (target >= 2)")
     print(f"none changed: ctl is {ratios['none_changed_speedup']:.2f}x faster than the seeds' way (target >= 4)")
+    print(f"none changed, CTL_PERSIST=60: ctl is {ratios['none_changed_persist_warm_speedup']:.2f}x faster with "
+          f"the session warm, {ratios['none_changed_persist_cold_speedup']:.2f}x on the run that starts it")
     print(f"ten containers take {ratios['ten_over_one']:.2f}x the time of one (target < 2)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
