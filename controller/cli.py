@@ -108,8 +108,7 @@ def deploy_cmd(
     inv = _inv()
     cts = inv.select(containers or [])
     reg = _registry()
-    with Pool(inv, note=_note) as pool:
-        pool.share_exec(cts)  # several containers of one host: one exec for them all
+    with Pool(inv, note=_note) as pool:  # fanout shares one exec among the containers of a host
         if check:
             checks = fanout(pool, cts, lambda ct, t: deploy.check(inv, ct, t, reg))
             _render_check(checks)

@@ -1,4 +1,5 @@
-"""Run one operation on several containers at once: parallel across hosts, one connection per host."""
+"""Run one operation on several containers at once: parallel across hosts, one connection per host, and one
+exec per host for the containers that share it (ctl's host relay: Pool.share_exec)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def fanout(pool: Pool, cts: list[Container], fn: Callable[[Container, Transport]
 
     if len(cts) == 1:
         return [one(cts[0])]
+    pool.share_exec(cts)  # several containers of one host: one exec (and one login shell) for them all
     with ThreadPoolExecutor(max_workers=min(max_workers, len(cts))) as ex:
         return list(ex.map(one, cts))
 

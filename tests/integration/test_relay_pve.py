@@ -176,3 +176,17 @@ def test_relay_reports_a_dropped_connection_to_every_open_stream(pve_env: Env) -
         for d in (a, b):
             with pytest.raises(ConnectionFailed, match="connection dropped"):
                 d.finish(timeout=30)
+
+
+def test_every_fanout_shares_one_exec_per_host(pve_env: Env) -> None:
+    """Not only deploy: any command run on several containers of one host (run-state refresh, metrics pull,
+    ping) gets the relay from fanout itself."""
+    inv = load(pve_env.inventory)
+    cts = [inv.container("ct200"), inv.container("ct201")]
+    with Pool(inv) as pool:
+        results = fanout(pool, cts, lambda ct, t: t.check(["cat", "/etc/hostname"], what="hostname").stdout)
+        assert [r.error for r in results] == [None, None]
+        assert results[0].value != results[1].value  # each answer came from its own container
+        pve1 = pool.host("pve1")
+        assert (pve1.connects, pve1.round_trips) == (1, 1)
+        assert pool._relays["pve1"].streams_opened == 2
