@@ -1,7 +1,7 @@
 """`ctl mux status|stop`: the user's persistent host sessions (CTL_PERSIST, controller/transport/mux.py).
 
-A session is started on demand by the first command that needs a host while CTL_PERSIST is set; these
-commands only list and stop them. They read no inventory.
+A session is started on demand by the first command that needs a host while CTL_PERSIST, or that host's
+`persist:` in the inventory, is set; these commands only list and stop them. They read no inventory.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from controller import cli_base as _cli
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
 
-mux_app = typer.Typer(help="Persistent host sessions (CTL_PERSIST=SECONDS): list or stop them.",
+mux_app = typer.Typer(help="Persistent host sessions (CTL_PERSIST=SECONDS or a host's persist:): list or stop them.",
                       no_args_is_help=True)
 app.add_typer(mux_app, name="mux")
 

@@ -56,6 +56,7 @@ class HostSpec(_Model):
     known_hosts: str | None = None
     pct: str = "pct"
     stage_dir: str = "/tmp"
+    persist: int = Field(0, ge=0)  # idle seconds of a persistent host session (0: off); CTL_PERSIST overrides
     api: ApiSpec | None = None
 
 

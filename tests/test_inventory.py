@@ -169,3 +169,12 @@ def test_cli_inventory_json(tmp_path: Path) -> None:
 def test_shipped_inventory_is_valid() -> None:
     inv = load(Path(__file__).parent.parent / "inventory.yaml")
     assert {"ct200", "local"} <= set(inv.model.containers)
+
+
+def test_host_persist_is_whole_seconds_at_least_0(tmp_path: Path) -> None:
+    assert load(write(tmp_path, GOOD)).model.hosts["kpro6"].persist == 0  # off unless asked for
+    ok = GOOD.replace("    port: 22\n", "    port: 22\n    persist: 60\n")
+    assert load(write(tmp_path, ok)).model.hosts["kpro6"].persist == 60
+    msg = error_of(tmp_path, GOOD.replace("    port: 22\n", "    port: 22\n    persist: -5\n"))
+    assert msg.startswith("INV:5: hosts.kpro6.persist:"), msg
+    assert ">= 0" in msg or "greater than or equal to 0" in msg, msg

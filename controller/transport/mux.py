@@ -1,4 +1,5 @@
-"""A persistent host session (opt-in, `CTL_PERSIST=SECONDS`): one background process per host and user.
+"""A persistent host session (opt-in: `CTL_PERSIST=SECONDS`, or `persist:` on the host in the inventory): one
+background process per host and user.
 
 Each `ctl` command used to pay, before its agent said a word, paramiko's import, an SSH handshake, an
 exec request and the host's login shell (~0.3 s). With persistence on, the first command that needs host H
@@ -49,11 +50,12 @@ ENV = "CTL_PERSIST"
 _MAX_SUN_PATH = 100  # sockaddr_un holds 108 bytes; longer paths go through /proc/self/fd/N/
 
 
-def persist_seconds() -> int:
-    """CTL_PERSIST: idle seconds a host session outlives its last client (0 or unset: no session)."""
+def persist_seconds() -> int | None:
+    """CTL_PERSIST: idle seconds a host session outlives its last client (0: no session); None when unset
+    (then each host's inventory `persist:` decides)."""
     raw = os.environ.get(ENV, "").strip()
     if not raw:
-        return 0
+        return None
     try:
         value = int(raw)
     except ValueError:

@@ -24,11 +24,19 @@ class Pool:
         self._direct: dict[str, SshEndpoint] = {}
         self._relays: dict[str, HostRelay] = {}
         self._lock = threading.Lock()
-        self.persist = persist_seconds()  # CTL_PERSIST: pct hosts go through the user's persistent session
+        self._persist_env = persist_seconds()  # CTL_PERSIST, when set, wins over the inventory's `persist:`
+
+    def persist(self, host: str) -> int:
+        """Idle seconds of the user's persistent session for this host (0: none): CTL_PERSIST when set,
+        else the host's `persist:` in the inventory."""
+        if self._persist_env is not None:
+            return self._persist_env
+        return self.inventory.model.hosts[host].persist
 
     def _new_relay(self, host: str) -> HostRelay:
-        if self.persist:
-            return MuxRelay(self.host(host), self.persist, note=self.note)
+        seconds = self.persist(host)
+        if seconds:
+            return MuxRelay(self.host(host), seconds, note=self.note)
         return HostRelay(self.host(host), note=self.note)
 
     def share_exec(self, cts: Iterable[Container]) -> list[str]:
@@ -89,7 +97,7 @@ class Pool:
                     self._direct[ct.name] = ep
                 return ep
         assert ct.host_name is not None and ct.host is not None and spec.vmid is not None
-        if self.persist and ct.host_name not in self._relays:  # one container alone uses the session too
+        if self.persist(ct.host_name) and ct.host_name not in self._relays:  # a lone container uses it too
             relay = self._new_relay(ct.host_name)
             with self._lock:
                 self._relays.setdefault(ct.host_name, relay)

@@ -223,3 +223,25 @@ def test_idle_session_exits_and_removes_its_socket(persist: Env) -> None:
     assert _wait_gone(pid, timeout=10)
     assert not list((env.state / "mux").glob("*.sock"))
     assert "ending: idle for 1s" in next((env.state / "mux").glob("*.log")).read_text()
+
+
+def test_inventory_persist_key_starts_the_session_and_ctl_persist_0_wins(persist: Env) -> None:
+    """`persist: SECONDS` on a host turns sessions on without the environment; CTL_PERSIST=0 turns them off."""
+    import yaml
+
+    env = persist
+    doc = yaml.safe_load(env.inventory.read_text())
+    doc["hosts"]["pve1"]["persist"] = 60
+    env.inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
+    plain = {k: v for k, v in env.env.items() if k != "CTL_PERSIST"}
+    argv = [sys.executable, "-m", "controller", "-i", str(env.inventory), "--debug", "deploy", "ct200",
+            "--allow-dirty"]
+    r = subprocess.run(argv, capture_output=True, text=True, env=plain, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    pid = _session_pid(r.stderr)
+    again = subprocess.run(argv, capture_output=True, text=True, env=plain, timeout=120)
+    assert again.returncode == 0 and "up to date" in again.stdout, again.stdout + again.stderr
+    assert f"reused ctl's persistent session (pid {pid}" in again.stderr
+    off = subprocess.run(argv, capture_output=True, text=True, env={**plain, "CTL_PERSIST": "0"}, timeout=120)
+    assert off.returncode == 0 and "up to date" in off.stdout, off.stdout + off.stderr
+    assert "persistent session" not in off.stderr
