@@ -201,8 +201,8 @@ def test_compiled_block_mask_equals_the_eager_one():
 
 
 def test_regionally_compiled_drafter_matches_eager(target):
-    """compile_mode='layers' (what --compile runs on a GPU) gives the eager loss and gradients; on CPU through
-    the SDPA path, as torch.compile runs anywhere."""
+    """compile_mode='layers' (what --compile runs on a GPU) gives the eager loss and gradients, through the
+    checkpointed LM-head chunks too; on CPU through the SDPA path, as torch.compile runs anywhere."""
     cfg = dm.DrafterConfig.from_target(target.config, 1, 16)
     emb, head = target.get_input_embeddings(), target.get_output_embeddings()
     g = torch.Generator().manual_seed(4)
@@ -214,7 +214,8 @@ def test_regionally_compiled_drafter_matches_eager(target):
         torch.manual_seed(0)
         d = dm.DFlashDrafter(cfg, emb, head, compiled=compiled)
         assert d.compile_mode == "layers"
-        loss = d.loss(hs, ids, torch.ones_like(ids), anchors, keep)
+        # 60 LM-head rows in chunks of 32 and 28: the checkpointed path (a big run's) with the compiled loss
+        loss = d.loss(hs, ids, torch.ones_like(ids), anchors, keep, chunk_tokens=32)
         loss.backward()
         results.append((loss.item(), d.fc.weight.grad.clone(), d.layers[0].down_proj.weight.grad.clone()))
     (l0, f0, g0), (l1, f1, g1) = results
