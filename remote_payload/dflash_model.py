@@ -83,6 +83,11 @@ class DrafterConfig:
 
 
 _block_mask_compiled = None
+# Masks up to this many elements (B x Q_LEN x KV_LEN) are built compiled: the sizes measured on the H200
+# (4 x 2048 at 16-64 anchors, at most 12.6M: 6.5 ms eager, 0.24 ms compiled). Larger ones (512 anchors:
+# 84M at 1 x 2048) stay eager, as in the one measured 512-anchor run: the attempt to measure them compiled
+# ran past its time limit, undiagnosed (bench/RESULTS.md), and eager costs little next to such a step.
+MASK_COMPILE_MAX_ELEMENTS = 16 * 2**20
 
 
 def _block_mask_builder(compiled: bool):
@@ -107,8 +112,10 @@ def dflash_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, device, co
         own = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == q_block)
         return ctx | own
 
-    return _block_mask_builder(compiled)(mask_mod, B=anchors.shape[0], H=None, Q_LEN=n * block_size,
-                                         KV_LEN=ctx_len + n * block_size, device=device)
+    q_len, kv_len = n * block_size, ctx_len + n * block_size
+    small = anchors.shape[0] * q_len * kv_len <= MASK_COMPILE_MAX_ELEMENTS
+    return _block_mask_builder(compiled and small)(mask_mod, B=anchors.shape[0], H=None, Q_LEN=q_len,
+                                                   KV_LEN=kv_len, device=device)
 
 
 def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:

@@ -221,3 +221,15 @@ def test_regionally_compiled_drafter_matches_eager(target):
     (l0, f0, g0), (l1, f1, g1) = results
     assert l1 == pytest.approx(l0, rel=1e-5)
     assert torch.allclose(f0, f1, atol=1e-5) and torch.allclose(g0, g1, atol=1e-5)
+
+
+def test_large_block_masks_are_built_eagerly(monkeypatch):
+    """Only masks up to MASK_COMPILE_MAX_ELEMENTS go through the compiled builder (the sizes measured)."""
+    asked = []
+    real = dm._block_mask_builder
+    monkeypatch.setattr(dm, "_block_mask_builder", lambda compiled: asked.append(compiled) or real(False))
+    small, _ = dm.sample_anchors(torch.ones(2, 256, dtype=torch.long), 8, 16, torch.Generator().manual_seed(0))
+    dm.dflash_mask(small, 256, 16, "cpu", compiled=True)  # 2 x 128 x 384 elements
+    monkeypatch.setattr(dm, "MASK_COMPILE_MAX_ELEMENTS", 2 * 128 * 384 - 1)
+    dm.dflash_mask(small, 256, 16, "cpu", compiled=True)
+    assert asked == [True, False]
