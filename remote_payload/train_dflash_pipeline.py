@@ -333,6 +333,13 @@ class Outbox:
         self.acks.append((dist.irecv(self.ack_buf[slot], self.dst, tag=TAG_ACK), self.ack_buf[slot]))
         self.n += 1
 
+    def flush(self) -> None:
+        """Wait for the batches in flight: with gloo an isend whose work is garbage-collected before it
+        completes can vanish, and the drafter then waits for that batch forever."""
+        for w in self.sends:
+            w.wait()
+        self.sends = []
+
 
 def serves(t: int, d: int, targets: int, drafters: int) -> bool:
     """Does target t ever make batches for drafter d (global batch g = step*D + d comes from target g % T)?"""
@@ -362,6 +369,7 @@ class Inbox:
                     self.remote[t] = [{k: fn(*a) for k, (fn, a) in slot.items()}
                                       for slot in pickle.loads(blob.numpy().tobytes())]
         self.ready: queue.Queue = queue.Queue()
+        self.acks: list = []  # isend works of acks in flight: a dropped work can lose its message (gloo)
         self.free = threading.Semaphore(self.q)
         self.stopping = threading.Event()
         threading.Thread(target=self._receive, name="dflash-inbox", daemon=True).start()
@@ -405,8 +413,20 @@ class Inbox:
 
     def release(self, step: int) -> None:
         """After the copy is done (the step's end): the target's slot and ours are free again."""
-        dist.isend(torch.tensor([step, 0], dtype=torch.int64), self.source(step), tag=TAG_ACK)
+        self._ack(torch.tensor([step, 0], dtype=torch.int64), self.source(step))
         self.free.release()
+
+    def _ack(self, msg: torch.Tensor, target: int) -> None:
+        """Send an ack and keep its work (and tensor) alive until it completes: with gloo an isend whose
+        work is garbage-collected early can vanish, and its target then waits for a slot forever."""
+        self.acks = [w for w in self.acks if not w.is_completed()]
+        self.acks.append(dist.isend(msg, target, tag=TAG_ACK))
+
+    def flush(self) -> None:
+        """Wait for the acks in flight (before the process group goes away)."""
+        for w in self.acks:
+            w.wait()
+        self.acks = []
 
     def stop(self) -> None:
         """Stopping early: every serving target gets queue-size 'stop' acks, whatever it is waiting for."""
@@ -415,7 +435,7 @@ class Inbox:
         for t in range(self.topo.targets):
             if serves(t, self.d, self.topo.targets, self.topo.drafters):
                 for _ in range(self.q):
-                    dist.isend(torch.tensor([-1, 1], dtype=torch.int64), t, tag=TAG_ACK)
+                    self._ack(torch.tensor([-1, 1], dtype=torch.int64), t)
 
 
 # ----------------------------------------------------------------------------------------------- roles
@@ -478,10 +498,12 @@ def run_target(args, topo: Topo, groups) -> None:
               f"{f'{compiled_layers} layers compiled, ' if compiled_layers else ''}ready in {time.time() - t0:.1f}s",
               flush=True)
     gen = torch.Generator().manual_seed(args.seed)
+    stopped = False
     for g in range(topo.rank, args.steps * topo.drafters, topo.targets):
         d = g % topo.drafters
         slot = out[d].acquire()
         if slot is None:
+            stopped = True
             break
         maybe_crash(topo.rank, g // topo.drafters)
         t = time.perf_counter()
@@ -502,6 +524,9 @@ def run_target(args, topo: Topo, groups) -> None:
         if topo.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the slot must be complete before the drafter is told
         out[d].send(slot, g, int((time.perf_counter() - t) * 1e6), topo.rank)
+    if not stopped:  # every batch sent has its drafter's receive coming; after a stop, nobody takes them
+        for ob in out.values():
+            ob.flush()
 
 
 def transport(args) -> str:
@@ -687,6 +712,8 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
             break
     if done < args.steps:
         inbox.stop()
+    else:
+        inbox.flush()  # every ack has its target's receive posted (one per batch): none may be left behind
     if lead:
         if not (args.checkpoint_every and done % args.checkpoint_every == 0):
             ckpt.save(done, drafter, {"args": vars(args)})
