@@ -37,13 +37,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from controller.errors import ConnectionFailed, CtlError, HostKeyError, InputError
 from controller.transport.base import Duplex
-from controller.transport.relay import _CHUNK, HEADER, HostRelay, relay_source
+from controller.transport.relay import _CHUNK, HEADER, HostRelay, frames, relay_source
 from controller.transport.ssh import SshEndpoint
 
 ENV = "CTL_PERSIST"
@@ -128,24 +128,20 @@ def _send_frame(sock: socket.socket, kind: bytes, sid: int, data: bytes = b"") -
     sock.sendall(HEADER.pack(kind, sid, len(data)) + data)
 
 
-def _recv_frames(sock: socket.socket) -> Any:
-    """Yield (kind, sid, data) until the peer ends the connection."""
-    buf = bytearray()
-    while True:
-        try:
-            data = sock.recv(_CHUNK)
-        except OSError:
-            return
-        if not data:
-            return
-        buf += data
-        while len(buf) >= HEADER.size:
-            kind, sid, n = HEADER.unpack_from(buf)
-            if len(buf) < HEADER.size + n:
-                break
-            payload = bytes(buf[HEADER.size:HEADER.size + n])
-            del buf[:HEADER.size + n]
-            yield kind, sid, payload
+def _recv_frames(sock: socket.socket) -> Iterator[tuple[bytes, int, bytes]]:
+    """Yield (kind, sid, data) until the peer ends the connection (or it breaks)."""
+
+    def chunks() -> Iterator[bytes]:
+        while True:
+            try:
+                data = sock.recv(_CHUNK)
+            except OSError:
+                return
+            if not data:
+                return
+            yield data
+
+    return frames(chunks())
 
 
 # --- client ----------------------------------------------------------------------------------------

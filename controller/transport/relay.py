@@ -20,7 +20,7 @@ import shlex
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,20 @@ BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl
 # The host's own python3 first: a PATH python3 may be a shim or a venv of the login shell's rc files.
 _START = 'p=/usr/bin/python3; [ -x "$p" ] || p=python3; exec "$p" -I -S -c "$0" "$@"'
 _CHUNK = 1 << 16
+
+
+def frames(chunks: Iterable[bytes]) -> Iterator[tuple[bytes, int, bytes]]:
+    """(kind, stream id, data) frames out of a byte stream that arrives in chunks of any size."""
+    buf = bytearray()
+    for data in chunks:
+        buf += data
+        while len(buf) >= HEADER.size:
+            kind, sid, n = HEADER.unpack_from(buf)
+            if len(buf) < HEADER.size + n:
+                break
+            payload = bytes(buf[HEADER.size:HEADER.size + n])
+            del buf[:HEADER.size + n]
+            yield kind, sid, payload
 
 
 @cache
@@ -167,21 +181,10 @@ class HostRelay:
             raise ConnectionFailed(f"{self.host.name}: {self._dead}") from None  # the first reason, as _fail kept it
 
     def _read_loop(self) -> None:
-        buf = bytearray()
         chan = self._chan
         try:
-            while True:
-                data = chan.recv(_CHUNK)
-                if not data:
-                    break
-                buf += data
-                while len(buf) >= HEADER.size:
-                    kind, sid, n = HEADER.unpack_from(buf)
-                    if len(buf) < HEADER.size + n:
-                        break
-                    payload = bytes(buf[HEADER.size:HEADER.size + n])
-                    del buf[:HEADER.size + n]
-                    self._dispatch(kind, sid, payload)
+            for kind, sid, payload in frames(iter(lambda: chan.recv(_CHUNK), b"")):
+                self._dispatch(kind, sid, payload)
         except (OSError, EOFError) as e:
             self._fail(f"SSH connection dropped: {e or type(e).__name__}")
             return

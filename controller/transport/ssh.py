@@ -301,13 +301,7 @@ class SshEndpoint(Transport):
         return chan
 
     def open(self, argv: Sequence[str]) -> Duplex:
-        chan = self._channel()
-        try:
-            chan.exec_command(self.command_line(argv))
-        except (OSError, EOFError) as e:
-            self.close()
-            raise ConnectionFailed(f"{self.name}: SSH connection dropped: {e or type(e).__name__}") from None
-        return _ChannelDuplex(self, chan, tuple(argv))
+        return _ChannelDuplex(self, self.exec_channel(argv), tuple(argv))
 
     # --- files -----------------------------------------------------------------------------------
 
