@@ -15,6 +15,7 @@ Plain torch + flex_attention: runs on torch 2.11 (CUDA) to 2.13+ (CPU), compiled
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -23,22 +24,21 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-_flex_compiled = None
-
 # How a compiled drafter is compiled: "layers" (each decoder layer, the context projection and the LM-head
 # cross-entropy compiled as regions; flex_attention is traced inside its layer) or "flex" (flex_attention
 # alone, everything around it eager: the first version, kept for the benchmark's comparison).
 COMPILE_MODES = ("layers", "flex")
 
 
+@functools.cache
+def compiled_once(fn):
+    """torch.compile(fn), made once per process on first use and shared by every caller."""
+    return torch.compile(fn, dynamic=False)
+
+
 def flex_attention_fn(compiled: bool):
-    """flex_attention, compiled once per process on first use when asked (the eager one materialises scores)."""
-    global _flex_compiled
-    if not compiled:
-        return flex_attention
-    if _flex_compiled is None:
-        _flex_compiled = torch.compile(flex_attention, dynamic=False)
-    return _flex_compiled
+    """flex_attention, compiled when asked (the eager one materialises scores)."""
+    return compiled_once(flex_attention) if compiled else flex_attention
 
 
 def target_layer_ids(num_target_layers: int, k: int) -> list[int]:
@@ -82,7 +82,6 @@ class DrafterConfig:
         return asdict(self)
 
 
-_block_mask_compiled = None
 # Masks up to this many elements (B x Q_LEN x KV_LEN) are built compiled: the sizes measured on the H200
 # (4 x 2048 at 16-64 anchors, at most 12.6M: 6.5 ms eager, 0.24 ms compiled). Larger ones (512 anchors:
 # 84M at 1 x 2048) stay eager, as in the one measured 512-anchor run: the attempt to measure them compiled
@@ -93,12 +92,7 @@ MASK_COMPILE_MAX_ELEMENTS = 16 * 2**20
 def _block_mask_builder(compiled: bool):
     """create_block_mask, or its compiled form: eager it is a chain of small ops over the dense [B, Q, KV] mask,
     rebuilt every step (the anchors change), which costs more than the attention it describes at small shapes."""
-    global _block_mask_compiled
-    if not compiled:
-        return create_block_mask
-    if _block_mask_compiled is None:
-        _block_mask_compiled = torch.compile(create_block_mask, dynamic=False)
-    return _block_mask_compiled
+    return compiled_once(create_block_mask) if compiled else create_block_mask
 
 
 def dflash_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, device, compiled: bool = False) -> BlockMask:
@@ -229,8 +223,8 @@ class DFlashDrafter(nn.Module):
             # (fp32 RMSNorm, RoPE, casts, SiLU*up, residual adds) is fused around the matmuls.
             for layer in self.layers:
                 layer.compile(dynamic=False)
-            self._context = torch.compile(self._context_eager, dynamic=False)
-            self._ce = torch.compile(_ce_chunk, dynamic=False)
+            self._context = torch.compile(self._context_eager, dynamic=False)  # bound to this drafter
+            self._ce = compiled_once(_ce_chunk)
 
     @property
     def _flex_in_layer(self) -> bool:
