@@ -86,3 +86,10 @@ def pve_env(pvehost: PveHost, tmp_path: Path) -> Iterator[Env]:
 @pytest.fixture
 def rootfs(pvehost: PveHost) -> Callable[[int], Path]:
     return pvehost.rootfs
+
+
+def sshd_sessions(env: Env, node: str) -> set[int]:
+    """PIDs of the SSH sessions a test-host node's sshd is serving now (its listener's children)."""
+    listener = int((env.host.base / node / "sshd.pid").read_text().strip())
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(listener)], capture_output=True, text=True).stdout
+    return {int(x) for x in out.split()}

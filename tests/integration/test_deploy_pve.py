@@ -18,7 +18,7 @@ from controller.errors import DiskError, ExitCode, HostKeyError, VerifyError
 from controller.inventory import load
 from controller.registry import Registry
 from controller.transport.pool import Pool
-from tests.integration.conftest import Env
+from tests.integration.conftest import Env, sshd_sessions
 
 pytestmark = pytest.mark.pvehost
 
@@ -173,12 +173,6 @@ def test_host_key_changed_or_unknown_is_refused(pve_env: Env, tmp_path: Path) ->
     assert "is unknown" in r.stdout and "ssh-keyscan" in r.stdout
 
 
-def _sshd_sessions(pidfile: Path) -> list[int]:
-    listener = int(pidfile.read_text().strip())
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(listener)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
 def test_connection_dropped_mid_deploy_leaves_whole_files_and_rerun_finishes(pve_env: Env) -> None:
     blob = pve_env.dir / "blob.bin"
     blob.write_bytes(b"v1" * 1000)
@@ -189,16 +183,13 @@ def test_connection_dropped_mid_deploy_leaves_whole_files_and_rerun_finishes(pve
     v2 = os.urandom(96 << 20)
     blob.write_bytes(v2)
     landed = pve_env.host.rootfs(200) / dest.lstrip("/")
-    pidfiles = [pve_env.host.base / "pve1" / "sshd.pid"]
-    assert pidfiles, "test host keeps sshd pid files"
 
     def cut_when_receiving() -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if any(landed.parent.glob(".blob.bin.ctl-*")):
-                for pf in pidfiles:
-                    for pid in _sshd_sessions(pf):
-                        os.kill(pid, signal.SIGKILL)
+                for pid in sshd_sessions(pve_env, "pve1"):
+                    os.kill(pid, signal.SIGKILL)
                 return
             time.sleep(0.005)
 

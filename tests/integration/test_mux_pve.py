@@ -20,7 +20,7 @@ from controller.inventory import load
 from controller.transport import mux as mux_mod
 from controller.transport.pct import PctContainer
 from controller.transport.pool import Pool
-from tests.integration.conftest import REPO, Env
+from tests.integration.conftest import REPO, Env, sshd_sessions
 
 pytestmark = pytest.mark.pvehost
 
@@ -50,12 +50,6 @@ def _wait_gone(pid: int, timeout: float = 15) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-def _sshd_sessions(env: Env, node: str) -> set[int]:
-    listener = int((env.host.base / node / "sshd.pid").read_text().strip())
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(listener)], capture_output=True, text=True).stdout
-    return {int(x) for x in out.split()}
 
 
 @pytest.fixture
@@ -105,18 +99,18 @@ def test_persistence_is_off_by_default(pve_env: Env) -> None:
 
 def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env) -> None:
     env = persist
-    before = _sshd_sessions(env, "pve1")
+    before = sshd_sessions(env, "pve1")
     first = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
     assert "deployed 2 of 2 files" in first.stdout
     pid = _session_pid(first.stderr)
     assert "started ctl's persistent session" in first.stderr
-    sessions = _sshd_sessions(env, "pve1")
+    sessions = sshd_sessions(env, "pve1")
     mine = sessions - before
     assert len(mine) == 1  # the session's own SSH connection, kept after ctl exited
     second = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
     assert "up to date (2 files verified" in second.stdout
     assert f"reused ctl's persistent session (pid {pid}," in second.stderr
-    assert not _sshd_sessions(env, "pve1") - sessions and mine <= _sshd_sessions(env, "pve1")  # no new one
+    assert not sshd_sessions(env, "pve1") - sessions and mine <= sshd_sessions(env, "pve1")  # no new one
     for name in ("emit_metrics.py", "start_training.sh"):
         assert (env.host.rootfs(200) / "root" / env.tag / name).exists()
     landed = env.host.rootfs(200) / "root" / env.tag / "emit_metrics.py"
@@ -143,7 +137,7 @@ def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env)
     assert "ct201        deployed 2 of 2 files" in third.stdout, third.stdout  # first deploy there
     for vmid in (200, 201):
         assert sha(env.host.rootfs(vmid) / "root" / env.tag / "emit_metrics.py") == sha(env.dir / "emit_metrics.py")
-    assert not _sshd_sessions(env, "pve1") - sessions and mine <= _sshd_sessions(env, "pve1")
+    assert not sshd_sessions(env, "pve1") - sessions and mine <= sshd_sessions(env, "pve1")
     st = env.ctl("mux", "status", "--json", check=True)
     assert [(d["host"], d["pid"], d["live"]) for d in json.loads(st.stdout)] == [("pve1", pid, True)]
     stop = env.ctl("mux", "stop", check=True)
@@ -206,7 +200,7 @@ def test_killed_session_fails_open_streams_clearly_and_the_next_command_starts_a
     r = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
     assert f"reused ctl's persistent session (pid {new}," in r.stderr
     # The SSH connection under a live session drops: the session ends, its socket goes, the next one is fresh.
-    for p in _sshd_sessions(env, "pve1"):
+    for p in sshd_sessions(env, "pve1"):
         os.kill(p, signal.SIGKILL)
     assert _wait_gone(new)
     assert not list((env.state / "mux").glob("*.sock"))

@@ -19,7 +19,7 @@ from controller.inventory import load
 from controller.transport import relay as relay_mod
 from controller.transport.pct import PctContainer
 from controller.transport.pool import Pool
-from tests.integration.conftest import Env
+from tests.integration.conftest import Env, sshd_sessions
 
 pytestmark = pytest.mark.pvehost
 
@@ -114,14 +114,6 @@ def test_host_without_python3_falls_back_to_one_exec_per_container(
     assert notes == ["pve1: no python3 on the host; falling back to one exec per container"]
 
 
-def _sshd_sessions(pidfile: Path) -> list[int]:
-    import subprocess
-
-    listener = int(pidfile.read_text().strip())
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(listener)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
 def test_connection_dropped_during_a_relayed_deploy_leaves_whole_files(pve_env: Env) -> None:
     blob = pve_env.dir / "blob.bin"
     blob.write_bytes(b"v1" * 1000)
@@ -137,7 +129,7 @@ def test_connection_dropped_during_a_relayed_deploy_leaves_whole_files(pve_env: 
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if any(any(p.parent.glob(".blob.bin.ctl-*")) for p in landed):
-                for pid in _sshd_sessions(pve_env.host.base / "pve1" / "sshd.pid"):
+                for pid in sshd_sessions(pve_env, "pve1"):
                     os.kill(pid, signal.SIGKILL)
                 return
             time.sleep(0.005)
@@ -171,7 +163,7 @@ def test_relay_reports_a_dropped_connection_to_every_open_stream(pve_env: Env) -
         pool.share_exec(cts)
         t200, t201 = pool.container(cts[0]), pool.container(cts[1])
         a, b = t200.open(["sleep", "30"]), t201.open(["sleep", "30"])
-        for pid in _sshd_sessions(pve_env.host.base / "pve1" / "sshd.pid"):
+        for pid in sshd_sessions(pve_env, "pve1"):
             os.kill(pid, signal.SIGKILL)
         for d in (a, b):
             with pytest.raises(ConnectionFailed, match="connection dropped"):
