@@ -43,10 +43,10 @@ def main() -> int:
         med = statistics.median(vals)
         print(f"{name:<20} median {med * 1000:6.1f} ms  p90 {sorted(vals)[int(0.9 * len(vals))] * 1000:6.1f} ms"
               f"  ({med / base:.1f}x a bare interpreter)")
-    heavy = subprocess.run([sys.executable, "-c", "import controller.cli, sys; "
+    heavy = subprocess.run([sys.executable, "-c", "import controller.cli.main, sys; "
                             "print(sorted(m for m in ('torch','fabric','paramiko','jinja2','matplotlib','proxmoxer')"
                             " if m in sys.modules))"], capture_output=True, text=True, check=True).stdout.strip()
-    print(f"heavy modules loaded by `import controller.cli`: {heavy}")
+    print(f"heavy modules loaded by `import controller.cli.main`: {heavy}")
     return 0
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from controller import metricspull  # noqa: E402
+from controller.commands import monitor  # noqa: E402
 from controller.registry import Registry  # noqa: E402
 from controller.transport.counting import Counting  # noqa: E402
 
@@ -119,7 +119,7 @@ def main() -> int:
         for label in ("first pull", "second pull (unchanged)"):
             t.reset()
             t0 = time.monotonic()
-            res = metricspull.pull(t, reg, rec, chunk=args.chunk_mib << 20)
+            res = monitor.pull(t, reg, rec, chunk=args.chunk_mib << 20)
             dt = time.monotonic() - t0
             rows.append((label, res.fetched, t.sent, t.received, t.calls, res.new_points, dt))
             print(f"{label}: log bytes {res.fetched:,}; transport out {t.sent:,} B, back {t.received:,} B, "
@@ -152,7 +152,7 @@ def write_results(path: Path, args: argparse.Namespace, where: str, size: int, s
         "",
         f"`{cmd}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores). A {size / 2**20:,.0f} MiB log "
         f"({steps:,} metric lines, one in {args.every}, between NCCL INFO lines) in {where}; `ctl metrics pull` "
-        f"logic (metricspull.pull, agent verb `logread`, {args.chunk_mib} MiB per call), bytes counted at the "
+        f"logic (monitor.pull, agent verb `logread`, {args.chunk_mib} MiB per call), bytes counted at the "
         "container transport (stdin + argv out; stdout + stderr back).",
         "",
         "| pull | log bytes | transport out | transport back | calls | new points | seconds |",

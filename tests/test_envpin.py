@@ -1,4 +1,4 @@
-"""controller/envpin.py on probes of real venvs (tests/test_probe_env.py builds them), and its lock format."""
+"""controller/core/envlock.py on probes of real venvs (tests/test_probe_env.py builds them), and its lock format."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.envpin import (
+from controller.core.envlock import (
     Lock,
     Pin,
     Probe,

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.metrics import (
+from controller.core.metrics import (
     LogCursor,
     MetricPoint,
     TextLine,

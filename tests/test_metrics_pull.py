@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import yaml
 
-from controller import metricspull
+from controller.commands import monitor
+from controller.core.metrics import parse_line
 from controller.errors import BusyError, ExitCode, InputError
 from controller.inventory import load
-from controller.metrics import parse_line
 from controller.registry import Registry, RunRecord
 from controller.transport.base import Result
 from controller.transport.counting import Counting
@@ -50,7 +50,7 @@ class Env:
     env: dict[str, str]
 
     def ctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "controller.cli", "-i", str(self.inventory), *args],
+        return subprocess.run([sys.executable, "-m", "controller.cli.main", "-i", str(self.inventory), *args],
                               capture_output=True, text=True, timeout=timeout, env=self.env, cwd=self.dir)
 
     def ok(self, *args: str) -> str:
@@ -227,13 +227,13 @@ def test_incremental_pull_moves_only_new_bytes(fake_run: tuple[Counting, Registr
     t, reg, rec, log = fake_run
     log.write_bytes(lines(1, 40000))  # ~2.4 MB
     size = log.stat().st_size
-    first = metricspull.pull(t, reg, rec, chunk=1 << 20)
+    first = monitor.pull(t, reg, rec, chunk=1 << 20)
     assert first.fetched == size and first.calls == 3 and first.new_points == 40000 and first.reset is None
     assert t.received - size < 4096, "raw bytes after a small header, no base64"
     assert steps_of(reg, rec) == list(range(1, 40001))
 
     t.sent = t.received = 0
-    second = metricspull.pull(t, reg, rec)
+    second = monitor.pull(t, reg, rec)
     assert second.fetched == 0 and second.calls == 1 and second.new_points == 0
     assert t.received < 1024 and t.sent < 64 * 1024  # a header back; the agent's source out
 
@@ -241,12 +241,12 @@ def test_incremental_pull_moves_only_new_bytes(fake_run: tuple[Counting, Registr
     with log.open("ab") as f:
         f.write(lines(40001, 2) + b"[5m] step=40003 loss=9.")
     t.received = 0
-    third = metricspull.pull(t, reg, rec)
+    third = monitor.pull(t, reg, rec)
     assert third.fetched == t.received - (t.received - third.fetched) and third.new_points == 2
     assert reg.cursor(rec.id)[2] == b"[5m] step=40003 loss=9."
     with log.open("ab") as f:
         f.write(b"1 lr=3.0e-04 (12.8Ktok/s) | ETA=1.0d\n")
-    fourth = metricspull.pull(t, reg, rec)
+    fourth = monitor.pull(t, reg, rec)
     assert fourth.fetched == len(b"1 lr=3.0e-04 (12.8Ktok/s) | ETA=1.0d\n") and fourth.new_points == 1
     assert steps_of(reg, rec)[-4:] == [40000, 40001, 40002, 40003]
     assert reg.points(rec.id)[-1]["loss"] == pytest.approx(9.1)
@@ -257,29 +257,29 @@ def test_truncation_and_rotation_start_again_from_byte_zero(
         fake_run: tuple[Counting, Registry, RunRecord, Path]) -> None:
     t, reg, rec, log = fake_run
     log.write_bytes(lines(1, 100))
-    metricspull.pull(t, reg, rec)
+    monitor.pull(t, reg, rec)
     # Truncated in place (`: > log`), then a little new output.
     with log.open("r+b") as f:
         f.truncate(0)
         f.write(lines(500, 3))
-    res = metricspull.pull(t, reg, rec)
+    res = monitor.pull(t, reg, rec)
     assert res.reset is not None and res.reset.startswith("truncated") and res.new_points == 3
     assert res.start == 0 and steps_of(reg, rec)[-3:] == [500, 501, 502]
     # Rotated: renamed away and a new, longer file in its place (size > offset: only the inode tells).
     log.rename(log.with_suffix(".1"))
     log.write_bytes(lines(900, 200))
-    res = metricspull.pull(t, reg, rec)
+    res = monitor.pull(t, reg, rec)
     assert res.reset == "replaced (new inode)" and res.new_points == 200
     # Rewritten in place, same inode, longer than before (copytruncate + fast writer): the head changed.
     with log.open("r+b") as f:
         f.write(lines(2000, 300))
-    res = metricspull.pull(t, reg, rec)
+    res = monitor.pull(t, reg, rec)
     assert res.reset is not None and res.reset.startswith("rewritten") and res.new_points == 300
-    assert metricspull.pull(t, reg, rec).reset is None  # and then steady again
+    assert monitor.pull(t, reg, rec).reset is None  # and then steady again
     # A missing log is one clear error.
     log.unlink()
     with pytest.raises(InputError, match="does not exist"):
-        metricspull.pull(t, reg, rec)
+        monitor.pull(t, reg, rec)
 
 
 def test_hashes_of_deployed_files_and_checkpoints(fake_run: tuple[Counting, Registry, RunRecord, Path]) -> None:
@@ -292,19 +292,19 @@ def test_hashes_of_deployed_files_and_checkpoints(fake_run: tuple[Counting, Regi
     ck.mkdir(parents=True)
     (ck / "s1.pt").write_bytes(b"one")
     (ck / "notes.txt").write_text("not a checkpoint")
-    res = metricspull.pull(t, reg, rec)
+    res = monitor.pull(t, reg, rec)
     assert res.files_changed == ("/root/a.py",)  # the run recorded sha 000..., the file differs
     assert set(res.checkpoints) == {"checkpoints/s1.pt"}
     stored = reg.run_files(rec.id, "checkpoint")
     assert stored["checkpoints/s1.pt"] is not None and stored["checkpoints/s1.pt"]["size"] == 3
     (ck / "s1.pt").write_bytes(b"two!")
     (ck / "s2.pt").write_bytes(b"three")
-    res2 = metricspull.pull(t, reg, rec, checkpoints="checkpoints/*.pt")
+    res2 = monitor.pull(t, reg, rec, checkpoints="checkpoints/*.pt")
     assert set(res2.checkpoints) == {"checkpoints/s1.pt", "checkpoints/s2.pt"}
     assert res2.checkpoints["checkpoints/s1.pt"] != res.checkpoints["checkpoints/s1.pt"]
     assert reg.run_files(rec.id, "deployed")["/root/a.py"] is not None
     with pytest.raises(InputError, match="relative pattern"):
-        metricspull.checkpoint_glob("../../etc/*")
+        monitor.checkpoint_glob("../../etc/*")
 
 
 def test_a_pull_that_lost_a_race_stores_nothing(fake_run: tuple[Counting, Registry, RunRecord, Path]) -> None:
@@ -317,7 +317,7 @@ def test_a_pull_that_lost_a_race_stores_nothing(fake_run: tuple[Counting, Regist
             return super().run(argv, stdin=stdin, timeout=timeout)
 
     with pytest.raises(BusyError, match="pulling"):
-        metricspull.pull(Racing(t.inner), reg, rec)
+        monitor.pull(Racing(t.inner), reg, rec)
     assert reg.points(rec.id) == []
 
 
@@ -333,28 +333,28 @@ def test_baseline_precedence_inventory_then_latest_marked_good(tmp_path: Path) -
     inv_path = tmp_path / "inv.yaml"
     inv_path.write_text(yaml.safe_dump({"containers": {"loc": {"transport": "local", "root": str(tmp_path)}}}))
     inv = load(str(inv_path))
-    assert metricspull.resolve_baseline(inv, reg, me) is None
+    assert monitor.resolve_baseline(inv, reg, me) is None
     reg.mark_good(other.id)
-    got = metricspull.resolve_baseline(inv, reg, me)
+    got = monitor.resolve_baseline(inv, reg, me)
     assert got is not None and got.run.id == other.id  # anywhere, when none on this container
     reg.mark_good(a.id)
     reg.mark_good(b.id)
-    got = metricspull.resolve_baseline(inv, reg, me)
+    got = monitor.resolve_baseline(inv, reg, me)
     assert got is not None and got.run.id == b.id and got.source == "marked good"  # newest on this CT
-    got = metricspull.resolve_baseline(inv, reg, b)
+    got = monitor.resolve_baseline(inv, reg, b)
     assert got is not None and got.run.id == a.id  # never the run itself
     reg.mark_good(b.id, False)
-    got = metricspull.resolve_baseline(inv, reg, me)
+    got = monitor.resolve_baseline(inv, reg, me)
     assert got is not None and got.run.id == a.id
     # The inventory's `baseline:` wins over every mark.
     inv_path.write_text(yaml.safe_dump({"containers": {"loc": {"transport": "local", "root": str(tmp_path),
                                                                "baseline": "fresh6"}}}))
-    got = metricspull.resolve_baseline(load(str(inv_path)), reg, me)
+    got = monitor.resolve_baseline(load(str(inv_path)), reg, me)
     assert got is not None and got.run.id == b.id and got.source == "inventory"
     inv_path.write_text(yaml.safe_dump({"containers": {"loc": {"transport": "local", "root": str(tmp_path),
                                                                "baseline": "fresh99"}}}))
     with pytest.raises(InputError, match=r"containers\.loc\.baseline: no run 'fresh99'"):
-        metricspull.resolve_baseline(load(str(inv_path)), reg, me)
+        monitor.resolve_baseline(load(str(inv_path)), reg, me)
 
 
 def test_mark_good_cli_and_unset(env: Env) -> None:

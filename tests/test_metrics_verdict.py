@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from controller.errors import ExitCode, InputError
-from controller.metrics import (
+from controller.core.metrics import (
     LogCursor,
     MetricPoint,
     RunState,
@@ -22,6 +21,7 @@ from controller.metrics import (
     verdict,
     worst,
 )
+from controller.errors import ExitCode, InputError
 
 EMIT = Path(__file__).parent / "fakepayload" / "emit_metrics.py"
 NOW = 1_800_000_000.0

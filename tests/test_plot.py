@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from controller.core.metrics import MetricPoint, parse_line, parse_lines, points_of
+from controller.core.plot import export_points, plot_runs
 from controller.errors import ClobberError, InputError
-from controller.metrics import MetricPoint, parse_line, parse_lines, points_of
-from controller.plot import export_points, plot_runs
 
 pytest.importorskip("matplotlib")
 
@@ -94,7 +94,7 @@ def test_missing_matplotlib_is_a_clear_error(tmp_path: Path, monkeypatch: pytest
 
 
 def test_importing_the_modules_does_not_load_matplotlib_or_torch() -> None:
-    code = ("import sys, controller.plot, controller.metrics; "
+    code = ("import sys, controller.core.plot, controller.core.metrics; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'torch', 'numpy')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,4 +1,4 @@
-"""remote_payload/probe_env.py against real venvs (python -m venv --without-pip) with real dist-info.
+"""controller/remote/probe_env.py against real venvs (python -m venv --without-pip) with real dist-info.
 
 The helpers here build the venvs; tests/test_envpin.py uses them too.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-PROBE = Path(__file__).resolve().parent.parent / "remote_payload" / "probe_env.py"
+PROBE = Path(__file__).resolve().parent.parent / "controller" / "remote" / "probe_env.py"
 NO_DRIVER = (
     "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
     "Make sure that the latest NVIDIA driver is installed and running."

@@ -1,4 +1,4 @@
-"""controller.pve against the test host's real HTTPS API (tests/pvehost/api.py) through proxmoxer, and the
+"""controller.transport.pveapi against the test host's real HTTPS API (tests/pvehost/api.py) through proxmoxer, and the
 pct fallback's parser against the same containers: token, 401 delay, TLS trust, unreachable, task failures."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from controller.commands.snapshot import parse_listsnapshot
 from controller.errors import ApiError, ConnectionFailed, InputError
 from controller.inventory import ApiSpec
-from controller.pve import PveApi, PveFailure, snapshots_from_api
-from controller.snapshot import parse_listsnapshot
+from controller.transport.pveapi import PveApi, PveFailure, snapshots_from_api
 from tests.pvehost import PveHost, find_free_port
 from tests.pvehost.api import make_certs
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from controller import runbook
+from controller.core import runbook
 from controller.errors import ExitCode, InputError
 from controller.registry import Registry
 from tests.test_metrics_pull import Env, env  # noqa: F401 - the fixture: local inventory, tmux, state dir

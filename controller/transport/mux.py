@@ -4,7 +4,7 @@ background process per host and user.
 Each `ctl` command used to pay, before its agent said a word, paramiko's import, an SSH handshake, an
 exec request and the host's login shell (~0.3 s). With persistence on, the first command that needs host H
 starts `ctl mux` for H (this module run as a program): it opens the SSH connection (host keys verified as
-always: known_hosts, RejectPolicy) and ONE long-running exec of ctl's host relay (controller/hostrelay.py),
+always: known_hosts, RejectPolicy) and ONE long-running exec of ctl's host relay (controller/remote/hostrelay.py),
 then listens on a Unix socket. Later commands connect to that socket, import no paramiko, do no
 handshake, and send the relay's own frames (S start argv, I stdin, C close stdin; back O, E, X) for the
 exact argv they would have run (`pct exec VMID -- python3 ... agent ...`); the mux renumbers stream ids
@@ -226,8 +226,6 @@ class MuxRelay(HostRelay):
                 "identity_file": ep.identity_file, "known_hosts": ep.known_hosts,
                 "connect_timeout": ep.connect_timeout, "idle": self.idle, "socket": str(path)}
         env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         old = os.umask(0o077)
         try:
             with open(path.with_suffix(".log"), "ab") as log:

@@ -2,7 +2,7 @@
 
 Each exec channel costs the host a login shell (and its ~/.bashrc) before `pct` even starts; ten
 containers on a host paid that ten times. `HostRelay` opens one exec per host running
-controller/hostrelay.py (stdlib Python, sent over the exec's stdin) and asks it to start, for each
+controller/remote/hostrelay.py (stdlib Python, sent over the exec's stdin) and asks it to start, for each
 container, the very argv a direct exec would have run (`pct exec VMID -- ...`), with no shell. The
 containers' stdin/stdout/stderr and exit statuses are multiplexed as frames over that one channel,
 so `_RelayDuplex` behaves like a direct exec's duplex: pct's refusals, the agent's answers, exit
@@ -21,15 +21,14 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 from controller.errors import ConnectionFailed
+from controller.remote import source
 from controller.transport.base import Duplex, Result
 from controller.transport.ssh import SshEndpoint
 
-HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/hostrelay.py)
+HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/remote/hostrelay.py)
 BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-relay','exec'))"
 # The host's own python3 first: a PATH python3 may be a shim or a venv of the login shell's rc files.
 _START = 'p=/usr/bin/python3; [ -x "$p" ] || p=python3; exec "$p" -I -S -c "$0" "$@"'
@@ -50,9 +49,8 @@ def frames(chunks: Iterable[bytes]) -> Iterator[tuple[bytes, int, bytes]]:
             yield kind, sid, payload
 
 
-@cache
 def relay_source() -> bytes:
-    return (Path(__file__).resolve().parents[1] / "hostrelay.py").read_bytes()
+    return source("hostrelay.py")
 
 
 def relay_argv() -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from controller import deploy as deploy_mod
+from controller.commands import deploy as deploy_mod
 from controller.errors import DiskError, ExitCode, HostKeyError, VerifyError
 from controller.inventory import load
 from controller.registry import Registry

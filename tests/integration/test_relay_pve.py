@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from controller import deploy as deploy_mod
+from controller.commands import deploy as deploy_mod
 from controller.commands.fanout import fanout
 from controller.errors import ConnectionFailed, ExitCode, NotRunning
 from controller.inventory import load

@@ -219,7 +219,8 @@ def test_tail_f_ends_on_a_crash_even_when_the_process_hangs(pve_env: Env) -> Non
 def test_follow_survives_a_dropped_connection_without_losing_or_repeating_lines(pve_env: Env) -> None:
     import threading
 
-    from controller import metrics, runs
+    from controller.commands import runs
+    from controller.core import metrics
     from controller.inventory import load
     from controller.registry import Registry
     from controller.transport.pool import Pool

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.metrics import MetricPoint, parse_line
+from controller.core.metrics import MetricPoint, parse_line
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "remote_payload" / "train_dflash_pipeline.py"

@@ -1,21 +1,19 @@
-"""Calling the agent (controller/agent.py) inside a container: one exec per operation."""
+"""Calling the agent (controller/remote/agent.py) inside a container: one exec per operation."""
 
 from __future__ import annotations
 
 import json
-from functools import cache
-from pathlib import Path
 from typing import Any, NoReturn
 
 from controller.errors import CtlError, RemoteCommandError
+from controller.remote import source
 from controller.transport.base import Result, Transport
 
 BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-agent','exec'))"
 
 
-@cache
 def agent_source() -> bytes:
-    return (Path(__file__).parent / "agent.py").read_bytes()
+    return source("agent.py")
 
 
 def agent_argv(verb: str, *args: str) -> list[str]:

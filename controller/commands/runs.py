@@ -17,8 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from controller import remote
-from controller.deploy import Manifest, pin
+from controller.commands.deploy import Manifest, pin
 from controller.errors import (
     BusyError,
     ClobberError,
@@ -32,6 +31,7 @@ from controller.errors import (
 from controller.inventory import Container, Inventory
 from controller.names import check_name
 from controller.registry import Registry, RunRecord
+from controller.remote import client
 from controller.transport.base import Transport
 
 START_SCRIPT = "start_training.sh"
@@ -71,7 +71,7 @@ def next_name(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> str
     """The next of the series after every run known to the registry AND every log in the container."""
     runs = inv.model.runs
     glob = runs.log.replace("{run}", runs.series + "*")
-    doc = remote.call(t, "probe", json.dumps({"root": remote.root_of(t), "series_glob": glob}))
+    doc = client.call(t, "probe", json.dumps({"root": client.root_of(t), "series_glob": glob}))
     log_prefix, log_suffix = posixpath.basename(runs.log).split("{run}", 1)
     from_logs = [n[len(log_prefix):len(n) - len(log_suffix) if log_suffix else None]
                  for n in doc.get("series_logs", []) if n.startswith(log_prefix) and n.endswith(log_suffix)]
@@ -96,10 +96,10 @@ def preflight(
 ) -> list[Check]:
     """One agent round trip; raises the first failing check as its own error (and exit code)."""
     args = {
-        "root": remote.root_of(t), "files": [f.dest for f in manifest.files], "session": rp.session,
+        "root": client.root_of(t), "files": [f.dest for f in manifest.files], "session": rp.session,
         "log": rp.log, "run_dir": rp.run_dir, "gpus": bool(ct.spec.gpus.all),
     }
-    doc = remote.call(t, "probe", json.dumps(args))
+    doc = client.call(t, "probe", json.dumps(args))
     checks: list[Check] = [Check("container", True, "running")]
 
     drift = []
@@ -219,8 +219,8 @@ def launch(
             "command": command, "log": rp.log, "run_dir": rp.run_dir, "session": rp.session,
             "env_fingerprint": (env or {}).get("fingerprint"),
         }
-        doc = remote.call(t, "launch", json.dumps({
-            "root": remote.root_of(t), "log": rp.log, "session": rp.session, "script": script, "env": run_env,
+        doc = client.call(t, "launch", json.dumps({
+            "root": client.root_of(t), "log": rp.log, "session": rp.session, "script": script, "env": run_env,
             "record": record,
         }))
     except BaseException:
@@ -257,8 +257,8 @@ def refresh(inv: Inventory, ct: Container, t: Transport, reg: Registry, runs: li
     live = [r for r in runs if r.state in LIVE]
     if not live:
         return runs
-    doc = remote.call(t, "runstate", json.dumps({
-        "root": remote.root_of(t),
+    doc = client.call(t, "runstate", json.dumps({
+        "root": client.root_of(t),
         "runs": [{"name": r.name, "log": r.log_path, "session": r.session} for r in live],
     }))
     updated = {}
@@ -281,7 +281,7 @@ def live(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> list[Run
 def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRecord, grace: float = 30) -> RunRecord:
     if run.state not in LIVE:
         raise InputError(f"run {run.name} on {ct.name} is not running (state: {run.state})")
-    doc = remote.call(t, "stop", json.dumps({"root": remote.root_of(t), "log": run.log_path,
+    doc = client.call(t, "stop", json.dumps({"root": client.root_of(t), "log": run.log_path,
                                               "session": run.session, "grace": grace}))
     if doc.get("alive"):
         raise CtlError(f"{ct.name}: run {run.name} survived SIGINT, SIGTERM and SIGKILL")
@@ -315,8 +315,8 @@ def follow(
     A dropped connection is resumed from the last byte offset received: no line is lost or repeated.
     """
     assert run.log_path is not None
-    root = remote.root_of(t)
-    info = remote.call(t, "tailinfo", json.dumps({"root": root, "log": run.log_path, "lines": max(lines, 0)}))
+    root = client.root_of(t)
+    info = client.call(t, "tailinfo", json.dumps({"root": root, "log": run.log_path, "lines": max(lines, 0)}))
     if not info.get("ok"):
         raise InputError(f"{run.ct}: cannot read {run.log_path}: {info.get('error')}")
     crash = None
@@ -380,7 +380,7 @@ def _named(crash: str | None, found: str | None) -> str | None:
 
 
 def _runstate(t: Transport, run: RunRecord) -> dict[str, Any]:
-    doc = remote.call(t, "runstate", json.dumps({"root": remote.root_of(t), "runs": [
+    doc = client.call(t, "runstate", json.dumps({"root": client.root_of(t), "runs": [
         {"name": run.name, "log": run.log_path, "session": run.session}]}))
     st: dict[str, Any] = doc["runs"][0]
     return st

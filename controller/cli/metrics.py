@@ -1,5 +1,5 @@
 """Metrics commands (`ctl metrics ...`, `ctl status`, `ctl watch`, `ctl plot`, `ctl mark-good`): registered on
-the main app. Each converts options, calls controller.metricspull / metrics / plot, and renders the result.
+the main app. Each converts options, calls controller.commands.monitor / metrics / plot, and renders the result.
 
 Exit codes of `status` and `watch` are the verdict's (metrics.exit_code_for): 0 OK / FINISHED / warming up /
 no baseline, 21 SLOW, 22 STALLED, 20 CRASHED, so that a runbook can branch on them.
@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from controller import cli_base as _cli
+from controller.cli import app as _cli
 from controller.errors import CtlError, InputError
 
 app: typer.Typer = _cli.app
@@ -30,7 +30,7 @@ _CHECKPOINTS_HELP = "Checkpoint files to hash, a glob under the run directory (e
 
 
 def _duration(text: str, what: str) -> float:
-    from controller.metrics import parse_duration
+    from controller.core.metrics import parse_duration
 
     seconds = parse_duration(text)
     if seconds is None or seconds <= 0:
@@ -46,7 +46,7 @@ def _ratio(value: float) -> float:
 
 def _pull_many(inv: Any, reg: Any, recs: list[Any], checkpoints: str | None) -> dict[int, Any]:
     """Pull every run whose container is in the inventory: {run id: PullResult | error text}."""
-    from controller import metricspull
+    from controller.commands import monitor
     from controller.commands.fanout import fanout
     from controller.transport.pool import Pool
 
@@ -63,7 +63,7 @@ def _pull_many(inv: Any, reg: Any, recs: list[Any], checkpoints: str | None) -> 
         got: dict[int, Any] = {}
         for r in by_ct[ct.name]:
             try:
-                got[r.id] = metricspull.pull(t, reg, r, checkpoints=checkpoints)
+                got[r.id] = monitor.pull(t, reg, r, checkpoints=checkpoints)
             except CtlError as e:
                 got[r.id] = str(e)
         return got
@@ -79,16 +79,16 @@ def _pull_many(inv: Any, reg: Any, recs: list[Any], checkpoints: str | None) -> 
 
 def _baseline_for(inv: Any, reg: Any, rec: Any, checkpoints: str | None) -> tuple[str, float] | None:
     """The baseline's (label, steady tok/s); its points are pulled first if none are stored yet."""
-    from controller import metricspull
+    from controller.commands import monitor
 
-    base = metricspull.resolve_baseline(inv, reg, rec)
+    base = monitor.resolve_baseline(inv, reg, rec)
     if base is None:
         return None
     if not reg.points(base.run.id):
         got = _pull_many(inv, reg, [base.run], checkpoints).get(base.run.id)
         if isinstance(got, str):
             sys.stderr.write(f"ctl: warning: baseline {base.label}: no points stored and pull failed: {got}\n")
-    return metricspull.baseline_rate(reg, base)
+    return monitor.baseline_rate(reg, base)
 
 
 # --- ctl metrics pull / export -------------------------------------------------------------------
@@ -102,16 +102,16 @@ def pull_cmd(
     no_hashes: bool = typer.Option(False, "--no-hashes", help="Skip hashing deployed files and checkpoints."),
 ) -> None:
     """Fetch only the log bytes added since the last pull, parse them, store the points and file hashes."""
-    from controller import metricspull
+    from controller.commands import monitor
     from controller.transport.pool import Pool
 
     inv = _inv()
     reg = _registry()
     rec = reg.find_run(run)
     ct = inv.container(rec.ct)
-    glob = metricspull.checkpoint_glob(checkpoints)
+    glob = monitor.checkpoint_glob(checkpoints)
     with Pool(inv) as pool:
-        res = metricspull.pull(pool.container(ct), reg, rec, chunk=max(1, int(chunk_mib * 2**20)),
+        res = monitor.pull(pool.container(ct), reg, rec, chunk=max(1, int(chunk_mib * 2**20)),
                                checkpoints=glob, hashes=not no_hashes)
     if OPTS.json:
         _out(res.to_json())
@@ -141,7 +141,8 @@ def export_cmd(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output file."),
 ) -> None:
     """Write the run's metric points as CSV or JSON lines."""
-    from controller import metricspull, plot
+    from controller.commands import monitor
+    from controller.core import plot
     from controller.errors import ClobberError
 
     if fmt not in ("csv", "jsonl"):
@@ -152,7 +153,7 @@ def export_cmd(
         got = _pull_many(_inv(), reg, [rec], None).get(rec.id)
         if isinstance(got, str):
             sys.stderr.write(f"ctl: warning: {rec.ct}/{rec.name}: not pulled, exporting stored points: {got}\n")
-    points = metricspull.stored_points(reg, rec)
+    points = monitor.stored_points(reg, rec)
     if output is None:
         plot.export_points(points, fmt, sys.stdout)
         return
@@ -191,7 +192,7 @@ def mark_good_cmd(
 
 def _statuses(inv: Any, reg: Any, recs: list[Any], *, slow_ratio: float, stall_after_s: float,
               checkpoints: str | None) -> list[Any]:
-    from controller import metricspull, runs
+    from controller.commands import monitor, runs
 
     recs = _refresh_all(inv, reg, recs)
     pulled = _pull_many(inv, reg, recs, checkpoints)
@@ -200,7 +201,7 @@ def _statuses(inv: Any, reg: Any, recs: list[Any], *, slow_ratio: float, stall_a
     for r in recs:
         res = pulled.get(r.id)
         base = _baseline_for(inv, reg, r, checkpoints)
-        st = metricspull.status_of(r, reg, base, pull=None if isinstance(res, str) else res,
+        st = monitor.status_of(r, reg, base, pull=None if isinstance(res, str) else res,
                                    slow_ratio=slow_ratio, stall_after_s=stall_after_s,
                                    error=res if isinstance(res, str) else None)
         if st.error and r.state in runs.LIVE:
@@ -210,7 +211,7 @@ def _statuses(inv: Any, reg: Any, recs: list[Any], *, slow_ratio: float, stall_a
 
 
 def _render_status(sts: list[Any]) -> None:
-    from controller.metrics import format_eta, format_rate, sparkline
+    from controller.core.metrics import format_eta, format_rate, sparkline
 
     colour = {"ok": "green", "finished": "green", "slow": "yellow", "stalled": "red", "crashed": "red"}
     rows = []
@@ -243,12 +244,12 @@ def status_cmd(
 ) -> None:
     """Live runs (else each container's latest run): pull new metrics, show step, loss, tok/s, ETA, trend
     and the verdict against the baseline. Exit code: the worst verdict's (21 SLOW, 22 STALLED, 20 CRASHED)."""
-    from controller import metricspull, runs
-    from controller.metrics import exit_code_for
+    from controller.commands import monitor, runs
+    from controller.core.metrics import exit_code_for
 
     stall_s = _duration(stall_after, "--stall-after")
     _ratio(slow_ratio)
-    glob = metricspull.checkpoint_glob(checkpoints)
+    glob = monitor.checkpoint_glob(checkpoints)
     inv = _inv()
     reg = _registry()
     recs: list[Any] = []
@@ -278,8 +279,8 @@ def _watch_loop(inv: Any, reg: Any, rec: Any, t: Any, *, until_step: int | None,
                 tick: Any = None) -> tuple[Any, str]:
     """Pull every `every_s` until the step, the time limit, the run's end or a stall: (RunStatus, why it ended).
     Shared by `ctl watch` and the runbook's `watch` step, so both judge a run the same way."""
-    from controller import metricspull, runs
-    from controller.metrics import RunState
+    from controller.commands import monitor, runs
+    from controller.core.metrics import RunState
 
     ct = inv.container(rec.ct)
     t0 = time.monotonic()
@@ -287,9 +288,9 @@ def _watch_loop(inv: Any, reg: Any, rec: Any, t: Any, *, until_step: int | None,
     base = _baseline_for(inv, reg, rec, glob)
     while True:
         rec = runs.refresh(inv, ct, t, reg, [reg.run_by_id(rec.id)])[0]
-        res = metricspull.pull(t, reg, rec, checkpoints=glob)
+        res = monitor.pull(t, reg, rec, checkpoints=glob)
         rec = reg.run_by_id(rec.id)
-        st = metricspull.status_of(rec, reg, base, pull=res, slow_ratio=slow_ratio, stall_after_s=stall_s)
+        st = monitor.status_of(rec, reg, base, pull=res, slow_ratio=slow_ratio, stall_after_s=stall_s)
         v = st.verdict
         if tick is not None:
             tick(st)
@@ -318,8 +319,8 @@ def watch_cmd(
 ) -> None:
     """Pull every few seconds until --until-step or --for is reached, or the run ends, crashes or stalls;
     print the verdict and exit with its code."""
-    from controller import metricspull
-    from controller.metrics import format_rate
+    from controller.commands import monitor
+    from controller.core.metrics import format_rate
     from controller.transport.pool import Pool
 
     if until_step is None and for_ is None:
@@ -328,7 +329,7 @@ def watch_cmd(
     every_s = _duration(every, "--every")
     stall_s = _duration(stall_after, "--stall-after")
     _ratio(slow_ratio)
-    glob = metricspull.checkpoint_glob(checkpoints)
+    glob = monitor.checkpoint_glob(checkpoints)
     inv = _inv()
     reg = _registry()
     rec = reg.find_run(run)
@@ -368,7 +369,8 @@ def plot_cmd(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing image."),
 ) -> None:
     """tok/s and loss by step of several runs, with the baseline of the last one as a dashed line."""
-    from controller import metricspull, plot
+    from controller.commands import monitor
+    from controller.core import plot
 
     reg = _registry()
     recs = [reg.find_run(r) for r in run_refs]
@@ -385,8 +387,8 @@ def plot_cmd(
                 r = reg.run_by_id(rid)
                 sys.stderr.write(f"ctl: warning: {r.ct}/{r.name}: not pulled, plotting stored points: {got}\n")
     series = {f"{r.ct}/{r.name}" if len({x.name for x in recs}) < len(recs) else r.name:
-              metricspull.stored_points(reg, r) for r in recs}
-    base = None if no_baseline else metricspull.baseline_rate(reg, metricspull.resolve_baseline(inv, reg, recs[-1]))
+              monitor.stored_points(reg, r) for r in recs}
+    base = None if no_baseline else monitor.baseline_rate(reg, monitor.resolve_baseline(inv, reg, recs[-1]))
     out = plot.plot_runs(series, output, base, title=title, overwrite=force)
     if OPTS.json:
         _out({"output": str(out), "runs": list(series), "baseline": base})

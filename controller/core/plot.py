@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from controller.core.metrics import MetricPoint, format_rate
 from controller.errors import ClobberError, InputError
-from controller.metrics import MetricPoint, format_rate
 
 _FORMATS = {".png", ".svg", ".pdf"}
 CSV_COLUMNS = ("step", "elapsed_s", "time", "loss", "lr", "tgt_bps", "dft_bps", "tok_s", "eta_s", "q_hs", "extra")

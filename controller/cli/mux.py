@@ -10,7 +10,7 @@ import time
 
 import typer
 
-from controller import cli_base as _cli
+from controller.cli import app as _cli
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS

@@ -18,10 +18,10 @@ from typing import Any, Protocol
 from controller.errors import ApiError, BusyError, CtlError, InputError
 from controller.inventory import Container, Inventory
 from controller.names import check_snapshot_name
-from controller.pve import TASK_TIMEOUT, PveApi, PveFailure, Snapshot, TaskOutcome
 from controller.registry import Registry, RunRecord
 from controller.transport.base import Transport
 from controller.transport.pool import Pool
+from controller.transport.pveapi import TASK_TIMEOUT, PveApi, PveFailure, Snapshot, TaskOutcome
 
 
 class Backend(Protocol):
@@ -222,7 +222,7 @@ def _require(t: Target, name: str) -> None:
 
 def live_runs(inv: Inventory, ct: Container, t: Target, pool: Pool, reg: Registry) -> list[RunRecord]:
     """Runs the registry believes live on this CT, confirmed by asking the container (runs.refresh)."""
-    from controller import runs
+    from controller.commands import runs
 
     believed = [r for r in reg.runs(ct.name, limit=10_000) if r.state in runs.LIVE]
     if not believed:

@@ -1,7 +1,7 @@
 """`ctl env ...`: probe a container, check it against its lock, write a lock, diff two states, sync a venv.
 
 The seeds' failure was silent drift (SGLang in the training venv, torch swapped cu128 <-> cu130, the compile
-cache deleted). This module runs remote_payload/probe_env.py inside the container in ONE exec (`python3 -`,
+cache deleted). This module runs controller/remote/probe_env.py inside the container in ONE exec (`python3 -`,
 the probe's source on stdin) and hands the JSON to envpin (pure logic) to check, diff, lock or plan a sync.
 A sync builds a NEW venv beside the old one, verifies it with the probe and only then switches the symlink;
 the old venv is kept.
@@ -13,28 +13,23 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import Any
 
-from controller import envpin, remote
-from controller.envpin import Change, Finding, Lock, Probe
+from controller.core import envlock
+from controller.core.envlock import Change, Finding, Lock, Probe
 from controller.errors import ClobberError, CtlError, EnvMismatch, InputError, RemoteCommandError
 from controller.inventory import Container, Inventory
 from controller.names import check_container_path, check_snapshot_name
+from controller.remote import client, source
 from controller.transport.base import Transport
 
-PROBE_SOURCE = Path(__file__).resolve().parents[1] / "remote_payload" / "probe_env.py"
 # Where uv usually is: PATH, then the installer's defaults (pct exec's PATH has no ~/.local/bin).
 UV_CANDIDATES = ("uv", "/root/.local/bin/uv", "/root/.cargo/bin/uv", "/usr/local/bin/uv")
 
 
-@cache
 def probe_source() -> bytes:
-    try:
-        return PROBE_SOURCE.read_bytes()
-    except FileNotFoundError:
-        raise CtlError(f"the environment probe {PROBE_SOURCE} is missing from this ctl checkout") from None
+    return source("probe_env.py")
 
 
 @dataclass(frozen=True)
@@ -48,7 +43,7 @@ class EnvSettings:
 
 
 def settings(inv: Inventory, ct: Container) -> EnvSettings:
-    from controller.render import context
+    from controller.core.render import context
 
     ctx = context(inv, ct)
     venv = ctx.get("venv")
@@ -138,7 +133,7 @@ class CheckResult:
 def check(inv: Inventory, ct: Container, t: Transport, lock_override: str | None = None) -> CheckResult:
     lock = container_lock(inv, ct, lock_override)  # before the probe: a missing lock costs no round trip
     p = probe(inv, ct, t)
-    return CheckResult(ct.name, lock.path or "?", tuple(envpin.check(lock, p)), p.fingerprint, lock.fingerprint)
+    return CheckResult(ct.name, lock.path or "?", tuple(envlock.check(lock, p)), p.fingerprint, lock.fingerprint)
 
 
 def preflight_env(inv: Inventory, ct: Container, probe_json: dict[str, Any] | None) -> None:
@@ -148,7 +143,7 @@ def preflight_env(inv: Inventory, ct: Container, probe_json: dict[str, Any] | No
     lock = container_lock(inv, ct)
     if probe_json is None:
         raise EnvMismatch(f"{ct.name}: has lock {lock.path} but its environment could not be probed")
-    envpin.require_match(lock, Probe.from_json(json.dumps(probe_json), ct.name), ct.name)
+    envlock.require_match(lock, Probe.from_json(json.dumps(probe_json), ct.name), ct.name)
 
 
 def probe_for_launch(inv: Inventory, ct: Container, t: Transport, *, allow_mismatch: bool = False
@@ -220,7 +215,7 @@ def resolve_side(inv: Inventory, reg: Any, ref: str, live: Callable[[Container],
 def diff(inv: Inventory, reg: Any, ref_a: str, ref_b: str, live: Callable[[Container], Probe]) -> EnvDiff:
     la, pa = resolve_side(inv, reg, ref_a, live)
     lb, pb = resolve_side(inv, reg, ref_b, live)
-    return EnvDiff(la, lb, (pa.fingerprint, pb.fingerprint), tuple(envpin.diff_probes(pa, pb)))
+    return EnvDiff(la, lb, (pa.fingerprint, pb.fingerprint), tuple(envlock.diff_probes(pa, pb)))
 
 
 # --- sync ----------------------------------------------------------------------------------------
@@ -277,8 +272,8 @@ def sync(
     lock_in_ct = f"{new}.lock"
     kept_as = f"{venv}-orig-{stamp}"
     candidates = [uv] if uv else list(UV_CANDIDATES)
-    facts = remote.call(t, "envfacts", json.dumps({
-        "root": remote.root_of(t), "venv": venv, "uv": candidates,
+    facts = client.call(t, "envfacts", json.dumps({
+        "root": client.root_of(t), "venv": venv, "uv": candidates,
         "paths": [new, lock_in_ct, kept_as],
     }))
     if facts.get("taken"):
@@ -293,7 +288,7 @@ def sync(
     # an absolute candidate is a container path (mapped for `local`); a name found on PATH is used as found
     uv_cmd = t.path(found_uv) if found_uv and found_uv in candidates and found_uv.startswith("/") else (
         found_uv or uv or "uv")
-    plan = envpin.sync_plan(lock, t.path(venv), t.path(new), python, lock_path=t.path(lock_in_ct), uv=uv_cmd)
+    plan = envlock.sync_plan(lock, t.path(venv), t.path(new), python, lock_path=t.path(lock_in_ct), uv=uv_cmd)
     is_dir = bool(facts.get("venv_exists")) and not facts.get("venv_is_symlink")
     old_target = facts.get("venv_target") or (venv if facts.get("venv_exists") else None)
     steps: list[SyncStep] = []
@@ -319,14 +314,14 @@ def sync(
 
     for c in plan.guard:
         t.check(list(c), what="sync guard")
-    doc = remote.call(t, "writefile", json.dumps({"root": remote.root_of(t), "path": lock_in_ct}),
+    doc = client.call(t, "writefile", json.dumps({"root": client.root_of(t), "path": lock_in_ct}),
                       payload=lock.render().encode())
     if not doc.get("ok"):
         raise ClobberError(f"{ct.name}: {doc.get('error')}")
     for c in plan.build:
         t.check(list(c), what="building the new venv", timeout=None)
     new_probe = Probe.from_json(json.dumps(run_probe(t, venv=new, cache_dir=s.cache_dir)), f"{ct.name}:{new}")
-    findings = envpin.check(lock, new_probe)
+    findings = envlock.check(lock, new_probe)
     if findings:
         shown = "; ".join(f.message for f in findings[:5])
         raise EnvMismatch(f"{ct.name}: the new venv {new} does not match {lock.path}: {shown}; nothing switched "

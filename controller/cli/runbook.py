@@ -1,7 +1,7 @@
 """Runbook commands (`ctl runbook check|run|history`), registered on the main app.
 
 The step actions live here: each calls, in-process, the functions the matching CLI command calls
-(deploy.deploy through fanout, envcmd.check, runs.launch with the launch env probe, the `ctl watch` loop,
+(deploy.deploy through fanout, environment.check, runs.launch with the launch env probe, the `ctl watch` loop,
 runs.stop, Registry.mark_good, cache.restore), over one connection pool for the whole runbook.
 Exit code of `run`: 0, or the exit code of the step that stopped it (a `fail:` in a branch: the code of
 the step whose branch it is). An invalid runbook or value is 4 (INPUT), one line naming file, line and key.
@@ -17,7 +17,7 @@ from typing import Any
 
 import typer
 
-from controller import cli_base as _cli
+from controller.cli import app as _cli
 from controller.errors import ExitCode
 
 app: typer.Typer = _cli.app
@@ -51,9 +51,9 @@ class _Actions:
         return self.reg.find_run(f"#{self.launched[ref]}" if ref in self.launched else ref)
 
     def deploy(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller import deploy
+        from controller.commands import deploy
         from controller.commands.fanout import fanout, worst
-        from controller.runbook import Done
+        from controller.core.runbook import Done
 
         cts = self.inv.select(a["containers"])
         results = fanout(self.pool, cts, lambda ct, t: deploy.deploy(self.inv, ct, t, self.reg, dry_run=dry,
@@ -68,22 +68,22 @@ class _Actions:
         return Done(detail, exit_code=worst(results), lines=tuple(lines))
 
     def env_check(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller import envcmd
-        from controller.runbook import Done
+        from controller.commands import environment
+        from controller.core.runbook import Done
 
         ct, t = self._ct(a["ct"])
         if dry:
             lock = a["lock"] or (f"{ct.spec.lock}" if ct.spec.lock else "its lock (none configured)")
             return Done(f"would compare {ct.name}'s environment with {lock}")
-        res = envcmd.check(self.inv, ct, t, a["lock"])
+        res = environment.check(self.inv, ct, t, a["lock"])
         if res.ok:
             return Done(f"matches {res.lock_path} (fingerprint {res.fingerprint[:16]})")
         return Done(f"{len(res.findings)} difference(s) from {res.lock_path}: {res.findings[0].message}",
                     exit_code=int(ExitCode.ENV_MISMATCH), lines=tuple(f.message for f in res.findings))
 
     def launch(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller import envcmd, runs
-        from controller.runbook import Done
+        from controller.commands import environment, runs
+        from controller.core.runbook import Done
 
         ct, t = self._ct(a["ct"])
         if dry:
@@ -91,16 +91,16 @@ class _Actions:
             return Done(f"would launch {name} on {ct.name} (after its preflight)", sets={"run": name})
         rec, checks = runs.launch(
             self.inv, ct, t, self.reg, a["run"], allow_drift=a["allow_drift"], force=a["force"],
-            env_probe=lambda: envcmd.probe_for_launch(self.inv, ct, t, allow_mismatch=a["allow_env_mismatch"]))
+            env_probe=lambda: environment.probe_for_launch(self.inv, ct, t, allow_mismatch=a["allow_env_mismatch"]))
         self.launched[rec.name] = rec.id
         forced = [c.name for c in checks if c.forced]
         return Done(f"{rec.name}: tmux session {rec.session}, log {rec.log_path}"
                     + (f" (forced: {', '.join(forced)})" if forced else ""), sets={"run": rec.name})
 
     def watch(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller import cli_metrics
-        from controller.metrics import format_rate, parse_duration
-        from controller.runbook import Done
+        from controller.cli import metrics
+        from controller.core.metrics import format_rate, parse_duration
+        from controller.core.runbook import Done
 
         until = " or ".join(x for x in (f"step {a['until_step']}" if a["until_step"] is not None else "",
                                         a["for"] or "") if x)
@@ -123,7 +123,7 @@ class _Actions:
         if status is not None:
             status.start()
         try:
-            st, why = cli_metrics._watch_loop(
+            st, why = metrics._watch_loop(
                 self.inv, self.reg, rec, t, until_step=a["until_step"],
                 limit_s=seconds(a["for"]) if a["for"] else None, for_text=a["for"], every_s=seconds(a["every"]),
                 slow_ratio=a["slow_ratio"], stall_s=seconds(a["stall_after"]), glob=a["checkpoints"], tick=tick)
@@ -134,8 +134,8 @@ class _Actions:
         return Done(f"{why}: {v.reason}", state=v.state.name, exit_code=int(v.exit_code))
 
     def stop(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller import runs
-        from controller.runbook import Done
+        from controller.commands import runs
+        from controller.core.runbook import Done
 
         if dry:
             return Done(f"would stop {a['run']} (SIGINT, {a['grace']:.0f}s grace, escalate)")
@@ -146,7 +146,7 @@ class _Actions:
         return Done(f"{rec.ct}/{rec.name}: {rec.state} ({rec.note})")
 
     def mark_good(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller.runbook import Done
+        from controller.core.runbook import Done
 
         if dry:
             return Done(f"would mark {a['run']} good (the baseline of later runs)")
@@ -155,8 +155,8 @@ class _Actions:
         return Done(f"{rec.ct}/{rec.name}: marked good (baseline)")
 
     def cache_restore(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller import cache
-        from controller.runbook import Done
+        from controller.commands import cache
+        from controller.core.runbook import Done
 
         ct, t = self._ct(a["ct"])
         if dry:
@@ -167,7 +167,7 @@ class _Actions:
 
 
 def _load(file: Path, var: list[str] | None) -> tuple[Any, dict[str, Any]]:
-    from controller import runbook
+    from controller.core import runbook
 
     given = runbook.parse_var_options(var)
     book = runbook.load(file, given)
@@ -180,7 +180,7 @@ def check_cmd(
     var: list[str] = typer.Option(None, "--var", help=_VAR_HELP),
 ) -> None:
     """Validate a runbook without running anything: kinds, keys, types, values, templates and variables."""
-    from controller import runbook
+    from controller.core import runbook
 
     given = runbook.parse_var_options(var)
     book = runbook.load(file, given)
@@ -218,7 +218,7 @@ def run_cmd(
 ) -> None:
     """Run the runbook's steps in order, one line per step; stop at the first unhandled failure with its exit
     code. The run is recorded in the registry (`ctl runbook history`)."""
-    from controller import runbook
+    from controller.core import runbook
     from controller.transport.pool import Pool
 
     book, variables = _load(file, var)

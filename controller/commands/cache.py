@@ -7,7 +7,7 @@ which torch build filled it, saves are tarballs with a sidecar (sha256 + torch b
 overwritten, a restore verifies the sha256, refuses another torch build unless forced, and moves the current
 cache aside (kept) instead of deleting it. Nothing here deletes a cache. Warm-up runs one GPU at a time.
 
-Each operation is one agent exec (controller/agent.py: cachestat, cachesave, cacherestore, cachemark), plus
+Each operation is one agent exec (controller/remote/agent.py: cachestat, cachesave, cacherestore, cachemark), plus
 one probe exec where the live torch build matters.
 """
 
@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller import envcmd, remote
-from controller.envpin import Probe, split_local
+from controller.commands import environment
+from controller.core.envlock import Probe, split_local
 from controller.errors import ClobberError, CtlError, EnvMismatch, InputError, RemoteCommandError, VerifyError
 from controller.inventory import Container, Inventory
 from controller.names import check_container_path, check_name
+from controller.remote import client
 from controller.transport.base import Transport
 
 DEFAULT_STORE = "/workspace/.ctl-caches"
@@ -105,9 +106,9 @@ class CacheSettings:
 
 
 def settings(inv: Inventory, ct: Container) -> CacheSettings:
-    from controller.render import context
+    from controller.core.render import context
 
-    env = envcmd.settings(inv, ct)
+    env = environment.settings(inv, ct)
     store = context(inv, ct).get("cache_store") or DEFAULT_STORE
     store = check_container_path(str(store), f"{ct.name}: vars.cache_store")
     if store.rstrip("/") == env.cache_dir.rstrip("/") or store.startswith(env.cache_dir.rstrip("/") + "/"):
@@ -116,7 +117,7 @@ def settings(inv: Inventory, ct: Container) -> CacheSettings:
 
 
 def _call(t: Transport, verb: str, args: dict[str, Any]) -> dict[str, Any]:
-    return remote.call(t, verb, json.dumps({"root": remote.root_of(t), **args}), timeout=None)
+    return client.call(t, verb, json.dumps({"root": client.root_of(t), **args}), timeout=None)
 
 
 def _saved(doc: dict[str, Any]) -> SavedCache:
@@ -162,7 +163,7 @@ def save(inv: Inventory, ct: Container, t: Transport, name: str, *, local_dir: s
         local = d / f"{name}.tar.gz"
         if local.exists() or (d / f"{name}.json").exists():
             raise ClobberError(f"{local} exists: not overwritten (pick another name or directory)")
-    p = envcmd.probe(inv, ct, t)  # a cache ctl never warmed gets a marker from the live torch build
+    p = environment.probe(inv, ct, t)  # a cache ctl never warmed gets a marker from the live torch build
     doc = _call(t, "cachesave", {"dir": s.dir, "store": s.store, "name": name, "marker": Marker.doc(p, "save", now),
                                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))})
     if not doc.get("ok"):
@@ -206,7 +207,7 @@ def restore(inv: Inventory, ct: Container, t: Transport, name: str, *, force: bo
     """Verify NAME's sha256, refuse another torch build unless forced, move the current cache aside, unpack."""
     check_name(name, "cache name")
     s = settings(inv, ct)
-    live = torch_build(envcmd.probe(inv, ct, t))
+    live = torch_build(environment.probe(inv, ct, t))
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     doc = _call(t, "cacherestore", {"dir": s.dir, "store": s.store, "name": name, "torch_build": live,
                                     "force": force, "stamp": stamp})
@@ -269,18 +270,15 @@ def warmup_dest(inv: Inventory) -> str:
     for e in inv.model.payload:
         if posixpath.basename(e.dest) == WARMUP_SCRIPT:
             return e.dest
-    here = Path(__file__).resolve().parents[1] / "remote_payload" / WARMUP_SCRIPT
-    if here.exists():
-        raise InputError(f"{inv.path}: the payload does not deploy {WARMUP_SCRIPT}: add "
-                         f"`{{src: remote_payload/{WARMUP_SCRIPT}, dest: /root/{WARMUP_SCRIPT}}}` and `ctl deploy`")
-    raise InputError(f"remote_payload/{WARMUP_SCRIPT} is absent (not in this checkout nor in {inv.path}'s "
-                     "payload): nothing to warm the cache with")
+    raise InputError(f"{inv.path}: the payload does not deploy {WARMUP_SCRIPT}, so there is nothing to warm the "
+                     f"cache with: add `{{src: remote_payload/{WARMUP_SCRIPT}, dest: /root/{WARMUP_SCRIPT}}}` "
+                     "and `ctl deploy`")
 
 
 def warm_argv(inv: Inventory, ct: Container, t: Transport, script: str, gpu: int | None) -> list[str]:
-    from controller.render import _cli_args, context
+    from controller.core.render import _cli_args, context
 
-    env = envcmd.settings(inv, ct)
+    env = environment.settings(inv, ct)
     ctx = context(inv, ct)
     python = f"{env.venv.rstrip('/')}/bin/python" if env.venv else env.python
     if python.startswith("/"):
@@ -303,7 +301,7 @@ def warm(inv: Inventory, ct: Container, t: Transport, *, gpus: list[int] | None 
     torch 2.11), streaming its output; then write the cache's marker with the live torch build."""
     script = warmup_dest(inv)
     s = settings(inv, ct)
-    have = remote.call(t, "hashes", remote.root_of(t), script)
+    have = client.call(t, "hashes", client.root_of(t), script)
     if not (have.get("files") or {}).get(script):
         raise InputError(f"{ct.name}: {script} is not in the container: run `ctl deploy {ct.name}` first")
     order: list[int | None] = list(gpus) if gpus else list(ct.spec.gpus.drafter or ct.spec.gpus.all) or [None]
@@ -337,7 +335,7 @@ def warm(inv: Inventory, ct: Container, t: Transport, *, gpus: list[int] | None 
         if code != 0:
             raise RemoteCommandError(t.name, argv, code, err.decode("utf-8", "replace"),
                                      what=f"warm-up on GPU {g}" if g is not None else "warm-up")
-    marker = Marker.doc(envcmd.probe(inv, ct, t), "warm", now)
+    marker = Marker.doc(environment.probe(inv, ct, t), "warm", now)
     doc = _call(t, "cachemark", {"dir": s.dir, "marker": marker})
     if not doc.get("ok"):
         _raise(ct, doc)

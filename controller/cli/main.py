@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from controller.cli_base import (
+from controller.cli.app import (
     OPTS,
     _ago,
     _console,
@@ -99,7 +99,7 @@ def deploy_cmd(
     rollback: bool = typer.Option(False, "--rollback", help="Restore the files the last deploy replaced."),
 ) -> None:
     """Pin the payload, push only what changed, verify it inside each container, record it."""
-    from controller import deploy
+    from controller.commands import deploy
     from controller.commands.fanout import fanout, worst
     from controller.transport.pool import Pool
 
@@ -203,13 +203,13 @@ def launch_cmd(
         False, "--allow-env-mismatch", help="Launch although the environment differs from its lock."),
 ) -> None:
     """Preflight, then start the run in a detached tmux session with its own, never-reused log."""
-    from controller import envcmd, runs
+    from controller.commands import environment, runs
 
     reg = _registry()
     with _session(container) as (inv, ct, pool):
         t = pool.container(ct)
         rec, checks = runs.launch(inv, ct, t, reg, run, allow_drift=allow_drift, force=force,
-                                  env_probe=lambda: envcmd.probe_for_launch(inv, ct, t,
+                                  env_probe=lambda: environment.probe_for_launch(inv, ct, t,
                                                                             allow_mismatch=allow_env_mismatch))
         if OPTS.json and not follow:
             _out({"run": rec.to_json(), "checks": [c.__dict__ for c in checks]})
@@ -224,7 +224,8 @@ def launch_cmd(
 
 
 def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool) -> int:
-    from controller import metrics, runs
+    from controller.commands import runs
+    from controller.core import metrics
 
     con = _console()
     live = follow and sys.stdout.isatty() and not OPTS.json
@@ -334,7 +335,7 @@ def stop_cmd(
     grace: float = typer.Option(30, "--grace", help="Seconds to wait after SIGINT before SIGTERM."),
 ) -> None:
     """SIGINT the training, wait, escalate, end its tmux session; the record says stopped."""
-    from controller import runs
+    from controller.commands import runs
     from controller.transport.pool import Pool
 
     inv = _inv()
@@ -383,7 +384,7 @@ def diff_cmd(
     run_b: str = typer.Argument(..., help="The run to compare with it."),
 ) -> None:
     """What changed between two runs: payload hashes, rendered scripts, template variables, environment."""
-    from controller import rundiff
+    from controller.core import rundiff
 
     reg = _registry()
     a, b = reg.find_run(run_a), reg.find_run(run_b)
@@ -396,11 +397,11 @@ def diff_cmd(
 
 
 # Command groups kept in their own modules register themselves on `app` when imported.
-from controller import cli_env as _cli_env  # noqa: E402,F401
-from controller import cli_metrics as _cli_metrics  # noqa: E402,F401
-from controller import cli_mux as _cli_mux  # noqa: E402,F401
-from controller import cli_runbook as _cli_runbook  # noqa: E402,F401
-from controller import cli_snapshot as _cli_snapshot  # noqa: E402,F401
+from controller.cli import env as _cli_env  # noqa: E402,F401
+from controller.cli import metrics as _cli_metrics  # noqa: E402,F401
+from controller.cli import mux as _cli_mux  # noqa: E402,F401
+from controller.cli import runbook as _cli_runbook  # noqa: E402,F401
+from controller.cli import snapshot as _cli_snapshot  # noqa: E402,F401
 
 # --- entry point ---------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ code) stops the runbook with its exit code, unless one of its `on:` keys matches
 first, then the exit-code name): then that branch runs instead and, if it does not fail, the runbook goes
 on with the next step. `fail: MESSAGE` stops the runbook with the exit code of the step whose branch it
 is in (1 outside a failing branch). This module parses, checks and sequences; the step actions (bound to
-the domain functions the CLI commands call) are supplied by the caller (controller.cli_runbook).
+the domain functions the CLI commands call) are supplied by the caller (controller.cli.runbook).
 """
 
 from __future__ import annotations
@@ -435,7 +435,7 @@ def coerce(param: Param, value: Any) -> Any:
                 raise ValueError(f"must be in (0, 1], got {value}")
             return float(value)
         if t == "duration":
-            from controller.metrics import parse_duration
+            from controller.core.metrics import parse_duration
 
             text = str(value) if isinstance(value, str | int | float) and not isinstance(value, bool) else ""
             seconds = parse_duration(text) if text else None
@@ -443,7 +443,7 @@ def coerce(param: Param, value: Any) -> Any:
                 raise ValueError(f"{value!r} is not a duration such as 90s, 10m, 1h30m")
             return text
         if t == "glob":
-            from controller.metricspull import checkpoint_glob
+            from controller.commands.monitor import checkpoint_glob
 
             if not isinstance(value, str):
                 raise ValueError("must be a string")

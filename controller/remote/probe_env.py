@@ -2,7 +2,7 @@
 
 Why: the seeds' training venv was polluted (SGLang, flashinfer), torch was swapped between 2.11.0+cu128 and
 +cu130 and the torch.compile cache was deleted, and nobody could say what had changed. This probe records
-what matters so that the controller can pin it (envpin.Lock), check it and diff two states.
+what matters so that the controller can pin it (envlock.Lock), check it and diff two states.
 
 It must work in a bare container: no torch, no nvidia-smi, no venv, no pip. Every section that fails
 becomes {"error": "..."}; the probe itself never crashes and always exits 0 with valid JSON.
@@ -375,7 +375,7 @@ def probe_disk(paths):
 
 
 def fingerprint_parts(doc):
-    """What defines the environment; envpin.fingerprint() recomputes the same from a parsed probe."""
+    """What defines the environment; envlock.fingerprint() recomputes the same from a parsed probe."""
     venv, torch, smi = doc.get("venv") or {}, doc.get("torch") or {}, doc.get("nvidia_smi") or {}
     gpus = smi.get("gpus")
     return {

@@ -117,7 +117,7 @@ def _run_and_ct(inv: Any, reg: Any, ref: str) -> tuple[Any, Any]:
 
 
 def _refresh_all(inv: Any, reg: Any, recs: list[Any]) -> list[Any]:
-    from controller import runs
+    from controller.commands import runs
     from controller.commands.fanout import fanout
     from controller.transport.pool import Pool
 

@@ -19,10 +19,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from controller import remote
-from controller.errors import BusyError, ConnectionFailed, CtlError, InputError, RemoteCommandError
-from controller.inventory import Inventory
-from controller.metrics import (
+from controller.core.metrics import (
     LogCursor,
     MetricPoint,
     RunState,
@@ -31,7 +28,10 @@ from controller.metrics import (
     steady_state,
     verdict,
 )
+from controller.errors import BusyError, ConnectionFailed, CtlError, InputError, RemoteCommandError
+from controller.inventory import Inventory
 from controller.registry import Registry, RunRecord
+from controller.remote import client
 from controller.transport.base import Transport
 
 DEFAULT_CHUNK = 8 << 20  # log bytes per agent call
@@ -75,8 +75,8 @@ class PullResult:
 
 
 def _logread(t: Transport, args: dict[str, Any]) -> tuple[dict[str, Any], bytes, int, int]:
-    argv = remote.agent_argv("logread", json.dumps(args))
-    stdin = remote.agent_source()
+    argv = client.agent_argv("logread", json.dumps(args))
+    stdin = client.agent_source()
     res = t.run(argv, stdin=stdin, timeout=600)
     head, sep, data = res.stdout.partition(b"\n")
     try:
@@ -113,7 +113,7 @@ def pull(
     header: dict[str, Any] = {}
     found: dict[str, Any] = {}
     while True:
-        args: dict[str, Any] = {"root": remote.root_of(t), "log": run.log_path, "offset": offset, "ident": ident,
+        args: dict[str, Any] = {"root": client.root_of(t), "log": run.log_path, "offset": offset, "ident": ident,
                                 "max_bytes": chunk}
         if calls == 0 and hashes:
             args.update(_hash_args(reg, run, checkpoints))

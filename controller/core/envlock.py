@@ -2,7 +2,7 @@
 
 In the seeds the training venv was polluted (SGLang, flashinfer), torch was swapped between
 2.11.0+cu128 and +cu130, the compile cache in /tmp was deleted, and nobody could say what changed.
-`remote_payload/probe_env.py` records the environment as JSON; this module turns that into a lock,
+`controller/remote/probe_env.py` records the environment as JSON; this module turns that into a lock,
 says in one line per package what differs from it, diffs two probes, and plans a rebuild that
 never touches the old venv. Pure logic: no I/O, no clock, no torch; the commands do the transport.
 
@@ -27,7 +27,7 @@ import hashlib
 import json
 import posixpath
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -373,7 +373,7 @@ class Lock:
             value = getattr(self, key)
             if value:
                 lines.append(f"# {key}: {value}")
-        lines.append("# written by ctl (controller/envpin.py); `uv pip install --no-deps -r` installs it as it is")
+        lines.append("# written by ctl (controller/core/envlock.py); `uv pip install --no-deps -r` installs it as is")
         if self.index_url:
             lines.append(f"--index-url {self.index_url}")
         lines.extend(f"--extra-index-url {u}" for u in self.extra_index_urls)
@@ -708,20 +708,3 @@ def _check_python(python: str | None, lock: Lock) -> str:
     if lock.python and not (python_matches(python, lock.python) or python_matches(lock.python, python)):
         raise InputError(f"python {python} does not match the lock's python {lock.python}")
     return python
-
-
-def packages_summary(packages: Mapping[str, str]) -> str:
-    """'142 packages, torch 2.11.0+cu130' — the one-line form status tables show."""
-    torch = packages.get("torch")
-    return f"{len(packages)} packages" + (f", torch {torch}" if torch else "")
-
-
-def probe_container(inv: Any, ct: Any, t: Any) -> dict[str, Any] | None:
-    """The probe JSON of a container's venv, compile cache, driver and GPUs (what `ctl launch` records).
-
-    The I/O lives in controller.envcmd (one exec: `python3 -` with probe_env.py on stdin); this module stays
-    pure logic.
-    """
-    from controller import envcmd
-
-    return envcmd.probe_doc(inv, ct, t)

@@ -82,10 +82,10 @@ def diff(a: RunRecord, b: RunRecord) -> RunDiff:
     vars_ = [(k, va.get(k), vb.get(k)) for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)]
     env: list[str] = []
     if a.env and b.env:
-        from controller import envpin
+        from controller.core import envlock
 
-        pa = envpin.Probe.from_json(json.dumps(a.env), f"run {a.name}")
-        pb = envpin.Probe.from_json(json.dumps(b.env), f"run {b.name}")
-        env = [c.message for c in envpin.diff_probes(pa, pb)]
+        pa = envlock.Probe.from_json(json.dumps(a.env), f"run {a.name}")
+        pb = envlock.Probe.from_json(json.dumps(b.env), f"run {b.name}")
+        env = [c.message for c in envlock.diff_probes(pa, pb)]
     return RunDiff(f"{a.ct}/{a.name}", f"{b.ct}/{b.name}", (a.commit_sha, b.commit_sha), files, rendered, vars_, env,
                    (a.env_fingerprint, b.env_fingerprint))

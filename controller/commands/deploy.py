@@ -5,7 +5,7 @@ size and mode, plus the git commit and dirty flag of the sources. Plan: one agen
 container for the hashes of every destination; only changed files travel. Apply: one agent call
 receives a tar of the changed files over the exec's stdin, writes each beside its destination,
 verifies it, keeps old and new versions in the container's content-addressed store, and only then
-renames them into place (see controller/agent.py). Two execs per deploy, whatever the file count.
+renames them into place (see controller/remote/agent.py). Two execs per deploy, whatever the file count.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller import remote
+from controller.core.render import context, render
 from controller.errors import ClobberError, CtlError, DiskError, DriftError, InputError, VerifyError
 from controller.inventory import Container, Inventory
 from controller.names import check_container_path
 from controller.registry import DeployRecord, Registry, state_dir
-from controller.render import context, render
+from controller.remote import client
 from controller.transport.base import Duplex, Transport
 
 STORE = "/var/lib/ctl"  # inside the container: objects/<sha256>, deploys/<id>.json
@@ -183,7 +183,7 @@ def pin(inv: Inventory, ct: Container) -> Manifest:
 
 
 def remote_hashes(t: Transport, dests: list[str]) -> dict[str, dict[str, Any] | None]:
-    doc = remote.call(t, "hashes", remote.root_of(t), *dests)
+    doc = client.call(t, "hashes", client.root_of(t), *dests)
     files: dict[str, dict[str, Any] | None] = doc.get("files", {})
     return files
 
@@ -210,7 +210,7 @@ def bundle(entries: list[dict[str, Any]], bodies: list[bytes]) -> bytes:
 
 
 def _apply(t: Transport, entries: list[dict[str, Any]], bodies: list[bytes], deploy_id: str) -> dict[str, Any]:
-    return remote.call(t, "apply", remote.root_of(t), t.path(STORE), deploy_id, payload=bundle(entries, bodies))
+    return client.call(t, "apply", client.root_of(t), t.path(STORE), deploy_id, payload=bundle(entries, bodies))
 
 
 def _new_id() -> str:
@@ -267,10 +267,10 @@ def deploy(
     """One exec per container: the agent answers what it has, then receives only what changed."""
     t0 = time.monotonic()
     deploy_id = _new_id()
-    args = (remote.root_of(t), t.path(STORE), deploy_id)
+    args = (client.root_of(t), t.path(STORE), deploy_id)
     # The exec does not depend on the pins: open it in the background, so that the SSH handshake and the
     # host's start of pct + agent overlap with pinning (templates, hashes, git state) here.
-    opening = _Opening(t, remote.agent_argv("sync", *args))
+    opening = _Opening(t, client.agent_argv("sync", *args))
     try:
         manifest = pin(inv, ct)
         if manifest.dirty and not allow_dirty and not dry_run:
@@ -285,11 +285,11 @@ def deploy(
     entries = [{"index": i, "dest": f.dest, "sha256": f.sha256, "mode": f.mode, "size": f.size}
                for i, f in enumerate(manifest.files)]
     session = opening.session()
-    session.send(remote.agent_source() + json.dumps({"files": entries, "dry_run": dry_run}).encode() + b"\n")
+    session.send(client.agent_source() + json.dumps({"files": entries, "dry_run": dry_run}).encode() + b"\n")
     answer = session.readline(timeout=120)
     if not answer.strip():
         res = session.finish(timeout=30)
-        remote.raise_agent_failure(t, "sync", res)
+        client.raise_agent_failure(t, "sync", res)
     have = json.loads(answer)["have"]
     fplan = [_file_plan(f, have.get(f.dest)) for f in manifest.files]
     changed = [(e, f) for e, f, p in zip(entries, manifest.files, fplan, strict=True) if p.action != "same"]
@@ -303,8 +303,8 @@ def deploy(
             stdin_file = state_dir() / "dry-run" / f"{ct.name}-{deploy_id}.stdin"
             stdin_file.parent.mkdir(parents=True, exist_ok=True)
             header = json.dumps({"files": entries, "dry_run": False}).encode() + b"\n"
-            stdin_file.write_bytes(remote.agent_source() + header + data)
-            commands = (f"{remote.shell_line(t, 'sync', *args)} < {shlex.quote(str(stdin_file))}",)
+            stdin_file.write_bytes(client.agent_source() + header + data)
+            commands = (f"{client.shell_line(t, 'sync', *args)} < {shlex.quote(str(stdin_file))}",)
         return DeployResult(ct.name, True, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands,
                             dry_run=dry_run)
     step = 1 << 20
@@ -318,7 +318,7 @@ def deploy(
     except json.JSONDecodeError:
         doc = None
     if not isinstance(doc, dict):
-        remote.raise_agent_failure(t, "sync", res)
+        client.raise_agent_failure(t, "sync", res)
         raise AssertionError  # unreachable: raise_agent_failure raises
     prev_modes = {r["dest"]: r.get("previous_mode") for r in doc.get("files", [])}
     files = [{"dest": p.dest, "sha256": p.want, "mode": f.mode, "previous": p.have, "action": p.action,

@@ -1,5 +1,5 @@
 """Snapshot commands (`ctl snapshot create|list|rollback|delete`, and `ctl rollback` as a shortcut), registered
-on the main app. Each converts options, calls controller.snapshot, and renders the result.
+on the main app. Each converts options, calls controller.commands.snapshot, and renders the result.
 
 Through the PVE API when the container's host has an `api:` section (token secret from the variable it
 names), otherwise `pct` over SSH; messages and exit codes are the same either way: 4 bad name or unknown
@@ -15,7 +15,7 @@ from typing import Any
 
 import typer
 
-from controller import cli_base as _cli
+from controller.cli import app as _cli
 from controller.errors import CtlError, InputError
 
 app: typer.Typer = _cli.app
@@ -85,7 +85,7 @@ def create_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the request; change nothing."),
 ) -> None:
     """Take a snapshot of the container (waits for the PVE task and reports its exit status)."""
-    from controller import snapshot
+    from controller.commands import snapshot
 
     _name(name)
     with _cli._session(container) as (inv, ct, pool):
@@ -96,7 +96,7 @@ def create_cmd(
 @snapshot_app.command("list")
 def list_cmd(container: str = typer.Argument(..., help="The container.")) -> None:
     """List the container's snapshots (oldest first; * = the one the container currently derives from)."""
-    from controller import snapshot
+    from controller.commands import snapshot
 
     with _cli._session(container) as (inv, ct, pool):
         lst = snapshot.list_snapshots(snapshot.target(inv, ct, pool))
@@ -121,7 +121,7 @@ def rollback_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="Run the checks and show the request; change nothing."),
 ) -> None:
     """Roll the container back to a snapshot: stops it, discards every change since; asks first."""
-    from controller import snapshot
+    from controller.commands import snapshot
 
     _name(name)
     reg = _registry()
@@ -145,7 +145,7 @@ def delete_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the request; change nothing."),
 ) -> None:
     """Delete a snapshot (the container itself is not touched); asks first."""
-    from controller import snapshot
+    from controller.commands import snapshot
 
     _name(name)
     with _cli._session(container) as (inv, ct, pool):

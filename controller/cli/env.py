@@ -1,6 +1,6 @@
 """Environment and compile-cache commands (`ctl env ...`, `ctl cache ...`), registered on the main app.
 
-Each converts options, calls controller.envcmd / controller.cache, and renders the result.
+Each converts options, calls controller.commands.environment / controller.commands.cache, and renders the result.
 Exit codes: `env check` 11 (ENV_MISMATCH) when the container differs from its lock; `env diff` 1 when the two
 environments differ; refusals to overwrite are 10 (CLOBBER); a cache of another torch build is 11.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import typer
 
-from controller import cli_base as _cli
+from controller.cli import app as _cli
 from controller.errors import BusyError, CtlError, ExitCode
 
 app: typer.Typer = _cli.app
@@ -45,11 +45,11 @@ def _mb(n: int | None) -> str:
 @env_app.command("probe")
 def probe_cmd(container: str = typer.Argument(..., help="The container to probe.")) -> None:
     """Probe the container's venv, torch build, driver, GPUs and compile cache (one exec)."""
-    from controller import envcmd
-    from controller.envpin import Probe
+    from controller.commands import environment
+    from controller.core.envlock import Probe
 
     with _container(container) as (inv, ct, t):
-        doc = envcmd.probe_doc(inv, ct, t)
+        doc = environment.probe_doc(inv, ct, t)
     if OPTS.json:
         _out(doc)
         return
@@ -85,10 +85,10 @@ def check_cmd(
     lock: str | None = typer.Option(None, "--lock", help="Lock file (default: the container's `lock:`)."),
 ) -> None:
     """Compare the container's venv with its lock; exit 11 with one line per difference."""
-    from controller import envcmd
+    from controller.commands import environment
 
     with _container(container) as (inv, ct, t):
-        res = envcmd.check(inv, ct, t, lock)
+        res = environment.check(inv, ct, t, lock)
     if OPTS.json:
         _out(res.to_json())
     else:
@@ -110,10 +110,10 @@ def lock_cmd(
     force: bool = typer.Option(False, "--force", help="Replace an existing lock file."),
 ) -> None:
     """Write the container's current package set as a lock (never over an existing file without --force)."""
-    from controller import envcmd
+    from controller.commands import environment
 
     with _container(container) as (inv, ct, t):
-        res = envcmd.write_lock(inv, ct, t, output, force=force)
+        res = environment.write_lock(inv, ct, t, output, force=force)
     if OPTS.json:
         _out(res.__dict__)
         return
@@ -129,13 +129,13 @@ def diff_cmd(
     b: str = typer.Argument(..., help="A container (live probe) or a run."),
 ) -> None:
     """What changed between two environments: a run's recorded probe and another run's, or a live container."""
-    from controller import envcmd
+    from controller.commands import environment
     from controller.transport.pool import Pool
 
     inv = _inv()
     reg = _registry()
     with Pool(inv) as pool:
-        d = envcmd.diff(inv, reg, a, b, lambda ct: envcmd.probe(inv, ct, pool.container(ct)))
+        d = environment.diff(inv, reg, a, b, lambda ct: environment.probe(inv, ct, pool.container(ct)))
     if OPTS.json:
         _out(d.to_json())
     else:
@@ -161,7 +161,7 @@ def sync_cmd(
     force: bool = typer.Option(False, "--force", help="Switch although a run is live on the container."),
 ) -> None:
     """Build a NEW venv beside the old one from the lock (uv), verify it, then switch the venv symlink to it."""
-    from controller import envcmd, runs
+    from controller.commands import environment, runs
 
     with _container(container) as (inv, ct, t):
         if not dry_run and not force:
@@ -171,7 +171,7 @@ def sync_cmd(
                 raise BusyError(f"{ct.name}: run {names} is live; switching its venv under it would mix two "
                                 f"environments in one run (stop it first: ctl stop {ct.name}/{busy[0].name}; "
                                 "or --force)")
-        plan = envcmd.sync(inv, ct, t, dry_run=True, python=python, uv=uv, lock_override=lock)
+        plan = environment.sync(inv, ct, t, dry_run=True, python=python, uv=uv, lock_override=lock)
         con = _console()
         if not OPTS.json:
             con.print(plan.snapshot_hint)
@@ -192,7 +192,7 @@ def sync_cmd(
                 raise CtlError("env sync changes the container: pass --yes (or --dry-run to see the commands)")
             if not typer.confirm(f"build {plan.new_venv} and switch {plan.venv} to it?", default=False):
                 raise typer.Exit(1)
-        res = envcmd.sync(inv, ct, t, python=python, uv=uv, lock_override=lock)
+        res = environment.sync(inv, ct, t, python=python, uv=uv, lock_override=lock)
     if OPTS.json:
         _out(res.to_json())
     else:
@@ -206,7 +206,7 @@ def sync_cmd(
 @cache_app.command("status")
 def cache_status_cmd(container: str = typer.Argument(..., help="The container.")) -> None:
     """Where the compile cache is, its size and entries, which torch build filled it, and the saved caches."""
-    from controller import cache
+    from controller.commands import cache
 
     with _container(container) as (inv, ct, t):
         st = cache.status(inv, ct, t)
@@ -237,7 +237,7 @@ def cache_save_cmd(
     local: str | None = typer.Option(None, "--local", help="Also pull the tarball into this local directory."),
 ) -> None:
     """Save the compile cache as STORE/NAME.tar.gz with a sidecar (sha256, torch build)."""
-    from controller import cache
+    from controller.commands import cache
 
     with _container(container) as (inv, ct, t):
         res = cache.save(inv, ct, t, name, local_dir=local)
@@ -256,7 +256,7 @@ def cache_restore_cmd(
     force: bool = typer.Option(False, "--force", help="Restore a cache made by another torch build."),
 ) -> None:
     """Verify NAME's sha256 and put it in place; the current cache is moved aside (kept), never deleted."""
-    from controller import cache
+    from controller.commands import cache
 
     with _container(container) as (inv, ct, t):
         res = cache.restore(inv, ct, t, name, force=force)
@@ -279,7 +279,7 @@ def cache_warm_cmd(
     gpu: list[int] = typer.Option(None, "--gpu", help="GPU to warm on (repeatable; default: the drafter GPUs)."),
 ) -> None:
     """Fill the compile cache with remote_payload/warmup_compile.py, ONE GPU at a time, never concurrently."""
-    from controller import cache
+    from controller.commands import cache
 
     con = _console()
 
