@@ -14,10 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from controller.errors import InputError, InventoryError
+from controller import settings
+from controller.errors import CtlError, InputError, InventoryError
 from controller.names import check_container_path, check_name
-
-DEFAULT_INVENTORY = "inventory.yaml"
 
 
 class _Model(BaseModel):
@@ -225,6 +224,13 @@ class Inventory:
                     out.append(m)
         return [self.container(n) for n in out]
 
+    def one(self, name: str) -> Container:
+        """The one container `name` stands for; a group of several is refused (a one-container verb)."""
+        cts = self.select([name])
+        if len(cts) != 1:
+            raise CtlError(f"{name!r} names {len(cts)} containers; give one container")
+        return cts[0]
+
 
 # --- loading -------------------------------------------------------------------------------------
 
@@ -261,7 +267,7 @@ def _dotted(loc: tuple[Any, ...]) -> str:
 
 def resolve_path(explicit: str | None = None) -> Path:
     """Flag > CTL_INVENTORY > ./inventory.yaml."""
-    return Path(explicit or os.environ.get("CTL_INVENTORY") or DEFAULT_INVENTORY)
+    return settings.inventory_path(explicit)
 
 
 def load(path: str | Path | None = None) -> Inventory:

@@ -8,7 +8,6 @@ UNIQUE constraint, so of two concurrent launches of one name exactly one wins. N
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import threading
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from controller.errors import BusyError, InputError
+from controller.lifecycle import Lifecycle
+from controller.settings import state_dir
 
 SCHEMA = [
     # version 1
@@ -113,15 +114,6 @@ SCHEMA = [
 ]
 
 
-def state_dir() -> Path:
-    env = os.environ.get("CTL_STATE_DIR")
-    if env:
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_state_dir("ctl"))
-
-
 @dataclass(frozen=True)
 class RunRecord:
     id: int
@@ -131,7 +123,7 @@ class RunRecord:
     created: float
     started: float | None
     ended: float | None
-    state: str
+    state: Lifecycle
     exit_status: int | None
     session: str | None
     log_path: str | None
@@ -240,7 +232,7 @@ class Registry:
 
     def claim_run(self, name: str, ct: str, **fields: Any) -> RunRecord:
         """Insert the run in state 'starting'; a second claim of (ct, name) raises BusyError."""
-        cols = {"name": name, "ct": ct, "created": time.time(), "state": "starting", **_encode(fields)}
+        cols = {"name": name, "ct": ct, "created": time.time(), "state": Lifecycle.STARTING, **_encode(fields)}
         try:
             with self.tx() as db:
                 cur = db.execute(
@@ -456,4 +448,5 @@ def _run(row: sqlite3.Row | None) -> RunRecord:
         d[k] = json.loads(d[k]) if d.get(k) else ({} if k != "env" else None)
     d["dirty"] = bool(d.get("dirty"))
     d["good"] = bool(d.get("good"))
+    d["state"] = Lifecycle(d["state"])
     return RunRecord(**d)

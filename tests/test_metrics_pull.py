@@ -24,6 +24,7 @@ from controller.core.metrics import parse_line
 from controller.errors import BusyError, ExitCode, InputError
 from controller.inventory import load
 from controller.registry import Registry, RunRecord
+from controller.settings import checkpoint_glob
 from controller.transport.base import Result
 from controller.transport.counting import Counting
 from controller.transport.local import LocalContainer
@@ -304,7 +305,7 @@ def test_hashes_of_deployed_files_and_checkpoints(fake_run: tuple[Counting, Regi
     assert res2.checkpoints["checkpoints/s1.pt"] != res.checkpoints["checkpoints/s1.pt"]
     assert reg.run_files(rec.id, "deployed")["/root/a.py"] is not None
     with pytest.raises(InputError, match="relative pattern"):
-        monitor.checkpoint_glob("../../etc/*")
+        checkpoint_glob("../../etc/*")
 
 
 def test_a_pull_that_lost_a_race_stores_nothing(fake_run: tuple[Counting, Registry, RunRecord, Path]) -> None:

@@ -16,8 +16,6 @@ from typing import Any
 
 import typer
 
-from controller.errors import CtlError
-
 app = typer.Typer(
     name="ctl",
     help="Operate GPU training runs in Proxmox VE LXC containers: deploy, launch, follow, compare.",
@@ -94,21 +92,26 @@ def _registry() -> Any:
 
 
 @contextmanager
-def _session(container: str) -> Iterator[tuple[Any, Any, Any]]:
-    """(inventory, the one container named, a connection pool closed at the end) for a one-container verb."""
+def session(inv: Any = None) -> Iterator[Any]:
+    """The connection pool of one command (the only place ctl builds one), closed at the end; --debug shows
+    how it reached each host (relay or not, persistent session or not, and why)."""
     from controller.transport.pool import Pool
 
+    with Pool(inv if inv is not None else _inv(), note=_note) as pool:
+        yield pool
+
+
+@contextmanager
+def _session(container: str) -> Iterator[tuple[Any, Any, Any]]:
+    """(inventory, the one container named, the command's pool) for a one-container verb."""
     inv = _inv()
     ct = _one_ct(inv, container)
-    with Pool(inv) as pool:
+    with session(inv) as pool:
         yield inv, ct, pool
 
 
 def _one_ct(inv: Any, name: str) -> Any:
-    cts = inv.select([name])
-    if len(cts) != 1:
-        raise CtlError(f"{name!r} names {len(cts)} containers; give one container")
-    return cts[0]
+    return inv.one(name)
 
 
 def _run_and_ct(inv: Any, reg: Any, ref: str) -> tuple[Any, Any]:
@@ -116,26 +119,9 @@ def _run_and_ct(inv: Any, reg: Any, ref: str) -> tuple[Any, Any]:
     return run, inv.container(run.ct)
 
 
-def _refresh_all(inv: Any, reg: Any, recs: list[Any]) -> list[Any]:
-    from controller.commands import runs
-    from controller.commands.fanout import fanout
-    from controller.transport.pool import Pool
-
-    by_ct: dict[str, list[Any]] = {}
-    for r in recs:
-        by_ct.setdefault(r.ct, []).append(r)
-    live_cts = [c for c, rs in by_ct.items() if any(r.state in runs.LIVE for r in rs) and
-                c in inv.model.containers]
-    if not live_cts:
-        return recs
-    with Pool(inv) as pool:
-        results = fanout(pool, [inv.container(c) for c in live_cts],
-                         lambda ct, t: runs.refresh(inv, ct, t, reg, by_ct[ct.name]))
-    fresh = {r.id: r for o in results if o.value for r in o.value}
-    for o in results:
-        if not o.ok:
-            sys.stderr.write(f"ctl: warning: {o.ct}: state not refreshed: {o.error}\n")
-    return [fresh.get(r.id, r) for r in recs]
+def _warn(lines: Any) -> None:
+    for line in lines:
+        sys.stderr.write(f"ctl: warning: {line}\n")
 
 
 def _ago(ts: float | None) -> str:

@@ -130,11 +130,10 @@ def diff_cmd(
 ) -> None:
     """What changed between two environments: a run's recorded probe and another run's, or a live container."""
     from controller.commands import environment
-    from controller.transport.pool import Pool
 
     inv = _inv()
     reg = _registry()
-    with Pool(inv) as pool:
+    with _cli.session(inv) as pool:
         d = environment.diff(inv, reg, a, b, lambda ct: environment.probe(inv, ct, pool.container(ct)))
     if OPTS.json:
         _out(d.to_json())

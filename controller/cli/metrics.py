@@ -16,10 +16,12 @@ import typer
 
 from controller.cli import app as _cli
 from controller.errors import CtlError, InputError
+from controller.settings import checkpoint_glob
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
-_console, _inv, _out, _refresh_all, _registry = _cli._console, _cli._inv, _cli._out, _cli._refresh_all, _cli._registry
+_console, _inv, _out, _registry, _warn, session = _cli._console, _cli._inv, _cli._out, _cli._registry, _cli._warn, \
+    _cli.session
 
 metrics_app = typer.Typer(help="Pull a run's metrics (only new log bytes travel) and export them.",
                           no_args_is_help=True)
@@ -44,53 +46,6 @@ def _ratio(value: float) -> float:
     return value
 
 
-def _pull_many(inv: Any, reg: Any, recs: list[Any], checkpoints: str | None) -> dict[int, Any]:
-    """Pull every run whose container is in the inventory: {run id: PullResult | error text}."""
-    from controller.commands import monitor
-    from controller.commands.fanout import fanout
-    from controller.transport.pool import Pool
-
-    by_ct: dict[str, list[Any]] = {}
-    for r in recs:
-        if r.ct in inv.model.containers and r.log_path:
-            by_ct.setdefault(r.ct, []).append(r)
-    out: dict[int, Any] = {r.id: f"container {r.ct} is not in the inventory" for r in recs
-                           if r.ct not in inv.model.containers}
-    if not by_ct:
-        return out
-
-    def one(ct: Any, t: Any) -> dict[int, Any]:
-        got: dict[int, Any] = {}
-        for r in by_ct[ct.name]:
-            try:
-                got[r.id] = monitor.pull(t, reg, r, checkpoints=checkpoints)
-            except CtlError as e:
-                got[r.id] = str(e)
-        return got
-
-    with Pool(inv) as pool:
-        for o in fanout(pool, [inv.container(c) for c in by_ct], one):
-            if o.value is not None:
-                out.update(o.value)
-            else:
-                out.update({r.id: o.error or "failed" for r in by_ct[o.ct]})
-    return out
-
-
-def _baseline_for(inv: Any, reg: Any, rec: Any, checkpoints: str | None) -> tuple[str, float] | None:
-    """The baseline's (label, steady tok/s); its points are pulled first if none are stored yet."""
-    from controller.commands import monitor
-
-    base = monitor.resolve_baseline(inv, reg, rec)
-    if base is None:
-        return None
-    if not reg.points(base.run.id):
-        got = _pull_many(inv, reg, [base.run], checkpoints).get(base.run.id)
-        if isinstance(got, str):
-            sys.stderr.write(f"ctl: warning: baseline {base.label}: no points stored and pull failed: {got}\n")
-    return monitor.baseline_rate(reg, base)
-
-
 # --- ctl metrics pull / export -------------------------------------------------------------------
 
 
@@ -103,14 +58,13 @@ def pull_cmd(
 ) -> None:
     """Fetch only the log bytes added since the last pull, parse them, store the points and file hashes."""
     from controller.commands import monitor
-    from controller.transport.pool import Pool
 
     inv = _inv()
     reg = _registry()
     rec = reg.find_run(run)
     ct = inv.container(rec.ct)
-    glob = monitor.checkpoint_glob(checkpoints)
-    with Pool(inv) as pool:
+    glob = checkpoint_glob(checkpoints)
+    with session(inv) as pool:
         res = monitor.pull(pool.container(ct), reg, rec, chunk=max(1, int(chunk_mib * 2**20)),
                                checkpoints=glob, hashes=not no_hashes)
     if OPTS.json:
@@ -150,7 +104,9 @@ def export_cmd(
     reg = _registry()
     rec = reg.find_run(run)
     if not no_pull:
-        got = _pull_many(_inv(), reg, [rec], None).get(rec.id)
+        inv = _inv()
+        with session(inv) as pool:
+            got = monitor.pull_many(inv, reg, pool, [rec], None).get(rec.id)
         if isinstance(got, str):
             sys.stderr.write(f"ctl: warning: {rec.ct}/{rec.name}: not pulled, exporting stored points: {got}\n")
     points = monitor.stored_points(reg, rec)
@@ -190,26 +146,6 @@ def mark_good_cmd(
 # --- ctl status ----------------------------------------------------------------------------------
 
 
-def _statuses(inv: Any, reg: Any, recs: list[Any], *, slow_ratio: float, stall_after_s: float,
-              checkpoints: str | None) -> list[Any]:
-    from controller.commands import monitor, runs
-
-    recs = _refresh_all(inv, reg, recs)
-    pulled = _pull_many(inv, reg, recs, checkpoints)
-    recs = [reg.run_by_id(r.id) for r in recs]  # crash signatures found by the pull
-    out = []
-    for r in recs:
-        res = pulled.get(r.id)
-        base = _baseline_for(inv, reg, r, checkpoints)
-        st = monitor.status_of(r, reg, base, pull=None if isinstance(res, str) else res,
-                                   slow_ratio=slow_ratio, stall_after_s=stall_after_s,
-                                   error=res if isinstance(res, str) else None)
-        if st.error and r.state in runs.LIVE:
-            sys.stderr.write(f"ctl: warning: {r.ct}/{r.name}: metrics not pulled: {st.error}\n")
-        out.append(st)
-    return out
-
-
 def _render_status(sts: list[Any]) -> None:
     from controller.core.metrics import format_eta, format_rate, sparkline
 
@@ -244,18 +180,18 @@ def status_cmd(
 ) -> None:
     """Live runs (else each container's latest run): pull new metrics, show step, loss, tok/s, ETA, trend
     and the verdict against the baseline. Exit code: the worst verdict's (21 SLOW, 22 STALLED, 20 CRASHED)."""
-    from controller.commands import monitor, runs
+    from controller.commands import monitor
     from controller.core.metrics import exit_code_for
 
     stall_s = _duration(stall_after, "--stall-after")
     _ratio(slow_ratio)
-    glob = monitor.checkpoint_glob(checkpoints)
+    glob = checkpoint_glob(checkpoints)
     inv = _inv()
     reg = _registry()
     recs: list[Any] = []
     for ct in inv.select(containers or []):
         mine = reg.runs(ct.name, limit=50)
-        live = [r for r in mine if r.state in runs.LIVE]
+        live = [r for r in mine if r.state.live]
         recs.extend(live or mine[:1])
     if not recs:
         if OPTS.json:
@@ -263,7 +199,11 @@ def status_cmd(
         else:
             _console().print("no runs recorded for these containers")
         return
-    sts = _statuses(inv, reg, recs, slow_ratio=slow_ratio, stall_after_s=stall_s, checkpoints=glob)
+    with session(inv) as pool:
+        report = monitor.statuses(inv, reg, pool, recs, slow_ratio=slow_ratio, stall_after_s=stall_s,
+                                  checkpoints=glob)
+    _warn(report.warnings)
+    sts = list(report.statuses)
     if OPTS.json:
         _out([s.to_json() for s in sts])
     else:
@@ -272,39 +212,6 @@ def status_cmd(
 
 
 # --- ctl watch -----------------------------------------------------------------------------------
-
-
-def _watch_loop(inv: Any, reg: Any, rec: Any, t: Any, *, until_step: int | None, limit_s: float | None,
-                for_text: str | None, every_s: float, slow_ratio: float, stall_s: float, glob: str | None,
-                tick: Any = None) -> tuple[Any, str]:
-    """Pull every `every_s` until the step, the time limit, the run's end or a stall: (RunStatus, why it ended).
-    Shared by `ctl watch` and the runbook's `watch` step, so both judge a run the same way."""
-    from controller.commands import monitor, runs
-    from controller.core.metrics import RunState
-
-    ct = inv.container(rec.ct)
-    t0 = time.monotonic()
-    why = ""
-    base = _baseline_for(inv, reg, rec, glob)
-    while True:
-        rec = runs.refresh(inv, ct, t, reg, [reg.run_by_id(rec.id)])[0]
-        res = monitor.pull(t, reg, rec, checkpoints=glob)
-        rec = reg.run_by_id(rec.id)
-        st = monitor.status_of(rec, reg, base, pull=res, slow_ratio=slow_ratio, stall_after_s=stall_s)
-        v = st.verdict
-        if tick is not None:
-            tick(st)
-        if until_step is not None and v.step is not None and v.step >= until_step:
-            why = f"reached step {v.step}"
-        elif rec.state not in runs.LIVE or v.state in (RunState.CRASHED, RunState.FINISHED):
-            why = f"run ended ({rec.state})"
-        elif v.state == RunState.STALLED:
-            why = "run stalled"
-        elif limit_s is not None and time.monotonic() - t0 >= limit_s:
-            why = f"watched for {for_text}"
-        if why:
-            return st, why
-        time.sleep(every_s)
 
 
 @app.command("watch")
@@ -321,7 +228,6 @@ def watch_cmd(
     print the verdict and exit with its code."""
     from controller.commands import monitor
     from controller.core.metrics import format_rate
-    from controller.transport.pool import Pool
 
     if until_step is None and for_ is None:
         raise InputError("give --until-step N or --for DURATION (or both)")
@@ -329,11 +235,11 @@ def watch_cmd(
     every_s = _duration(every, "--every")
     stall_s = _duration(stall_after, "--stall-after")
     _ratio(slow_ratio)
-    glob = monitor.checkpoint_glob(checkpoints)
+    glob = checkpoint_glob(checkpoints)
     inv = _inv()
     reg = _registry()
     rec = reg.find_run(run)
-    ct = inv.container(rec.ct)
+    inv.container(rec.ct)  # refused when the run's container left the inventory
     con = _console()
 
     def tick(st: Any) -> None:
@@ -344,10 +250,9 @@ def watch_cmd(
                       f"{format_rate(st.last.tok_s if st.last else None)} tok/s  {v.state.label.upper()}",
                       markup=False)
 
-    with Pool(inv) as pool:
-        st, why = _watch_loop(inv, reg, rec, pool.container(ct), until_step=until_step, limit_s=limit_s,
-                              for_text=for_, every_s=every_s, slow_ratio=slow_ratio, stall_s=stall_s, glob=glob,
-                              tick=tick)
+    with session(inv) as pool:
+        st, why = monitor.watch(inv, reg, pool, rec, until_step=until_step, limit_s=limit_s, for_text=for_,
+                                every_s=every_s, slow_ratio=slow_ratio, stall_s=stall_s, checkpoints=glob, tick=tick)
     rec, v = st.run, st.verdict
     if OPTS.json:
         _out({**st.to_json(), "ended_because": why})
@@ -382,7 +287,9 @@ def plot_cmd(
             if not no_pull:
                 raise
     if not no_pull and inv is not None:
-        for rid, got in _pull_many(inv, reg, recs, None).items():
+        with session(inv) as pool:
+            pulled = monitor.pull_many(inv, reg, pool, recs, None)
+        for rid, got in pulled.items():
             if isinstance(got, str):
                 r = reg.run_by_id(rid)
                 sys.stderr.write(f"ctl: warning: {r.ct}/{r.name}: not pulled, plotting stored points: {got}\n")

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import typer
 
 from controller.cli import app as _cli
-from controller.errors import ExitCode
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
-_console, _inv, _out, _registry, _table = _cli._console, _cli._inv, _cli._out, _cli._registry, _cli._table
+_console, _inv, _out, _registry, _table, session = (_cli._console, _cli._inv, _cli._out, _cli._registry, _cli._table,
+                                                   _cli.session)
 
 runbook_app = typer.Typer(help="Run a YAML runbook of ctl steps (deploy, env-check, launch, watch, stop, "
                                "mark-good, cache-restore, fail): check it, run it, list past runs.",
@@ -30,140 +31,6 @@ runbook_app = typer.Typer(help="Run a YAML runbook of ctl steps (deploy, env-che
 app.add_typer(runbook_app, name="runbook")
 
 _VAR_HELP = "Set a variable declared in the runbook's `vars:` (repeatable): --var ct=ct200."
-
-
-class _Actions:
-    """The step kinds bound to the domain functions, sharing one Pool, inventory and registry."""
-
-    def __init__(self, inv: Any, reg: Any, pool: Any, live: bool) -> None:
-        self.inv, self.reg, self.pool, self.live = inv, reg, pool, live
-        self.launched: dict[str, int] = {}  # run name -> registry id, so `{{ run }}` is never ambiguous
-
-    def table(self) -> dict[str, Any]:
-        return {"deploy": self.deploy, "env-check": self.env_check, "launch": self.launch, "watch": self.watch,
-                "stop": self.stop, "mark-good": self.mark_good, "cache-restore": self.cache_restore}
-
-    def _ct(self, name: str) -> tuple[Any, Any]:
-        ct = _cli._one_ct(self.inv, name)
-        return ct, self.pool.container(ct)
-
-    def _run(self, ref: str) -> Any:
-        return self.reg.find_run(f"#{self.launched[ref]}" if ref in self.launched else ref)
-
-    def deploy(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller.commands import deploy
-        from controller.commands.fanout import fanout, worst
-        from controller.core.runbook import Done
-
-        cts = self.inv.select(a["containers"])
-        results = fanout(self.pool, cts, lambda ct, t: deploy.deploy(self.inv, ct, t, self.reg, dry_run=dry,
-                                                                     allow_dirty=a["allow_dirty"]))
-        lines: list[str] = []
-        for r in results:
-            if dry and r.value is not None:
-                lines += [f"{r.ct}: {p.action:<7} {p.dest}  {p.want[:12]}" for p in r.value.plan]
-                lines += [f"{r.ct}: {c}" for c in r.value.commands]
-        detail = "; ".join(f"{r.ct}: {r.value.summary()}" if r.value is not None else f"{r.ct}: FAILED {r.error}"
-                           for r in results)
-        return Done(detail, exit_code=worst(results), lines=tuple(lines))
-
-    def env_check(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller.commands import environment
-        from controller.core.runbook import Done
-
-        ct, t = self._ct(a["ct"])
-        if dry:
-            lock = a["lock"] or (f"{ct.spec.lock}" if ct.spec.lock else "its lock (none configured)")
-            return Done(f"would compare {ct.name}'s environment with {lock}")
-        res = environment.check(self.inv, ct, t, a["lock"])
-        if res.ok:
-            return Done(f"matches {res.lock_path} (fingerprint {res.fingerprint[:16]})")
-        return Done(f"{len(res.findings)} difference(s) from {res.lock_path}: {res.findings[0].message}",
-                    exit_code=int(ExitCode.ENV_MISMATCH), lines=tuple(f.message for f in res.findings))
-
-    def launch(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller.commands import environment, runs
-        from controller.core.runbook import Done
-
-        ct, t = self._ct(a["ct"])
-        if dry:
-            name = a["run"] or runs.next_name(self.inv, ct, t, self.reg)
-            return Done(f"would launch {name} on {ct.name} (after its preflight)", sets={"run": name})
-        rec, checks = runs.launch(
-            self.inv, ct, t, self.reg, a["run"], allow_drift=a["allow_drift"], force=a["force"],
-            env_probe=lambda: environment.probe_for_launch(self.inv, ct, t, allow_mismatch=a["allow_env_mismatch"]))
-        self.launched[rec.name] = rec.id
-        forced = [c.name for c in checks if c.forced]
-        return Done(f"{rec.name}: tmux session {rec.session}, log {rec.log_path}"
-                    + (f" (forced: {', '.join(forced)})" if forced else ""), sets={"run": rec.name})
-
-    def watch(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller.cli import metrics
-        from controller.core.metrics import format_rate, parse_duration
-        from controller.core.runbook import Done
-
-        until = " or ".join(x for x in (f"step {a['until_step']}" if a["until_step"] is not None else "",
-                                        a["for"] or "") if x)
-        if dry:
-            return Done(f"would watch {a['run']} until {until} (slow below {a['slow_ratio']:.2f}x the baseline)")
-        rec = self._run(a["run"])
-        _ct, t = self._ct(rec.ct)
-        status = _console().status(f"watching {rec.ct}/{rec.name} until {until}") if self.live else None
-
-        def tick(st: Any) -> None:
-            if status is not None:
-                v = st.verdict
-                status.update(f"watching {rec.ct}/{rec.name} until {until}: step "
-                              f"{v.step if v.step is not None else '-'} "
-                              f"{format_rate(st.last.tok_s if st.last else None)} tok/s {v.state.name}")
-
-        def seconds(text: str) -> float:
-            return parse_duration(text) or 0.0  # checked by the runbook's validators already
-
-        if status is not None:
-            status.start()
-        try:
-            st, why = metrics._watch_loop(
-                self.inv, self.reg, rec, t, until_step=a["until_step"],
-                limit_s=seconds(a["for"]) if a["for"] else None, for_text=a["for"], every_s=seconds(a["every"]),
-                slow_ratio=a["slow_ratio"], stall_s=seconds(a["stall_after"]), glob=a["checkpoints"], tick=tick)
-        finally:
-            if status is not None:
-                status.stop()
-        v = st.verdict
-        return Done(f"{why}: {v.reason}", state=v.state.name, exit_code=int(v.exit_code))
-
-    def stop(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller.commands import runs
-        from controller.core.runbook import Done
-
-        if dry:
-            return Done(f"would stop {a['run']} (SIGINT, {a['grace']:.0f}s grace, escalate)")
-        rec = self._run(a["run"])
-        ct, t = self._ct(rec.ct)
-        rec = runs.refresh(self.inv, ct, t, self.reg, [rec])[0]
-        rec = runs.stop(self.inv, ct, t, self.reg, rec, grace=a["grace"])
-        return Done(f"{rec.ct}/{rec.name}: {rec.state} ({rec.note})")
-
-    def mark_good(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller.core.runbook import Done
-
-        if dry:
-            return Done(f"would mark {a['run']} good (the baseline of later runs)")
-        rec = self._run(a["run"])
-        self.reg.mark_good(rec.id, True)
-        return Done(f"{rec.ct}/{rec.name}: marked good (baseline)")
-
-    def cache_restore(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller.commands import cache
-        from controller.core.runbook import Done
-
-        ct, t = self._ct(a["ct"])
-        if dry:
-            return Done(f"would restore the compile cache {a['name']} into {ct.name} (verified; current kept aside)")
-        res = cache.restore(self.inv, ct, t, a["name"], force=a["force"])
-        return Done(f"restored {a['name']} into {res.dir} (sha256 {res.sha256[:12]} verified)"
-                    + (f", previous kept at {res.aside}" if res.aside else ""))
 
 
 def _load(file: Path, var: list[str] | None) -> tuple[Any, dict[str, Any]]:
@@ -218,8 +85,7 @@ def run_cmd(
 ) -> None:
     """Run the runbook's steps in order, one line per step; stop at the first unhandled failure with its exit
     code. The run is recorded in the registry (`ctl runbook history`)."""
-    from controller.core import runbook
-    from controller.transport.pool import Pool
+    from controller.commands import runbook
 
     book, variables = _load(file, var)
     inv = _inv()
@@ -229,27 +95,22 @@ def run_cmd(
     if show:
         con.print(f"runbook {book.name} ({file}, sha256 {book.sha256[:12]})" + (": dry run" if dry_run else ""),
                   markup=False)
-    record_id = None if dry_run else reg.start_runbook(book.name, str(book.path), book.sha256, variables)
-    steps: list[Any] = []
 
-    def emit(r: Any) -> None:
-        steps.append(r)
-        if show:
-            _print_step(r)
+    @contextmanager
+    def watching(text: str) -> Iterator[Callable[[str], None] | None]:
+        if not (show and sys.stdout.isatty()):
+            yield None
+            return
+        status = con.status(text)
+        status.start()
+        try:
+            yield status.update
+        finally:
+            status.stop()
 
-    try:
-        with Pool(inv) as pool:
-            actions = _Actions(inv, reg, pool, live=show and sys.stdout.isatty())
-            res = runbook.execute(book, variables, actions.table(), dry_run=dry_run, emit=emit)
-    except BaseException as e:
-        if record_id is not None:
-            code = 130 if isinstance(e, KeyboardInterrupt) else int(getattr(e, "exit_code", 1))
-            reg.finish_runbook(record_id, "interrupted", code, f"{type(e).__name__}: {e}",
-                               [s.to_json() for s in steps])
-        raise
-    if record_id is not None:
-        reg.finish_runbook(record_id, "ok" if res.ok else "failed", res.exit_code, res.message,
-                           [s.to_json() for s in res.steps])
+    with session(inv) as pool:
+        res, record_id = runbook.run(book, variables, inv, reg, pool, dry_run=dry_run,
+                                     emit=_print_step if show else lambda r: None, watching=watching)
     if OPTS.json:
         _out({**res.to_json(), "record": record_id})
     elif res.ok:

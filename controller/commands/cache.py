@@ -25,10 +25,10 @@ from typing import Any
 
 from controller.commands import environment
 from controller.core.envlock import Probe, split_local
-from controller.errors import ClobberError, CtlError, EnvMismatch, InputError, RemoteCommandError, VerifyError
+from controller.errors import ClobberError, EnvMismatch, InputError, RemoteCommandError, VerifyError
 from controller.inventory import Container, Inventory
 from controller.names import check_container_path, check_name
-from controller.remote import client
+from controller.remote.client import Agent
 from controller.transport.base import Transport
 
 DEFAULT_STORE = "/workspace/.ctl-caches"
@@ -117,7 +117,7 @@ def settings(inv: Inventory, ct: Container) -> CacheSettings:
 
 
 def _call(t: Transport, verb: str, args: dict[str, Any]) -> dict[str, Any]:
-    return client.call(t, verb, json.dumps({"root": client.root_of(t), **args}), timeout=None)
+    return Agent(t).call(verb, args, timeout=None, check=False)
 
 
 def _saved(doc: dict[str, Any]) -> SavedCache:
@@ -167,7 +167,7 @@ def save(inv: Inventory, ct: Container, t: Transport, name: str, *, local_dir: s
     doc = _call(t, "cachesave", {"dir": s.dir, "store": s.store, "name": name, "marker": Marker.doc(p, "save", now),
                                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))})
     if not doc.get("ok"):
-        _raise(ct, doc)
+        _raise(ct, t, doc)
     side = doc["sidecar"]
     path = posixpath.join(s.store, f"{name}.tar.gz")
     local_path = None
@@ -215,21 +215,14 @@ def restore(inv: Inventory, ct: Container, t: Transport, name: str, *, force: bo
         if doc.get("code") == "torch":
             raise EnvMismatch(f"{ct.name}: {doc.get('error')}: its kernels would not be used",
                               hint="--force restores it anyway")
-        _raise(ct, doc)
+        _raise(ct, t, doc)
     side = doc.get("sidecar") or {}
     return RestoreResult(ct.name, name, s.dir, doc["sha256"], doc.get("aside"), (doc.get("cache") or {}).get("files"),
                          side.get("torch_build"), live, force)
 
 
-def _raise(ct: Container, doc: dict[str, Any]) -> None:
-    code, err = doc.get("code"), f"{ct.name}: {doc.get('error')}"
-    if code == "clobber":
-        raise ClobberError(err)
-    if code == "verify":
-        raise VerifyError(err)
-    if code == "missing":
-        raise InputError(err)
-    raise CtlError(err)
+def _raise(ct: Container, t: Transport, doc: dict[str, Any]) -> None:
+    raise Agent(t).error(doc)
 
 
 def _file_sha256(path: Path) -> str:
@@ -301,7 +294,7 @@ def warm(inv: Inventory, ct: Container, t: Transport, *, gpus: list[int] | None 
     torch 2.11), streaming its output; then write the cache's marker with the live torch build."""
     script = warmup_dest(inv)
     s = settings(inv, ct)
-    have = client.call(t, "hashes", client.root_of(t), script)
+    have = Agent(t).call("hashes", [script])
     if not (have.get("files") or {}).get(script):
         raise InputError(f"{ct.name}: {script} is not in the container: run `ctl deploy {ct.name}` first")
     order: list[int | None] = list(gpus) if gpus else list(ct.spec.gpus.drafter or ct.spec.gpus.all) or [None]
@@ -338,6 +331,6 @@ def warm(inv: Inventory, ct: Container, t: Transport, *, gpus: list[int] | None 
     marker = Marker.doc(environment.probe(inv, ct, t), "warm", now)
     doc = _call(t, "cachemark", {"dir": s.dir, "marker": marker})
     if not doc.get("ok"):
-        _raise(ct, doc)
+        _raise(ct, t, doc)
     after = status(inv, ct, t).bytes
     return WarmResult(ct.name, script, s.dir, tuple(steps), marker, before, after)

@@ -26,13 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controller.commands.fanout import Outcome, fanout
 from controller.core.render import context, render
-from controller.errors import ClobberError, CtlError, DiskError, DriftError, InputError, VerifyError
+from controller.errors import ClobberError, CtlError, DriftError, InputError
 from controller.inventory import Container, Inventory
 from controller.names import check_container_path
-from controller.registry import DeployRecord, Registry, state_dir
-from controller.remote import client
+from controller.registry import DeployRecord, Registry
+from controller.remote.client import Agent, agent_source
+from controller.settings import state_dir
 from controller.transport.base import Duplex, Transport
+from controller.transport.pool import Pool
 
 STORE = "/var/lib/ctl"  # inside the container: objects/<sha256>, deploys/<id>.json
 
@@ -75,14 +78,13 @@ class FilePlan:
 
 @dataclass(frozen=True)
 class DeployResult:
+    """A deploy (or rollback) that succeeded; a failure is raised as a CtlError instead."""
+
     ct: str
-    ok: bool
     plan: tuple[FilePlan, ...]
     deploy_id: str | None = None
     seconds: float = 0.0
     bytes_sent: int = 0
-    error: str | None = None
-    exit_code: int = 0
     commands: tuple[str, ...] = ()
     dry_run: bool = False
     kind: str = "deploy"
@@ -92,8 +94,6 @@ class DeployResult:
         return sum(1 for p in self.plan if p.action != "same")
 
     def summary(self) -> str:
-        if self.error:
-            return f"FAILED: {self.error}"
         if self.dry_run:
             return f"would change {self.changed} of {len(self.plan)} files"
         if self.kind == "rollback":
@@ -104,8 +104,8 @@ class DeployResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "ct": self.ct, "ok": self.ok, "deploy_id": self.deploy_id, "seconds": round(self.seconds, 3),
-            "bytes_sent": self.bytes_sent, "error": self.error, "dry_run": self.dry_run,
+            "ct": self.ct, "ok": True, "deploy_id": self.deploy_id, "seconds": round(self.seconds, 3),
+            "bytes_sent": self.bytes_sent, "error": None, "dry_run": self.dry_run,
             "files": [p.__dict__ for p in self.plan], "commands": list(self.commands),
         }
 
@@ -183,24 +183,17 @@ def pin(inv: Inventory, ct: Container) -> Manifest:
 
 
 def remote_hashes(t: Transport, dests: list[str]) -> dict[str, dict[str, Any] | None]:
-    doc = client.call(t, "hashes", client.root_of(t), *dests)
-    files: dict[str, dict[str, Any] | None] = doc.get("files", {})
+    agent = Agent(t)
+    files: dict[str, dict[str, Any] | None] = agent.need(agent.call("hashes", dests), "files")
     return files
 
 
 # --- apply ---------------------------------------------------------------------------------------
 
 
-def bundle(entries: list[dict[str, Any]], bodies: list[bytes]) -> bytes:
-    """A tar stream: manifest.json first, then f<index> bodies of the entries sent "from": "tar", in order.
-
-    Entries "from": "store" travel as manifest lines only: the agent takes their bytes from its store.
-    """
-    sent = [e for e in entries if e["from"] == "tar"]
+def _tar(members: list[tuple[str, bytes]]) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w|") as tar:
-        members = [("manifest.json", json.dumps({"files": entries}).encode())]
-        members += [(f"f{e['index']}", b) for e, b in zip(sent, bodies, strict=True)]
         for name, data in members:
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -209,20 +202,17 @@ def bundle(entries: list[dict[str, Any]], bodies: list[bytes]) -> bytes:
     return buf.getvalue()
 
 
-def _apply(t: Transport, entries: list[dict[str, Any]], bodies: list[bytes], deploy_id: str) -> dict[str, Any]:
-    return client.call(t, "apply", client.root_of(t), t.path(STORE), deploy_id, payload=bundle(entries, bodies))
+def bundle(entries: list[dict[str, Any]], bodies: list[bytes], *, manifest: bool = True) -> bytes:
+    """The tar stream `apply` reads: manifest.json first (unless the agent has it already from sync's header
+    line), then f<index> bodies of the entries sent "from": "tar", in order. Entries "from": "store" travel as
+    manifest lines only: the agent takes their bytes from its store."""
+    sent = [e for e in entries if e.get("from", "tar") == "tar"]
+    members = [("manifest.json", json.dumps({"files": entries}).encode())] if manifest else []
+    return _tar(members + [(f"f{e['index']}", b) for e, b in zip(sent, bodies, strict=True)])
 
 
 def _new_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-
-
-def _classify(error: str) -> CtlError:
-    if "No space left" in error or "Disk quota" in error:
-        return DiskError(f"container disk full: {error}; nothing was replaced")
-    if "sha256" in error or "read-back" in error or "incomplete" in error:
-        return VerifyError(f"{error}; nothing was replaced")
-    return CtlError(f"{error}; nothing was replaced")
 
 
 Progress = Callable[[str, int, int], None]  # (container, bytes sent, bytes total)
@@ -267,10 +257,11 @@ def deploy(
     """One exec per container: the agent answers what it has, then receives only what changed."""
     t0 = time.monotonic()
     deploy_id = _new_id()
-    args = (client.root_of(t), t.path(STORE), deploy_id)
+    agent = Agent(t)
+    args = (t.path(STORE), deploy_id)
     # The exec does not depend on the pins: open it in the background, so that the SSH handshake and the
     # host's start of pct + agent overlap with pinning (templates, hashes, git state) here.
-    opening = _Opening(t, client.agent_argv("sync", *args))
+    opening = _Opening(t, agent.argv("sync", args))
     try:
         manifest = pin(inv, ct)
         if manifest.dirty and not allow_dirty and not dry_run:
@@ -285,16 +276,16 @@ def deploy(
     entries = [{"index": i, "dest": f.dest, "sha256": f.sha256, "mode": f.mode, "size": f.size}
                for i, f in enumerate(manifest.files)]
     session = opening.session()
-    session.send(client.agent_source() + json.dumps({"files": entries, "dry_run": dry_run}).encode() + b"\n")
+    session.send(agent_source() + json.dumps({"files": entries, "dry_run": dry_run}).encode() + b"\n")
     answer = session.readline(timeout=120)
-    if not answer.strip():
-        res = session.finish(timeout=30)
-        client.raise_agent_failure(t, "sync", res)
-    have = json.loads(answer)["have"]
+    first = Agent.json_line(answer)
+    if first is None:
+        agent.fail("sync", session.finish(timeout=30))
+    have = agent.need(first, "have")
     fplan = [_file_plan(f, have.get(f.dest)) for f in manifest.files]
     changed = [(e, f) for e, f, p in zip(entries, manifest.files, fplan, strict=True) if p.action != "same"]
     bodies = [f.content for _e, f in changed]
-    data = b"apply\n" + bundle_bodies([e for e, _f in changed], bodies)
+    data = b"apply\n" + bundle([e for e, _f in changed], bodies, manifest=False)
     if dry_run or not changed:
         session.finish(timeout=30)
         commands: tuple[str, ...] = ()
@@ -303,23 +294,16 @@ def deploy(
             stdin_file = state_dir() / "dry-run" / f"{ct.name}-{deploy_id}.stdin"
             stdin_file.parent.mkdir(parents=True, exist_ok=True)
             header = json.dumps({"files": entries, "dry_run": False}).encode() + b"\n"
-            stdin_file.write_bytes(client.agent_source() + header + data)
-            commands = (f"{client.shell_line(t, 'sync', *args)} < {shlex.quote(str(stdin_file))}",)
-        return DeployResult(ct.name, True, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands,
+            stdin_file.write_bytes(agent_source() + header + data)
+            commands = (f"{agent.shell_line('sync', *args)} < {shlex.quote(str(stdin_file))}",)
+        return DeployResult(ct.name, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands,
                             dry_run=dry_run)
     step = 1 << 20
     for pos in range(0, len(data), step):
         session.send(data[pos:pos + step])
         if progress is not None:
             progress(ct.name, min(pos + step, len(data)), len(data))
-    res = session.finish(timeout=600)
-    try:
-        doc = json.loads(res.out.strip().splitlines()[-1]) if res.out.strip() else None
-    except json.JSONDecodeError:
-        doc = None
-    if not isinstance(doc, dict):
-        client.raise_agent_failure(t, "sync", res)
-        raise AssertionError  # unreachable: raise_agent_failure raises
+    doc = agent.parse("sync", session.finish(timeout=600))
     prev_modes = {r["dest"]: r.get("previous_mode") for r in doc.get("files", [])}
     files = [{"dest": p.dest, "sha256": p.want, "mode": f.mode, "previous": p.have, "action": p.action,
               "previous_mode": prev_modes.get(p.dest)} for f, p in zip(manifest.files, fplan, strict=True)]
@@ -328,8 +312,8 @@ def deploy(
         reg.add_deploy(DeployRecord(deploy_id, ct.name, "deploy", time.time(), manifest.commit, manifest.dirty, ok,
                                     files, doc.get("error")))
     if not ok:
-        raise _classify(f"{ct.name}: {doc.get('error', 'apply failed')}")
-    return DeployResult(ct.name, True, tuple(fplan), deploy_id, time.monotonic() - t0, sum(len(b) for b in bodies))
+        raise agent.error(doc, suffix="; nothing was replaced")
+    return DeployResult(ct.name, tuple(fplan), deploy_id, time.monotonic() - t0, sum(len(b) for b in bodies))
 
 
 def _file_plan(f: PinnedFile, h: dict[str, Any] | None) -> FilePlan:
@@ -344,18 +328,6 @@ def _file_plan(f: PinnedFile, h: dict[str, Any] | None) -> FilePlan:
     else:
         action = "same"
     return FilePlan(f.dest, action, f.sha256, h["sha256"] if h else None, f.size)
-
-
-def bundle_bodies(entries: list[dict[str, Any]], bodies: list[bytes]) -> bytes:
-    """A tar stream of f<index> members only (the agent already has the manifest from the header line)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w|") as tar:
-        for e, data in zip(entries, bodies, strict=True):
-            info = tarfile.TarInfo(f"f{e['index']}")
-            info.size = len(data)
-            info.mtime = int(time.time())
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
 def check(inv: Inventory, ct: Container, t: Transport, reg: Registry | None) -> list[FilePlan]:
@@ -402,14 +374,33 @@ def rollback(ct: Container, t: Transport, reg: Registry) -> DeployResult:
     deploy_id = _new_id()
     entries = [{"index": i, "dest": f["dest"], "sha256": f["previous"], "mode": f.get("previous_mode") or f["mode"],
                 "from": "store"} for i, f in enumerate(restore)]
-    doc = _apply(t, entries, [], deploy_id)
+    agent = Agent(t)
+    doc = agent.call("apply", (t.path(STORE), deploy_id), payload=bundle(entries, []), check=False)
     files = [{"dest": e["dest"], "sha256": e["sha256"], "mode": e["mode"], "previous": f["sha256"],
               "action": "update"} for e, f in zip(entries, restore, strict=True)]
     ok = bool(doc.get("ok"))
     reg.add_deploy(DeployRecord(deploy_id, ct.name, "rollback", time.time(), last.commit_sha, last.dirty, ok, files,
                                 doc.get("error")))
     if not ok:
-        raise _classify(f"{ct.name}: {doc.get('error', 'rollback failed')}")
+        raise agent.error(doc, suffix="; nothing was replaced")
     fplan = tuple(FilePlan(e["dest"], "update", e["sha256"], f["sha256"], 0)
                   for e, f in zip(entries, restore, strict=True))
-    return DeployResult(ct.name, True, fplan, deploy_id, time.monotonic() - t0, 0, kind="rollback")
+    return DeployResult(ct.name, fplan, deploy_id, time.monotonic() - t0, 0, kind="rollback")
+
+
+# --- several containers (one connection per host; one exec per host through the relay) ------------
+
+
+def deploy_all(inv: Inventory, pool: Pool, cts: list[Container], reg: Registry | None, *, dry_run: bool = False,
+               allow_dirty: bool = False, progress: Progress | None = None) -> list[Outcome[DeployResult]]:
+    return fanout(pool, cts, lambda ct, t: deploy(inv, ct, t, reg, dry_run=dry_run, allow_dirty=allow_dirty,
+                                                   progress=progress))
+
+
+def check_all(inv: Inventory, pool: Pool, cts: list[Container], reg: Registry | None
+              ) -> list[Outcome[list[FilePlan]]]:
+    return fanout(pool, cts, lambda ct, t: check(inv, ct, t, reg))
+
+
+def rollback_all(pool: Pool, cts: list[Container], reg: Registry) -> list[Outcome[DeployResult]]:
+    return fanout(pool, cts, lambda ct, t: rollback(ct, t, reg))

@@ -18,18 +18,14 @@ from typing import Any
 
 from controller.core import envlock
 from controller.core.envlock import Change, Finding, Lock, Probe
-from controller.errors import ClobberError, CtlError, EnvMismatch, InputError, RemoteCommandError
+from controller.errors import ClobberError, CtlError, EnvMismatch, InputError
 from controller.inventory import Container, Inventory
 from controller.names import check_container_path, check_snapshot_name
-from controller.remote import client, source
+from controller.remote.client import Agent
 from controller.transport.base import Transport
 
 # Where uv usually is: PATH, then the installer's defaults (pct exec's PATH has no ~/.local/bin).
 UV_CANDIDATES = ("uv", "/root/.local/bin/uv", "/root/.cargo/bin/uv", "/usr/local/bin/uv")
-
-
-def probe_source() -> bytes:
-    return source("probe_env.py")
 
 
 @dataclass(frozen=True)
@@ -58,22 +54,8 @@ def settings(inv: Inventory, ct: Container) -> EnvSettings:
 
 
 def run_probe(t: Transport, *, venv: str | None, cache_dir: str | None) -> dict[str, Any]:
-    """One exec: `python3 - [--venv V] [--cache-dir C]` with the probe on stdin; its JSON document."""
-    argv = ["python3", "-"]
-    if venv:
-        argv += ["--venv", t.path(venv)]
-    if cache_dir:
-        argv += ["--cache-dir", t.path(cache_dir)]
-    res = t.run(argv, stdin=probe_source(), timeout=120)
-    try:
-        doc = json.loads(res.out)
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict):
-        if res.returncode == 127 or "python3: not found" in res.err:
-            raise CtlError(f"{t.name}: python3 is not available in the container (the environment probe needs it)")
-        raise RemoteCommandError(t.name, ["python3", "<probe_env.py>"], res.returncode, res.err, what="env probe")
-    return doc
+    """One exec: probe_env.py over stdin, run by the container's python3 (`--venv` names the training venv)."""
+    return Agent(t).probe_env(venv=venv, cache_dir=cache_dir)
 
 
 def probe_doc(inv: Inventory, ct: Container, t: Transport, *, venv: str | None = None) -> dict[str, Any]:
@@ -272,10 +254,8 @@ def sync(
     lock_in_ct = f"{new}.lock"
     kept_as = f"{venv}-orig-{stamp}"
     candidates = [uv] if uv else list(UV_CANDIDATES)
-    facts = client.call(t, "envfacts", json.dumps({
-        "root": client.root_of(t), "venv": venv, "uv": candidates,
-        "paths": [new, lock_in_ct, kept_as],
-    }))
+    agent = Agent(t)
+    facts = agent.call("envfacts", {"venv": venv, "uv": candidates, "paths": [new, lock_in_ct, kept_as]})
     if facts.get("taken"):
         raise ClobberError(f"{ct.name}: {', '.join(facts['taken'])} already exists: not touched (retry in a second)")
     found_uv = facts.get("uv")
@@ -314,10 +294,7 @@ def sync(
 
     for c in plan.guard:
         t.check(list(c), what="sync guard")
-    doc = client.call(t, "writefile", json.dumps({"root": client.root_of(t), "path": lock_in_ct}),
-                      payload=lock.render().encode())
-    if not doc.get("ok"):
-        raise ClobberError(f"{ct.name}: {doc.get('error')}")
+    agent.call("writefile", {"path": lock_in_ct}, payload=lock.render().encode())
     for c in plan.build:
         t.check(list(c), what="building the new venv", timeout=None)
     new_probe = Probe.from_json(json.dumps(run_probe(t, venv=new, cache_dir=s.cache_dir)), f"{ct.name}:{new}")

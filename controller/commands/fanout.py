@@ -3,6 +3,7 @@ exec per host for the containers that share it (ctl's host relay: Pool.share_exe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,3 +52,17 @@ def worst(outcomes: list[Outcome[T]]) -> int:
         if not o.ok:
             return o.exit_code or int(ExitCode.FAILURE)
     return 0
+
+
+def ping(pool: Pool, cts: list[Container]) -> list[Outcome[dict[str, float]]]:
+    """`true` three times in each container: the first round trip (connection included) and the best."""
+
+    def one(ct: Container, t: Transport) -> dict[str, float]:
+        times = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            t.check(["true"], what="ping")
+            times.append(time.monotonic() - t0)
+        return {"first_ms": times[0] * 1000, "rtt_ms": min(times) * 1000}
+
+    return fanout(pool, cts, one)

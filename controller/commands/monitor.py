@@ -14,11 +14,13 @@ the run directory); the agent only re-hashes a file whose size or mtime changed 
 from __future__ import annotations
 
 import json
-import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from controller.commands.fanout import fanout
+from controller.commands.runs import refresh, refresh_all
 from controller.core.metrics import (
     LogCursor,
     MetricPoint,
@@ -28,22 +30,16 @@ from controller.core.metrics import (
     steady_state,
     verdict,
 )
-from controller.errors import BusyError, ConnectionFailed, CtlError, InputError, RemoteCommandError
-from controller.inventory import Inventory
+from controller.errors import BusyError, CtlError, InputError
+from controller.inventory import Container, Inventory
+from controller.lifecycle import Lifecycle
 from controller.registry import Registry, RunRecord
-from controller.remote import client
+from controller.remote.client import Agent
+from controller.settings import DEFAULT_CHECKPOINT_GLOB, checkpoint_glob
 from controller.transport.base import Transport
+from controller.transport.pool import Pool
 
 DEFAULT_CHUNK = 8 << 20  # log bytes per agent call
-DEFAULT_CHECKPOINTS = "checkpoints/*.pt"  # CTL_CHECKPOINT_GLOB overrides; --checkpoints beats both
-
-
-def checkpoint_glob(flag: str | None) -> str:
-    """The checkpoint glob: flag > CTL_CHECKPOINT_GLOB > default; relative to the run directory."""
-    g = flag or os.environ.get("CTL_CHECKPOINT_GLOB") or DEFAULT_CHECKPOINTS
-    if g.startswith("/") or ".." in g.split("/") or "\0" in g or not g.strip():
-        raise InputError(f"checkpoint glob {g!r} must be a relative pattern inside the run directory")
-    return g
 
 
 @dataclass(frozen=True)
@@ -74,28 +70,9 @@ class PullResult:
         return d
 
 
-def _logread(t: Transport, args: dict[str, Any]) -> tuple[dict[str, Any], bytes, int, int]:
-    argv = client.agent_argv("logread", json.dumps(args))
-    stdin = client.agent_source()
-    res = t.run(argv, stdin=stdin, timeout=600)
-    head, sep, data = res.stdout.partition(b"\n")
-    try:
-        doc = json.loads(head) if sep else None
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict):
-        if res.returncode == 127 or "python3: not found" in res.err:
-            raise CtlError(f"{t.name}: python3 is not available in the container (ctl's agent needs it)")
-        raise RemoteCommandError(t.name, ["python3", "<agent>", "logread"], res.returncode, res.err,
-                                 what="agent logread")
-    if doc.get("ok") and len(data) != doc.get("length"):
-        raise ConnectionFailed(f"{t.name}: log read cut short: {len(data)} of {doc.get('length')} bytes arrived")
-    return doc, data, len(stdin) + len(argv[-1]), len(res.stdout) + len(res.stderr)
-
-
 def pull(
     t: Transport, reg: Registry, run: RunRecord, *, chunk: int = DEFAULT_CHUNK,
-    checkpoints: str | None = DEFAULT_CHECKPOINTS, hashes: bool = True,
+    checkpoints: str | None = DEFAULT_CHECKPOINT_GLOB, hashes: bool = True,
 ) -> PullResult:
     """Fetch the log bytes after the run's cursor (looping `chunk` bytes per call until caught up),
     store the new metric points and the cursor after each call, and note crash signatures."""
@@ -112,12 +89,13 @@ def pull(
     crash = run.crash
     header: dict[str, Any] = {}
     found: dict[str, Any] = {}
+    agent = Agent(t)
     while True:
-        args: dict[str, Any] = {"root": client.root_of(t), "log": run.log_path, "offset": offset, "ident": ident,
+        args: dict[str, Any] = {"log": run.log_path, "offset": offset, "ident": ident,
                                 "max_bytes": chunk}
         if calls == 0 and hashes:
             args.update(_hash_args(reg, run, checkpoints))
-        header, data, n_in, n_out = _logread(t, args)
+        header, data, n_in, n_out = agent.read("logread", args, timeout=600)
         calls += 1
         wire_in += n_in
         wire_out += n_out
@@ -264,22 +242,22 @@ def judge(
 ) -> Verdict:
     """metrics.verdict for a registry run: ended states from the record, idle time on the container's
     clock (log mtime vs the agent's now), so a skewed operator clock cannot fake a stall."""
-    exit_status = run.exit_status if run.state in ("finished", "failed") else None
+    exit_status = run.exit_status if run.state in (Lifecycle.FINISHED, Lifecycle.FAILED) else None
     crash = run.crash or (pull.crash if pull else None)
     stopped_crash = None
-    if run.state == "stopped":  # SIGINT leaves a KeyboardInterrupt traceback: the operator's, not a crash
+    if run.state == Lifecycle.STOPPED:  # SIGINT leaves a KeyboardInterrupt traceback: the operator's, not a crash
         stopped_crash, crash = crash, None
-    if run.state == "lost":
+    if run.state == Lifecycle.LOST:
         crash = crash or "session lost"
     now = pull.remote_now if pull and pull.remote_now is not None else time.time()
     last_time = pull.log_mtime if pull else None
-    if run.state not in ("starting", "running") and exit_status is None and crash is None:
+    if not run.state.live and exit_status is None and crash is None:
         exit_status = 0  # ended without a status (should not happen): judge what it logged
     v = verdict(points, baseline_tok_s=baseline[1] if baseline else None, now=now, last_step_time=last_time,
                 slow_ratio=slow_ratio, stall_after_s=stall_after_s,
-                exit_status=0 if run.state == "stopped" else exit_status, crash=crash,
+                exit_status=0 if run.state == Lifecycle.STOPPED else exit_status, crash=crash,
                 baseline_name=baseline[0] if baseline else None)
-    if run.state == "stopped" and v.state == RunState.FINISHED:
+    if run.state == Lifecycle.STOPPED and v.state == RunState.FINISHED:
         v = replace(v, reason=v.reason.replace("finished", "stopped by ctl stop", 1)
                     + (f" (log shows {stopped_crash})" if stopped_crash else ""))
     return v
@@ -302,3 +280,108 @@ def status_of(
     last = max(points, key=lambda p: p.step) if points else None
     return RunStatus(run, v, last, tuple(p.tok_s for p in points[-20:]), baseline[0] if baseline else None,
                      pull, error)
+
+
+# --- several runs, one connection pool -----------------------------------------------------------
+
+
+def pull_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], checkpoints: str | None
+              ) -> dict[int, PullResult | str]:
+    """Pull every run whose container is in the inventory: {run id: PullResult, or why it was not pulled}.
+    One agent call per run, the containers of a host sharing one exec (fanout)."""
+    by_ct: dict[str, list[RunRecord]] = {}
+    for r in recs:
+        if r.ct in inv.model.containers and r.log_path:
+            by_ct.setdefault(r.ct, []).append(r)
+    out: dict[int, PullResult | str] = {r.id: f"container {r.ct} is not in the inventory" for r in recs
+                                        if r.ct not in inv.model.containers}
+    if not by_ct:
+        return out
+
+    def one(ct: Container, t: Transport) -> dict[int, PullResult | str]:
+        got: dict[int, PullResult | str] = {}
+        for r in by_ct[ct.name]:
+            try:
+                got[r.id] = pull(t, reg, r, checkpoints=checkpoints)
+            except CtlError as e:
+                got[r.id] = str(e)
+        return got
+
+    for o in fanout(pool, [inv.container(c) for c in by_ct], one):
+        if o.value is not None:
+            out.update(o.value)
+        else:
+            out.update({r.id: o.error or "failed" for r in by_ct[o.ct]})
+    return out
+
+
+def baseline_for(inv: Inventory, reg: Registry, pool: Pool, rec: RunRecord, checkpoints: str | None
+                 ) -> tuple[tuple[str, float] | None, str | None]:
+    """(the baseline's (label, steady tok/s), a warning): its points are pulled first if none are stored."""
+    base = resolve_baseline(inv, reg, rec)
+    if base is None:
+        return None, None
+    warning = None
+    if not reg.points(base.run.id):
+        got = pull_many(inv, reg, pool, [base.run], checkpoints).get(base.run.id)
+        if isinstance(got, str):
+            warning = f"baseline {base.label}: no points stored and pull failed: {got}"
+    return baseline_rate(reg, base), warning
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    statuses: tuple[RunStatus, ...]
+    warnings: tuple[str, ...]
+
+
+def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *, slow_ratio: float,
+             stall_after_s: float, checkpoints: str | None) -> StatusReport:
+    """`ctl status`: refresh the runs' states, pull their new log bytes and judge each against its baseline,
+    over one connection per host."""
+    refreshed = refresh_all(inv, reg, pool, recs)
+    warnings = list(refreshed.warnings)
+    pulled = pull_many(inv, reg, pool, list(refreshed.runs), checkpoints)
+    out = []
+    for r in (reg.run_by_id(r.id) for r in refreshed.runs):  # crash signatures found by the pull
+        res = pulled.get(r.id)
+        base, warning = baseline_for(inv, reg, pool, r, checkpoints)
+        if warning:
+            warnings.append(warning)
+        st = status_of(r, reg, base, pull=None if isinstance(res, str) else res, slow_ratio=slow_ratio,
+                       stall_after_s=stall_after_s, error=res if isinstance(res, str) else None)
+        if st.error and r.state.live:
+            warnings.append(f"{r.ct}/{r.name}: metrics not pulled: {st.error}")
+        out.append(st)
+    return StatusReport(tuple(out), tuple(warnings))
+
+
+def watch(inv: Inventory, reg: Registry, pool: Pool, rec: RunRecord, *, until_step: int | None,
+          limit_s: float | None, for_text: str | None, every_s: float, slow_ratio: float, stall_s: float,
+          checkpoints: str | None, tick: Callable[[RunStatus], None] | None = None) -> tuple[RunStatus, str]:
+    """Pull every `every_s` until the step, the time limit, the run's end or a stall: (RunStatus, why it ended).
+    Shared by `ctl watch` and the runbook's `watch` step, so both judge a run the same way."""
+    ct = inv.container(rec.ct)
+    t = pool.container(ct)
+    t0 = time.monotonic()
+    base, _warning = baseline_for(inv, reg, pool, rec, checkpoints)
+    while True:
+        rec = refresh(inv, ct, t, reg, [reg.run_by_id(rec.id)])[0]
+        res = pull(t, reg, rec, checkpoints=checkpoints)
+        rec = reg.run_by_id(rec.id)
+        st = status_of(rec, reg, base, pull=res, slow_ratio=slow_ratio, stall_after_s=stall_s)
+        v = st.verdict
+        if tick is not None:
+            tick(st)
+        why = ""
+        if until_step is not None and v.step is not None and v.step >= until_step:
+            why = f"reached step {v.step}"
+        elif not rec.state.live or v.state in (RunState.CRASHED, RunState.FINISHED):
+            why = f"run ended ({rec.state})"
+        elif v.state == RunState.STALLED:
+            why = "run stalled"
+        elif limit_s is not None and time.monotonic() - t0 >= limit_s:
+            why = f"watched for {for_text}"
+        if why:
+            return st, why
+        time.sleep(every_s)

@@ -8,7 +8,6 @@ training's process group and writes its exit status beside the log when it ends.
 
 from __future__ import annotations
 
-import json
 import posixpath
 import re
 import shlex
@@ -17,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from controller.commands import environment
 from controller.commands.deploy import Manifest, pin
+from controller.commands.fanout import fanout
 from controller.errors import (
     BusyError,
     ClobberError,
@@ -29,10 +30,12 @@ from controller.errors import (
     InputError,
 )
 from controller.inventory import Container, Inventory
+from controller.lifecycle import Lifecycle
 from controller.names import check_name
 from controller.registry import Registry, RunRecord
-from controller.remote import client
+from controller.remote.client import Agent, AgentReplyError
 from controller.transport.base import Transport
+from controller.transport.pool import Pool
 
 START_SCRIPT = "start_training.sh"
 MIN_FREE_BYTES = 1 << 30  # free space the log directory needs before a launch
@@ -67,16 +70,26 @@ def _series_numbers(series: str, names: list[str]) -> list[int]:
     return [int(m.group(1)) for n in names if (m := pat.match(n))]
 
 
-def next_name(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> str:
+def _series_glob(inv: Inventory) -> str:
+    runs = inv.model.runs
+    return runs.log.replace("{run}", runs.series + "*")
+
+
+def _name_after(inv: Inventory, ct: Container, reg: Registry, series_logs: list[str]) -> str:
     """The next of the series after every run known to the registry AND every log in the container."""
     runs = inv.model.runs
-    glob = runs.log.replace("{run}", runs.series + "*")
-    doc = client.call(t, "probe", json.dumps({"root": client.root_of(t), "series_glob": glob}))
     log_prefix, log_suffix = posixpath.basename(runs.log).split("{run}", 1)
     from_logs = [n[len(log_prefix):len(n) - len(log_suffix) if log_suffix else None]
-                 for n in doc.get("series_logs", []) if n.startswith(log_prefix) and n.endswith(log_suffix)]
+                 for n in series_logs if n.startswith(log_prefix) and n.endswith(log_suffix)]
     nums = _series_numbers(runs.series, reg.names(ct.name) + from_logs)
     return f"{runs.series}{max(nums, default=0) + 1}"
+
+
+def next_name(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> str:
+    """The next of the series (one agent round trip to list the container's logs)."""
+    agent = Agent(t)
+    doc = agent.call("probe", {"series_glob": _series_glob(inv)})
+    return _name_after(inv, ct, reg, agent.need(doc, "series_logs"))
 
 
 # --- preflight -----------------------------------------------------------------------------------
@@ -90,21 +103,32 @@ class Check:
     forced: bool = False
 
 
+def _probe(inv: Inventory, ct: Container, t: Transport, manifest: Manifest, rp: RunPaths | None
+           ) -> dict[str, Any]:
+    """Everything the preflight needs in one agent round trip. Without a run name yet (rp None), the same
+    round trip lists the series' logs and every tmux session, so the name is chosen from its answer."""
+    args: dict[str, Any] = {"files": [f.dest for f in manifest.files], "gpus": bool(ct.spec.gpus.all)}
+    if rp is None:
+        runs = inv.model.runs
+        args.update(series_glob=_series_glob(inv), sessions=True, log=runs.log.replace("{run}", runs.series + "0"))
+    else:
+        args.update(session=rp.session, log=rp.log, run_dir=rp.run_dir)
+    return Agent(t).call("probe", args)
+
+
 def preflight(
     inv: Inventory, ct: Container, t: Transport, rp: RunPaths, manifest: Manifest, *, allow_drift: bool,
-    force: bool, gpu_mem_threshold_mib: float = 1024,
+    force: bool, gpu_mem_threshold_mib: float = 1024, doc: dict[str, Any] | None = None,
 ) -> list[Check]:
-    """One agent round trip; raises the first failing check as its own error (and exit code)."""
-    args = {
-        "root": client.root_of(t), "files": [f.dest for f in manifest.files], "session": rp.session,
-        "log": rp.log, "run_dir": rp.run_dir, "gpus": bool(ct.spec.gpus.all),
-    }
-    doc = client.call(t, "probe", json.dumps(args))
+    """Judge the probe (one agent round trip, or `doc` when the launch already made it); raises the first
+    failing check as its own error (and exit code)."""
+    if doc is None:
+        doc = _probe(inv, ct, t, manifest, rp)
     checks: list[Check] = [Check("container", True, "running")]
 
     drift = []
     for f in manifest.files:
-        h = doc["files"].get(f.dest)
+        h = Agent(t).need(doc, "files").get(f.dest)
         if h is None:
             drift.append(f"{f.dest} missing")
         elif h.get("sha256") != f.sha256:
@@ -117,7 +141,7 @@ def preflight(
     tmux = doc.get("tmux", {})
     if "error" in tmux:
         raise CtlError(f"{ct.name}: {tmux['error']}")
-    if tmux.get("exists"):
+    if tmux.get("exists") or rp.session in tmux.get("sessions", ()):
         raise BusyError(f"{ct.name}: tmux session {rp.session!r} already exists (a run is live under that name)")
     checks.append(Check("session", True, f"{rp.session} free"))
 
@@ -195,21 +219,26 @@ def launcher_script(t: Transport, rp: RunPaths, start_script: str, env: dict[str
 
 def launch(
     inv: Inventory, ct: Container, t: Transport, reg: Registry, name: str | None, *, allow_drift: bool = False,
-    force: bool = False, env_probe: Callable[[], dict[str, Any] | None] | None = None,
+    force: bool = False, allow_env_mismatch: bool = False, probe_env: bool = True,
 ) -> tuple[RunRecord, list[Check]]:
+    """Claim the name, preflight (one round trip, which also picks the name when none is given), probe the
+    environment against its lock (`probe_env`), start the run in tmux, record it."""
     if name is not None:
         check_name(name, "run name")
     manifest = pin(inv, ct)
     start = [f for f in manifest.files if posixpath.basename(f.dest) == START_SCRIPT]
     if not start:
         raise InputError(f"{inv.path}: payload has no {START_SCRIPT} (a template entry whose dest ends in it)")
-    if name is None:
-        name = next_name(inv, ct, t, reg)
+    agent = Agent(t)
+    probed = None
+    if name is None:  # one round trip picks the name and answers the preflight
+        probed = _probe(inv, ct, t, manifest, None)
+        name = _name_after(inv, ct, reg, agent.need(probed, "series_logs"))
     rp = paths_for(inv, name)
     rec = reg.claim_run(name, ct.name, host=ct.host_name, session=rp.session, log_path=rp.log, run_dir=rp.run_dir)
     try:
-        checks = preflight(inv, ct, t, rp, manifest, allow_drift=allow_drift, force=force)
-        env = env_probe() if env_probe is not None else None
+        checks = preflight(inv, ct, t, rp, manifest, allow_drift=allow_drift, force=force, doc=probed)
+        env = environment.probe_for_launch(inv, ct, t, allow_mismatch=allow_env_mismatch) if probe_env else None
         run_env = {"CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
         script = launcher_script(t, rp, start[0].dest, run_env)
         command = shlex.join(["tmux", "new-session", "-d", "-s", rp.session, "bash", "-c", script])
@@ -219,20 +248,13 @@ def launch(
             "command": command, "log": rp.log, "run_dir": rp.run_dir, "session": rp.session,
             "env_fingerprint": (env or {}).get("fingerprint"),
         }
-        doc = client.call(t, "launch", json.dumps({
-            "root": client.root_of(t), "log": rp.log, "session": rp.session, "script": script, "env": run_env,
-            "record": record,
-        }))
+        doc = agent.call("launch", {"log": rp.log, "session": rp.session, "script": script, "env": run_env,
+                                    "record": record})
     except BaseException:
         reg.release_run(rec.id)
         raise
-    if not doc.get("ok"):
-        reg.release_run(rec.id)
-        code = doc.get("code")
-        err = f"{ct.name}: {doc.get('error')}"
-        raise ClobberError(err) if code == "clobber" else BusyError(err) if code == "busy" else CtlError(err)
     rec = reg.update_run(
-        rec.id, state="running", started=doc.get("started"), command=command, commit_sha=manifest.commit,
+        rec.id, state=Lifecycle.RUNNING, started=doc.get("started"), command=command, commit_sha=manifest.commit,
         dirty=manifest.dirty, files=manifest.hashes(), vars=manifest.vars, rendered=manifest.rendered(),
         env_fingerprint=(env or {}).get("fingerprint"), env=env,
     )
@@ -241,52 +263,49 @@ def launch(
 
 # --- state ---------------------------------------------------------------------------------------
 
-LIVE = ("starting", "running")
-
-
-def _state_from(st: dict[str, Any]) -> tuple[str, int | None]:
+def _state_from(st: dict[str, Any]) -> tuple[Lifecycle, int | None]:
     if st.get("exit") is not None:
-        return ("finished" if st["exit"] == 0 else "failed"), st["exit"]
+        return (Lifecycle.FINISHED if st["exit"] == 0 else Lifecycle.FAILED), st["exit"]
     if st.get("alive"):
-        return "running", None
-    return "lost", None
+        return Lifecycle.RUNNING, None
+    return Lifecycle.LOST, None
 
 
 def refresh(inv: Inventory, ct: Container, t: Transport, reg: Registry, runs: list[RunRecord]) -> list[RunRecord]:
     """Ask the container about live runs (one round trip) and record what ended."""
-    live = [r for r in runs if r.state in LIVE]
+    live = [r for r in runs if r.state.live]
     if not live:
         return runs
-    doc = client.call(t, "runstate", json.dumps({
-        "root": client.root_of(t),
-        "runs": [{"name": r.name, "log": r.log_path, "session": r.session} for r in live],
-    }))
+    agent = Agent(t)
+    doc = agent.call("runstate", {"runs": [{"name": r.name, "log": r.log_path, "session": r.session} for r in live]})
+    states = agent.need(doc, "runs")
+    if not isinstance(states, list) or len(states) != len(live):
+        raise AgentReplyError(f"{ct.name}: agent runstate answered {len(states)} states for {len(live)} runs")
     updated = {}
-    for r, st in zip(live, doc["runs"], strict=True):
+    for r, st in zip(live, states, strict=True):
         state, code = _state_from(st)
         if state != r.state:
             updated[r.id] = reg.update_run(r.id, state=state, exit_status=code,
-                                           ended=st.get("log_mtime") if state != "running" else None)
+                                           ended=st.get("log_mtime") if state != Lifecycle.RUNNING else None)
     return [updated.get(r.id, r) for r in runs]
 
 
 def live(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> list[RunRecord]:
     """Runs the registry believes live on this CT, confirmed by asking the container (one round trip)."""
-    candidates = [r for r in reg.runs(ct.name, limit=10_000) if r.state in LIVE]
+    candidates = [r for r in reg.runs(ct.name, limit=10_000) if r.state.live]
     if not candidates:
         return []
-    return [r for r in refresh(inv, ct, t, reg, candidates) if r.state in LIVE]
+    return [r for r in refresh(inv, ct, t, reg, candidates) if r.state.live]
 
 
 def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRecord, grace: float = 30) -> RunRecord:
-    if run.state not in LIVE:
+    if not run.state.live:
         raise InputError(f"run {run.name} on {ct.name} is not running (state: {run.state})")
-    doc = client.call(t, "stop", json.dumps({"root": client.root_of(t), "log": run.log_path,
-                                              "session": run.session, "grace": grace}))
+    doc = Agent(t).call("stop", {"log": run.log_path, "session": run.session, "grace": grace})
     if doc.get("alive"):
         raise CtlError(f"{ct.name}: run {run.name} survived SIGINT, SIGTERM and SIGKILL")
     note = "stopped by ctl stop (" + " -> ".join(doc.get("signals", [])) + ")"
-    return reg.update_run(run.id, state="stopped", exit_status=doc.get("exit"), ended=time.time(), note=note)
+    return reg.update_run(run.id, state=Lifecycle.STOPPED, exit_status=doc.get("exit"), ended=time.time(), note=note)
 
 
 # --- follow --------------------------------------------------------------------------------------
@@ -296,11 +315,11 @@ def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRec
 class FollowEnd:
     exit_status: int | None
     crash: str | None
-    state: str
+    state: Lifecycle
 
     @property
     def exit_code(self) -> int:
-        if self.crash or (self.exit_status not in (None, 0)) or self.state in ("lost", "failed"):
+        if self.crash or (self.exit_status not in (None, 0)) or self.state in (Lifecycle.LOST, Lifecycle.FAILED):
             return int(ExitCode.RUN_FAILED)
         return 0
 
@@ -315,15 +334,15 @@ def follow(
     A dropped connection is resumed from the last byte offset received: no line is lost or repeated.
     """
     assert run.log_path is not None
-    root = client.root_of(t)
-    info = client.call(t, "tailinfo", json.dumps({"root": root, "log": run.log_path, "lines": max(lines, 0)}))
+    agent = Agent(t)
+    info = agent.call("tailinfo", {"log": run.log_path, "lines": max(lines, 0)}, check=False)
     if not info.get("ok"):
         raise InputError(f"{run.ct}: cannot read {run.log_path}: {info.get('error')}")
     crash = None
-    for line in info["text"].splitlines():
+    for line in str(agent.need(info, "text")).splitlines():
         emit(line)
         crash = _named(crash, detect(line))
-    offset = int(info["size"]) if lines >= 0 else 0  # lines < 0: the whole log, from its first byte
+    offset = int(agent.need(info, "size")) if lines >= 0 else 0  # lines < 0: the whole log, from its first byte
     if not follow:
         return FollowEnd(run.exit_status, crash, run.state)
     pending = b""
@@ -363,9 +382,9 @@ def follow(
         emit(pending.decode("utf-8", "replace"))
     st = _runstate(t, run)
     state, code = _state_from(st)
-    if crash is not None and state == "running":
-        state = "crashed"
-    if state != "running" and run.state in LIVE and state != "crashed":
+    if crash is not None and state == Lifecycle.RUNNING:
+        state = Lifecycle.CRASHED
+    if state not in (Lifecycle.RUNNING, Lifecycle.CRASHED) and run.state.live:
         reg.update_run(run.id, state=state, exit_status=code, ended=time.time())
     if crash:
         reg.update_run(run.id, crash=crash)
@@ -380,7 +399,31 @@ def _named(crash: str | None, found: str | None) -> str | None:
 
 
 def _runstate(t: Transport, run: RunRecord) -> dict[str, Any]:
-    doc = client.call(t, "runstate", json.dumps({"root": client.root_of(t), "runs": [
-        {"name": run.name, "log": run.log_path, "session": run.session}]}))
-    st: dict[str, Any] = doc["runs"][0]
+    agent = Agent(t)
+    doc = agent.call("runstate", {"runs": [{"name": run.name, "log": run.log_path, "session": run.session}]})
+    states = agent.need(doc, "runs")
+    if not isinstance(states, list) or len(states) != 1 or not isinstance(states[0], dict):
+        raise AgentReplyError(f"{run.ct}: agent runstate answered {states!r:.60} for one run")
+    st: dict[str, Any] = states[0]
     return st
+
+
+@dataclass(frozen=True)
+class Refreshed:
+    runs: tuple[RunRecord, ...]
+    warnings: tuple[str, ...]  # containers that could not be asked (their runs keep their recorded state)
+
+
+def refresh_all(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord]) -> Refreshed:
+    """Ask each container with a live run about its runs: one round trip per container, one exec per host."""
+    by_ct: dict[str, list[RunRecord]] = {}
+    for r in recs:
+        by_ct.setdefault(r.ct, []).append(r)
+    live_cts = [c for c, rs in by_ct.items() if any(r.state.live for r in rs) and c in inv.model.containers]
+    if not live_cts:
+        return Refreshed(tuple(recs), ())
+    results = fanout(pool, [inv.container(c) for c in live_cts],
+                     lambda ct, t: refresh(inv, ct, t, reg, by_ct[ct.name]))
+    fresh = {r.id: r for o in results if o.value for r in o.value}
+    warnings = tuple(f"{o.ct}: state not refreshed: {o.error}" for o in results if not o.ok)
+    return Refreshed(tuple(fresh.get(r.id, r) for r in recs), warnings)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from controller.errors import ApiError, BusyError, CtlError, InputError
 from controller.inventory import Container, Inventory
+from controller.lifecycle import Lifecycle
 from controller.names import check_snapshot_name
 from controller.registry import Registry, RunRecord
 from controller.transport.base import Transport
@@ -224,7 +225,7 @@ def live_runs(inv: Inventory, ct: Container, t: Target, pool: Pool, reg: Registr
     """Runs the registry believes live on this CT, confirmed by asking the container (runs.refresh)."""
     from controller.commands import runs
 
-    believed = [r for r in reg.runs(ct.name, limit=10_000) if r.state in runs.LIVE]
+    believed = [r for r in reg.runs(ct.name, limit=10_000) if r.state.live]
     if not believed:
         return []
     try:
@@ -274,7 +275,7 @@ def rollback(
     except PveFailure as e:
         raise _failed(t, f"rollback to {name!r}", e) from None
     for r in live:
-        reg.update_run(r.id, state="stopped", ended=time.time(),
+        reg.update_run(r.id, state=Lifecycle.STOPPED, ended=time.time(),
                        note=f"container rolled back to snapshot {name!r} (--force)")
     try:
         status: str | None = t.backend.status(t.vmid)

@@ -443,7 +443,7 @@ def coerce(param: Param, value: Any) -> Any:
                 raise ValueError(f"{value!r} is not a duration such as 90s, 10m, 1h30m")
             return text
         if t == "glob":
-            from controller.commands.monitor import checkpoint_glob
+            from controller.settings import checkpoint_glob
 
             if not isinstance(value, str):
                 raise ValueError("must be a string")

@@ -111,7 +111,7 @@ def apply(root, store, deploy_id, stream, manifest=None):
                 with open(obj, "rb") as data:
                     staged.append(_receive(root, entry, data, created, deploy_id))
         if len(staged) != len(manifest["files"]):
-            raise ValueError("bundle incomplete: %d of %d files (connection dropped?)"
+            raise VerifyFailed("bundle incomplete: %d of %d files (connection dropped?)"
                              % (len(staged), len(manifest["files"])))
         # Keep old and new versions before anything is replaced.
         results = []
@@ -126,7 +126,7 @@ def apply(root, store, deploy_id, stream, manifest=None):
     except BaseException as e:
         for tmp, _dest, _entry in staged:
             _unlink(tmp)
-        return {"ok": False, "error": _describe(e), "stage": "receive"}
+        return {"ok": False, "error": _describe(e), "code": _code(e), "stage": "receive"}
     # Commit: atomic rename per file, then read back.
     for (tmp, dest, entry), res in zip(staged, results):
         os.replace(tmp, dest)
@@ -140,6 +140,7 @@ def apply(root, store, deploy_id, stream, manifest=None):
     out = {"ok": ok, "files": results, "dirs_created": created}
     if not ok:
         out["error"] = "read-back differs for " + ", ".join(r["dest"] for r in results if not r["verified"])
+        out["code"] = "verify"
     return out
 
 
@@ -168,7 +169,7 @@ def _receive(root, entry, data, created, deploy_id):
         raise
     if h.hexdigest() != entry["sha256"]:
         _unlink(tmp)
-        raise ValueError("%s: received content has sha256 %s, expected %s (truncated transfer?)"
+        raise VerifyFailed("%s: received content has sha256 %s, expected %s (truncated transfer?)"
                          % (entry["dest"], h.hexdigest()[:12], entry["sha256"][:12]))
     return tmp, dest, entry
 
@@ -180,10 +181,24 @@ def _unlink(path):
         pass
 
 
+def _code(e):
+    """The refusal code ctl maps to its exit codes (controller/remote/client.py, ERRORS)."""
+    import errno
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "disk"
+    if isinstance(e, VerifyFailed):
+        return "verify"
+    return "io"
+
+
+class VerifyFailed(ValueError):
+    """Received bytes whose sha256 differs from the manifest's, or a bundle that ended early."""
+
+
 def _describe(e):
     if isinstance(e, OSError) and e.filename:
         return "%s: %s" % (e.filename, e.strerror)
-    return "%s: %s" % (type(e).__name__, e)
+    return "%s: %s" % ("ValueError" if isinstance(e, ValueError) else type(e).__name__, e)
 
 
 def probe(args):
@@ -192,13 +207,16 @@ def probe(args):
     out = {"ok": True}
     out["files"] = hashes(root, args.get("files", []))["files"]
     session = args.get("session")
-    if session:
+    if session or args.get("sessions"):
         tmux = shutil.which("tmux")
         if tmux is None:
             out["tmux"] = {"error": "tmux not found in the container"}
-        else:
+        elif session:
             r = subprocess.run([tmux, "has-session", "-t", "=" + session], capture_output=True)
             out["tmux"] = {"exists": r.returncode == 0}
+        else:  # the run's name is not known yet: every session, so the caller can check the one it picks
+            r = subprocess.run([tmux, "list-sessions", "-F", "#{session_name}"], capture_output=True, text=True)
+            out["tmux"] = {"sessions": r.stdout.split() if r.returncode == 0 else []}
     log = args.get("log")
     if log:
         p = _under(root, log)
@@ -303,7 +321,7 @@ def launch(args):
     session = args["session"]
     tmux = shutil.which("tmux")
     if tmux is None:
-        return {"ok": False, "error": "tmux not found in the container", "code": "missing"}
+        return {"ok": False, "error": "tmux not found in the container", "code": "tmux"}
     if os.path.lexists(log):
         return {"ok": False, "error": "log %s already exists; a log is never overwritten" % args["log"],
                 "code": "clobber"}

@@ -1,15 +1,55 @@
-"""Calling the agent (controller/remote/agent.py) inside a container: one exec per operation."""
+"""The one client of ctl's agent (controller/remote/agent.py) and of the environment probe (probe_env.py).
+
+`Agent(t)` speaks to the agent in one container over one exec per verb: it builds the argv (the agent's
+source travels on stdin, so nothing is installed in the container), adds the container's root (`/`, or
+the stand-in directory of a `local` target), parses every answer, and turns a refusal into the CtlError
+subclass its code names, from one table (`ERRORS`). A reply that is not what the agent writes (no JSON,
+missing keys, a short read) is one line naming the container, never a traceback.
+
+The agent's wire format: `python3 -I -S -c BOOT N VERB ARGS...`; stdin is N bytes of agent source, then
+the verb's input. Positional verbs (hashes, sync, apply) take ROOT first; the others take one JSON
+argument that holds "root". Each answers one JSON document on stdout ({"ok": bool, "error": text,
+"code": name, ...}), except logread (a JSON header line, then raw bytes) and sync (a conversation: one
+JSON line each way, then a tar).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from controller.errors import CtlError, RemoteCommandError
+from controller.errors import (
+    BusyError,
+    ClobberError,
+    ConnectionFailed,
+    CtlError,
+    DiskError,
+    EnvMismatch,
+    InputError,
+    RemoteCommandError,
+    VerifyError,
+)
 from controller.remote import source
-from controller.transport.base import Result, Transport
+from controller.transport.base import Duplex, Result, Transport
 
 BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-agent','exec'))"
+
+#: The agent's refusal codes and what ctl raises for each: (exception, text put before the agent's message).
+ERRORS: Mapping[str, tuple[type[CtlError], str]] = {
+    "clobber": (ClobberError, ""),  # would overwrite a log, record, cache or file
+    "busy": (BusyError, ""),  # a tmux session of that name exists
+    "missing": (InputError, ""),  # no such log, cache, saved cache or tool
+    "verify": (VerifyError, ""),  # a hash or read-back did not match
+    "disk": (DiskError, "container disk full: "),  # ENOSPC / EDQUOT
+    "torch": (EnvMismatch, ""),  # a cache of another torch build
+}
+
+POSITIONAL = frozenset({"hashes", "sync", "apply"})
+
+
+class AgentReplyError(CtlError):
+    """The agent answered something it never writes: a bug, a foreign python3, or a cut connection."""
 
 
 def agent_source() -> bytes:
@@ -21,32 +61,113 @@ def agent_argv(verb: str, *args: str) -> list[str]:
     return ["python3", "-I", "-S", "-c", BOOT, str(len(agent_source())), verb, *args]
 
 
-def root_of(t: Transport) -> str:
-    """The agent's ROOT argument: "/" in a real container, the stand-in directory for `local`."""
-    return t.path("/")
+class Agent:
+    """ctl's agent in one container, reached through transport `t`."""
 
+    def __init__(self, t: Transport) -> None:
+        self.t = t
+        self.name = t.name
+        self.root = t.path("/")
 
-def call(t: Transport, verb: str, *args: str, payload: bytes = b"", timeout: float | None = None) -> dict[str, Any]:
-    """Run one agent verb; return its JSON. A report with ok=false is returned, not raised."""
-    argv = agent_argv(verb, *args)
-    res = t.run(argv, stdin=agent_source() + payload, timeout=timeout)
-    try:
-        doc = json.loads(res.out) if res.out.strip() else None
-    except json.JSONDecodeError:
-        doc = None
-    if not isinstance(doc, dict):
-        raise_agent_failure(t, verb, res)
-    assert isinstance(doc, dict)
-    return doc
+    # --- building requests -------------------------------------------------------------------------
 
+    def argv(self, verb: str, args: Mapping[str, Any] | Sequence[str] = ()) -> list[str]:
+        if isinstance(args, Mapping):
+            return agent_argv(verb, json.dumps({"root": self.root, **args}))
+        assert verb in POSITIONAL, f"agent verb {verb} takes one JSON argument"
+        return agent_argv(verb, self.root, *args)
 
-def raise_agent_failure(t: Transport, verb: str, res: Result) -> NoReturn:
-    """The agent gave no JSON answer: python3 missing, or it died; say which, with its stderr."""
-    if res.returncode == 127 or "python3: not found" in res.err or "No such file" in res.err[:200]:
-        raise CtlError(f"{t.name}: python3 is not available in the container (ctl's agent needs it)")
-    raise RemoteCommandError(t.name, ["python3", "<agent>", verb], res.returncode, res.err, what=f"agent {verb}")
+    def shell_line(self, verb: str, *args: str) -> str:
+        """The copy-pasteable line a user could run by hand (stdin: agent source + the verb's input)."""
+        return self.t.script(self.argv(verb, args))
 
+    # --- one request, one answer ---------------------------------------------------------------------
 
-def shell_line(t: Transport, verb: str, *args: str) -> str:
-    """The copy-pasteable line a user could run by hand (stdin: agent source + payload)."""
-    return t.script(agent_argv(verb, *args))
+    def call(self, verb: str, args: Mapping[str, Any] | Sequence[str] = (), *, payload: bytes = b"",
+             timeout: float | None = None, check: bool = True) -> dict[str, Any]:
+        """Run one verb; its answer. With `check`, a refusal ({"ok": false}) raises what its code names."""
+        res = self.t.run(self.argv(verb, args), stdin=agent_source() + payload, timeout=timeout)
+        doc = self.parse(verb, res)
+        if check and not doc.get("ok"):
+            raise self.error(doc)
+        return doc
+
+    def read(self, verb: str, args: Mapping[str, Any], *, timeout: float | None = None
+             ) -> tuple[dict[str, Any], bytes, int, int]:
+        """A verb that answers a JSON header line then raw bytes (logread): (header, bytes, wire out, wire in).
+        The header's "length" must match what arrived: a short read is a dropped connection."""
+        argv = self.argv(verb, args)
+        stdin = agent_source()
+        res = self.t.run(argv, stdin=stdin, timeout=timeout)
+        head, sep, data = res.stdout.partition(b"\n")
+        doc = self.json_line(head) if sep else None
+        if doc is None:
+            self.fail(verb, res)
+        if doc.get("ok") and len(data) != doc.get("length"):
+            raise ConnectionFailed(f"{self.name}: {verb} cut short: {len(data)} of {doc.get('length')} bytes "
+                                   "arrived")
+        return doc, data, len(stdin) + len(argv[-1]), len(res.stdout) + len(res.stderr)
+
+    def open(self, verb: str, *args: str) -> Duplex:
+        """Start a conversation verb (sync); the caller sends `agent_source()` first."""
+        return self.t.open(self.argv(verb, args))
+
+    # --- answers -------------------------------------------------------------------------------------
+
+    def parse(self, verb: str, res: Result) -> dict[str, Any]:
+        """The JSON document on the last line of stdout, or a one-line error saying what came instead."""
+        lines = res.stdout.strip().splitlines()
+        doc = self.json_line(lines[-1]) if lines else None
+        if doc is None:
+            self.fail(verb, res)
+        return doc
+
+    def error(self, doc: Mapping[str, Any], *, suffix: str = "") -> CtlError:
+        """The exception for a refusal: its class and prefix from ERRORS by code, the agent's text, a suffix."""
+        cls, prefix = ERRORS.get(str(doc.get("code")), (CtlError, ""))
+        return cls(f"{self.name}: {prefix}{doc.get('error') or 'failed (no reason given)'}{suffix}")
+
+    def fail(self, verb: str, res: Result) -> NoReturn:
+        """No JSON answer at all: python3 missing in the container, or the agent died; say which."""
+        if res.returncode == 127 or "python3: not found" in res.err or "No such file" in res.err[:200]:
+            raise CtlError(f"{self.name}: python3 is not available in the container (ctl's agent needs it)")
+        if res.returncode == 0 or not res.err.strip():
+            shown = res.out.strip()[:80]
+            raise AgentReplyError(f"{self.name}: agent {verb}: unreadable reply (exit {res.returncode}"
+                                  + (f", stdout starts {shown!r})" if shown else ", no output)"))
+        raise RemoteCommandError(self.name, ["python3", "<agent>", verb], res.returncode, res.err,
+                                 what=f"agent {verb}")
+
+    def need(self, doc: Mapping[str, Any], key: str) -> Any:
+        """doc[key], or one line naming the container and the key the agent's answer lacked."""
+        try:
+            return doc[key]
+        except (KeyError, TypeError):
+            raise AgentReplyError(f"{self.name}: agent reply lacks {key!r}") from None
+
+    @staticmethod
+    def json_line(line: bytes) -> dict[str, Any] | None:
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    # --- the environment probe (probe_env.py, run by the training venv's python3) --------------------
+
+    def probe_env(self, *, venv: str | None, cache_dir: str | None) -> dict[str, Any]:
+        """One exec: `python3 - [--venv V] [--cache-dir C]` with the probe on stdin; its JSON document."""
+        argv = ["python3", "-"]
+        if venv:
+            argv += ["--venv", self.t.path(venv)]
+        if cache_dir:
+            argv += ["--cache-dir", self.t.path(cache_dir)]
+        res = self.t.run(argv, stdin=source("probe_env.py"), timeout=120)
+        doc = self.json_line(res.stdout.strip())
+        if doc is None:
+            if res.returncode == 127 or "python3: not found" in res.err:
+                raise CtlError(f"{self.name}: python3 is not available in the container (the environment probe "
+                               "needs it)")
+            raise RemoteCommandError(self.name, ["python3", "<probe_env.py>"], res.returncode, res.err,
+                                     what="env probe")
+        return doc

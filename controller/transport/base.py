@@ -113,6 +113,10 @@ class Transport(ABC):
             raise RemoteCommandError(self.name, argv, res.returncode, res.err, what=what)
         return res
 
+    def interactive_argv(self, argv: Sequence[str]) -> list[str]:
+        """The local command line that runs argv here with the operator's terminal attached (`ctl attach`)."""
+        return list(argv)
+
     def script(self, argv: Sequence[str]) -> str:
         """The copy-pasteable shell line that run(argv) amounts to (for --dry-run)."""
         return shlex.join(argv)

@@ -66,7 +66,7 @@ def persist_seconds() -> int | None:
 
 
 def mux_dir() -> Path:
-    from controller.registry import state_dir
+    from controller.settings import state_dir
 
     return state_dir() / "mux"
 

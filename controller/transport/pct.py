@@ -55,6 +55,10 @@ class PctContainer(Transport):
         """`pct exec VMID -- argv`: the `--` keeps options of argv away from pct."""
         return [self.pct, "exec", str(self.vmid), "--", *argv]
 
+    def interactive_argv(self, argv: Sequence[str]) -> list[str]:
+        """`ssh -t host pct exec VMID -- argv`."""
+        return self.host.interactive_argv(self.exec_argv(argv))
+
     def status(self) -> Status:
         res = self.host.run(self.pct_argv("status", str(self.vmid)))
         if res.returncode == 0:

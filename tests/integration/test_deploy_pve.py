@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from controller.commands import deploy as deploy_mod
-from controller.errors import DiskError, ExitCode, HostKeyError, VerifyError
+from controller.errors import DiskError, ExitCode, VerifyError
 from controller.inventory import load
 from controller.registry import Registry
+from controller.remote.client import Agent
+from controller.transport.local import LocalContainer
 from controller.transport.pool import Pool
 from tests.integration.conftest import Env, sshd_sessions
 
@@ -210,10 +212,15 @@ def test_connection_dropped_mid_deploy_leaves_whole_files_and_rerun_finishes(pve
     assert sha(landed) == hashlib.sha256(v2).hexdigest()
 
 
-def test_disk_error_classification() -> None:
-    err = deploy_mod._classify("ct300: /workspace/small/.x.ctl-1: No space left on device")
+def test_agent_refusal_codes_name_the_exit_code() -> None:
+    """deploy maps the agent's refusal code, not its text, to an exit code (controller/remote/client.py)."""
+    agent = Agent(LocalContainer("ct300", "/"))
+    err = agent.error({"ok": False, "code": "disk", "error": "/w/.x.ctl-1: No space left on device"},
+                      suffix="; nothing was replaced")
     assert isinstance(err, DiskError) and err.exit_code == ExitCode.DISK
-    assert isinstance(HostKeyError("x"), HostKeyError)
+    assert str(err) == "ct300: container disk full: /w/.x.ctl-1: No space left on device; nothing was replaced"
+    assert agent.error({"ok": False, "code": "verify", "error": "x"}).exit_code == ExitCode.VERIFY
+    assert agent.error({"ok": False, "error": "odd"}).exit_code == ExitCode.FAILURE
 
 
 def test_container_over_its_own_sshd(pve_env: Env) -> None:

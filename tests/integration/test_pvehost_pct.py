@@ -457,9 +457,7 @@ def test_up_and_down_leave_nothing_behind(pvehost: PveHost, tmp_path_factory: py
     port = find_free_port(["127.0.0.5"], start=pvehost.port + 1)
     mini = PveHost(base=base, port=port, nodes=(NodeSpec("pve9", "127.0.0.5", (900,)),),
                    ct_ssh_vmid=None, small_tmpfs={})
-    t0 = time.monotonic()
     mini.up()
-    assert time.monotonic() - t0 < 5
     try:
         assert run(mini, "pve9", "pct", "list")[1].splitlines()[1].startswith("900 ")
         assert ct(mini, 900, "tmux", "new-session", "-d", "-s", "left", "sleep 999")[0] == 0

@@ -1,0 +1,219 @@
+"""The run verbs: `ctl launch`, `tail`, `runs`, `show`, `stop`, `attach`, `diff`."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import typer
+
+from controller.cli.app import (
+    OPTS,
+    _ago,
+    _console,
+    _inv,
+    _one_ct,
+    _out,
+    _registry,
+    _run_and_ct,
+    _session,
+    _table,
+    _warn,
+    app,
+    session,
+)
+from controller.errors import CtlError
+
+
+@app.command("launch")
+def launch_cmd(
+    container: str = typer.Argument(..., help="The container to run in."),
+    run: str | None = typer.Option(None, "--run", help="Run name (default: next of the inventory's series)."),
+    allow_drift: bool = typer.Option(False, "--allow-drift", help="Launch although deployed files differ from pins."),
+    force: bool = typer.Option(False, "--force", help="Override GPU-busy and disk checks (never the log clobber)."),
+    follow: bool = typer.Option(False, "-f", "--follow", help="Follow the log after the launch (like ctl tail -f)."),
+    allow_env_mismatch: bool = typer.Option(
+        False, "--allow-env-mismatch", help="Launch although the environment differs from its lock."),
+) -> None:
+    """Preflight, then start the run in a detached tmux session with its own, never-reused log."""
+    from controller.commands import runs
+
+    reg = _registry()
+    with _session(container) as (inv, ct, pool):
+        t = pool.container(ct)
+        rec, checks = runs.launch(inv, ct, t, reg, run, allow_drift=allow_drift, force=force,
+                                  allow_env_mismatch=allow_env_mismatch)
+        if OPTS.json and not follow:
+            _out({"run": rec.to_json(), "checks": [c.__dict__ for c in checks]})
+            return
+        con = _console()
+        for c in checks:
+            mark = "ok" if c.ok else "[yellow]FORCED[/yellow]"
+            con.print(f"  {c.name:<10} {mark:<6} {c.detail}")
+        con.print(f"launched {rec.name} on {ct.name}: tmux session {rec.session}, log {rec.log_path}")
+        if follow:
+            raise typer.Exit(_follow(t, reg, rec, -1, True))
+
+
+def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool) -> int:
+    from controller.commands import runs
+    from controller.core import metrics
+
+    con = _console()
+    live = follow and sys.stdout.isatty() and not OPTS.json
+    status = con.status(f"following {rec.ct}/{rec.name}") if live else None
+
+    def emit(line: str) -> None:
+        con.print(line, markup=False)
+        if status is not None:  # the latest metric line, as a status line under the log
+            p = metrics.parse_line(line)
+            if isinstance(p, metrics.MetricPoint):
+                status.update(
+                    f"{rec.name}  step {p.step}  loss {p.loss if p.loss is not None else '-'}  "
+                    f"{metrics.format_rate(p.tok_s)} tok/s  ETA {metrics.format_eta(p.eta_s)}"
+                    + (f"  q_hs={list(p.q_hs)}" if p.q_hs is not None else ""))
+
+    if status is not None:
+        status.start()
+    try:
+        end = runs.follow(t, reg, rec, lines=lines, follow=follow, emit=emit, detect=metrics.detect_crash)
+    finally:
+        if status is not None:
+            status.stop()
+    if follow:
+        if end.crash:
+            con.print(f"[red]run {rec.name}: crash signature '{end.crash}' seen ({end.state})[/red]")
+        elif end.state.live:
+            con.print(f"run {rec.name}: still running")
+        else:
+            con.print(f"run {rec.name}: {end.state}" + (f", exit status {end.exit_status}"
+                                                        if end.exit_status is not None else ""))
+    return end.exit_code
+
+
+@app.command("tail")
+def tail_cmd(
+    container: str = typer.Argument(..., help="Container (its latest run) or a run as CT/NAME."),
+    run: str | None = typer.Option(None, "--run", help="Run name (default: the container's latest run)."),
+    lines: int = typer.Option(20, "-n", "--lines", help="Lines of history to show first."),
+    follow: bool = typer.Option(False, "-f", "--follow", help="Follow until the run ends or crashes."),
+) -> None:
+    """Show the run's log; with -f follow it until the run ends (exit status) or crashes (non-zero)."""
+    inv = _inv()
+    reg = _registry()
+    if "/" in container:
+        rec, ct = _run_and_ct(inv, reg, container)
+    else:
+        ct = _one_ct(inv, container)
+        if run:
+            rec = reg.find_run(f"{ct.name}/{run}")
+        else:
+            recs = reg.runs(ct.name, limit=1)
+            if not recs:
+                raise CtlError(f"{ct.name}: no runs recorded; `ctl launch {ct.name}` starts one")
+            rec = recs[0]
+    with session(inv) as pool:
+        raise typer.Exit(_follow(pool.container(ct), reg, rec, lines, follow))
+
+
+@app.command("runs")
+def runs_cmd(
+    container: str | None = typer.Argument(None, help="Only runs of this container."),
+    limit: int = typer.Option(30, "-n", "--limit"),
+    no_refresh: bool = typer.Option(False, "--no-refresh", help="Do not ask containers about live runs."),
+) -> None:
+    """List runs from the registry (live ones are refreshed from their containers)."""
+    from controller.commands.runs import refresh_all
+
+    inv = _inv()
+    reg = _registry()
+    recs = reg.runs(container, limit=limit)
+    if not no_refresh:
+        with session(inv) as pool:
+            refreshed = refresh_all(inv, reg, pool, recs)
+        _warn(refreshed.warnings)
+        recs = list(refreshed.runs)
+    if OPTS.json:
+        _out([r.to_json() for r in recs])
+        return
+    rows = [[r.ct, r.name + (" *" if r.good else ""), r.state, "" if r.exit_status is None else r.exit_status,
+             _ago(r.started or r.created), (r.commit_sha or "-")[:10] + ("+dirty" if r.dirty else ""), r.log_path]
+            for r in recs]
+    _table(None, ["ct", "run", "state", "exit", "started", "commit", "log"], rows)
+    if any(r.good for r in recs):
+        _console().print("* marked good (baseline)")
+
+
+@app.command("show")
+def show_cmd(run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID.")) -> None:
+    """Everything recorded about one run."""
+    reg = _registry()
+    rec = reg.find_run(run)
+    data = rec.to_json()
+    if OPTS.json:
+        _out(data)
+        return
+    con = _console()
+    for k in ("ct", "name", "state", "exit_status", "crash", "host", "session", "log_path", "run_dir", "commit_sha",
+              "dirty", "env_fingerprint", "good", "note"):
+        con.print(f"{k:<16} {data[k]}", markup=False)
+    con.print(f"{'created':<16} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(rec.created))}")
+    con.print("files:")
+    for dest, sha in sorted(rec.files.items()):
+        con.print(f"  {sha[:16]}  {dest}", markup=False)
+    con.print(f"command:\n  {rec.command}", markup=False)
+
+
+@app.command("stop")
+def stop_cmd(
+    run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID."),
+    grace: float = typer.Option(30, "--grace", help="Seconds to wait after SIGINT before SIGTERM."),
+) -> None:
+    """SIGINT the training, wait, escalate, end its tmux session; the record says stopped."""
+    from controller.commands import runs
+
+    inv = _inv()
+    reg = _registry()
+    rec, ct = _run_and_ct(inv, reg, run)
+    with session(inv) as pool:
+        t = pool.container(ct)
+        rec = runs.refresh(inv, ct, t, reg, [rec])[0]
+        rec = runs.stop(inv, ct, t, reg, rec, grace=grace)
+    if OPTS.json:
+        _out(rec.to_json())
+    else:
+        _console().print(f"{rec.ct}/{rec.name}: {rec.state} ({rec.note})")
+
+
+@app.command("attach")
+def attach_cmd(run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID.")) -> None:
+    """Attach to the run's tmux session interactively (ssh -t + pct exec; detach with C-b d)."""
+    inv = _inv()
+    reg = _registry()
+    rec, ct = _run_and_ct(inv, reg, run)
+    with session(inv) as pool:
+        argv = pool.container(ct).interactive_argv(["tmux", "attach-session", "-t", "=" + str(rec.session)])
+    if OPTS.json:
+        _out({"argv": argv})
+        return
+    os.execvp(argv[0], argv)  # noqa: S606 - replaces ctl with the interactive session
+
+
+@app.command("diff")
+def diff_cmd(
+    run_a: str = typer.Argument(..., help="The run that worked (NAME, CT/NAME or #ID)."),
+    run_b: str = typer.Argument(..., help="The run to compare with it."),
+) -> None:
+    """What changed between two runs: payload hashes, rendered scripts, template variables, environment."""
+    from controller.core import rundiff
+
+    reg = _registry()
+    a, b = reg.find_run(run_a), reg.find_run(run_b)
+    d = rundiff.diff(a, b)
+    if OPTS.json:
+        _out(d.to_json())
+    else:
+        _console().print(d.render(), markup=False)
+    raise typer.Exit(0 if d.same else 1)

@@ -1,0 +1,58 @@
+"""Every CTL_* environment variable ctl reads, with its default, in one place.
+
+Precedence everywhere: a command-line flag > the CTL_* variable > the inventory > the default below.
+A malformed value is an InputError naming the variable, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from controller.errors import InputError
+
+INVENTORY = "CTL_INVENTORY"  # the inventory file (default ./inventory.yaml); -i/--inventory wins
+STATE_DIR = "CTL_STATE_DIR"  # registry, dry-run stdin files, session sockets (default: platformdirs' user state dir)
+PERSIST = "CTL_PERSIST"  # idle seconds of persistent host sessions; wins over each host's `persist:`
+CHECKPOINT_GLOB = "CTL_CHECKPOINT_GLOB"  # checkpoints to hash, relative to a run's directory
+
+DEFAULT_INVENTORY = "inventory.yaml"
+DEFAULT_CHECKPOINT_GLOB = "checkpoints/*.pt"
+
+
+def inventory_path(flag: str | None = None) -> Path:
+    """-i PATH > CTL_INVENTORY > ./inventory.yaml."""
+    return Path(flag or os.environ.get(INVENTORY) or DEFAULT_INVENTORY)
+
+
+def state_dir() -> Path:
+    """Where ctl keeps its local state: CTL_STATE_DIR, else the platform's user state directory."""
+    env = os.environ.get(STATE_DIR)
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_state_dir("ctl"))
+
+
+def persist_seconds() -> int | None:
+    """CTL_PERSIST: idle seconds a host session outlives its last client (0: no session); None when unset
+    (then each host's inventory `persist:` decides)."""
+    raw = os.environ.get(PERSIST, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InputError(f"{PERSIST}: expected whole seconds >= 0 (0 turns persistent host sessions off), got {raw!r}")
+    return value
+
+
+def checkpoint_glob(flag: str | None = None) -> str:
+    """--checkpoints > CTL_CHECKPOINT_GLOB > checkpoints/*.pt; a relative pattern inside the run directory."""
+    g = flag or os.environ.get(CHECKPOINT_GLOB) or DEFAULT_CHECKPOINT_GLOB
+    if g.startswith("/") or ".." in g.split("/") or "\0" in g or not g.strip():
+        raise InputError(f"checkpoint glob {g!r} must be a relative pattern inside the run directory")
+    return g
