@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from controller import settings
 from controller.errors import CtlError, InputError, InventoryError
 from controller.names import check_container_path, check_name
+from controller.yamlpos import dotted, line_index, nearest_line
 
 
 class _Model(BaseModel):
@@ -235,36 +236,6 @@ class Inventory:
 # --- loading -------------------------------------------------------------------------------------
 
 
-def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], int]:
-    """Map every key path in the YAML document to the 1-based line where it appears."""
-    lines: dict[tuple[Any, ...], int] = {path: node.start_mark.line + 1}
-    if isinstance(node, yaml.MappingNode):
-        for k, v in node.value:
-            key = k.value
-            lines[(*path, key)] = k.start_mark.line + 1
-            for sub, ln in _line_index(v, (*path, key)).items():
-                lines.setdefault(sub, ln)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, v in enumerate(node.value):
-            for sub, ln in _line_index(v, (*path, i)).items():
-                lines.setdefault(sub, ln)
-    return lines
-
-
-def _nearest_line(lines: dict[tuple[Any, ...], int], loc: tuple[Any, ...]) -> int | None:
-    for n in range(len(loc), -1, -1):
-        if loc[:n] in lines:
-            return lines[loc[:n]]
-    return None
-
-
-def _dotted(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 def resolve_path(explicit: str | None = None) -> Path:
     """Flag > CTL_INVENTORY > ./inventory.yaml."""
     return settings.inventory_path(explicit)
@@ -290,7 +261,7 @@ def load(path: str | Path | None = None) -> Inventory:
         raise InventoryError(name, f"YAML error: {e}") from None
     if node is None or not isinstance(data, dict):
         raise InventoryError(name, "expected a mapping with 'hosts' and 'containers'", line=1)
-    lines = _line_index(node)
+    lines = line_index(node)
     try:
         model = InventoryModel.model_validate(data)
     except ValidationError as e:
@@ -301,7 +272,7 @@ def load(path: str | Path | None = None) -> Inventory:
             msg = "required key is missing"
         elif err["type"] == "extra_forbidden":
             msg = "unknown key"
-        raise InventoryError(name, msg, line=_nearest_line(lines, loc), key=_dotted(loc)) from None
+        raise InventoryError(name, msg, line=nearest_line(lines, loc), key=dotted(loc)) from None
     _check_references(name, model, lines)
     return Inventory(path=p.resolve(), model=model)
 

@@ -37,6 +37,7 @@ import yaml
 
 from controller.errors import CtlError, ExitCode, InputError
 from controller.names import check_name
+from controller.yamlpos import DuplicateKey, dotted, line_index
 
 # --- the step kinds ------------------------------------------------------------------------------
 
@@ -147,29 +148,6 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|Tr
                               list("tTfF"))
 
 
-def _lines(node: yaml.Node, path: tuple[Any, ...], out: dict[tuple[Any, ...], int], file: str) -> None:
-    """Every key path -> its 1-based line (controller.inventory's approach), refusing duplicate keys."""
-    out.setdefault(path, node.start_mark.line + 1)
-    if isinstance(node, yaml.MappingNode):
-        seen: set[Any] = set()
-        for k, v in node.value:
-            if k.value in seen:
-                raise RunbookError(file, "duplicate key", line=k.start_mark.line + 1, key=_dotted((*path, k.value)))
-            seen.add(k.value)
-            out.setdefault((*path, k.value), k.start_mark.line + 1)
-            _lines(v, (*path, k.value), out, file)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, v in enumerate(node.value):
-            _lines(v, (*path, i), out, file)
-
-
-def _dotted(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 def load(path: str | Path, extra_vars: Mapping[str, str] | None = None) -> Runbook:
     """Read and check a runbook: structure, kinds, keys, types, literal values, template syntax and every
     variable a template uses (declared in `vars:` or set by an earlier step). Raises RunbookError."""
@@ -195,8 +173,10 @@ def load(path: str | Path, extra_vars: Mapping[str, str] | None = None) -> Runbo
         raise RunbookError(name, f"YAML error: {e}") from None
     if node is None or not isinstance(data, dict):
         raise RunbookError(name, "expected a mapping with 'name' and 'steps'", line=1)
-    lines: dict[tuple[Any, ...], int] = {}
-    _lines(node, (), lines, name)
+    try:
+        lines = line_index(node, unique=True)
+    except DuplicateKey as e:
+        raise RunbookError(name, "duplicate key", line=e.line, key=dotted(e.path)) from None
     return _Parser(name, lines).runbook(p, raw, data, extra_vars or {})
 
 
@@ -211,7 +191,7 @@ class _Parser:
             if loc[:n] in self.lines:
                 line = self.lines[loc[:n]]
                 break
-        return RunbookError(self.file, message, line=line, key=_dotted(loc) or None)
+        return RunbookError(self.file, message, line=line, key=dotted(loc) or None)
 
     def runbook(self, p: Path, raw: bytes, data: dict[Any, Any], extra_vars: Mapping[str, str]) -> Runbook:
         for key in data:
@@ -305,7 +285,7 @@ class _Parser:
                 if not isinstance(sub, list) or not sub:
                     raise self.error((*loc, "on", key), "must be a non-empty list of steps")
                 branches.append((key, self.steps(sub, (*loc, "on", key), known | set(kind.sets))))
-        return Step(kind.name, args, tuple(branches), _dotted(loc), self.lines.get(loc),
+        return Step(kind.name, args, tuple(branches), dotted(loc), self.lines.get(loc),
                     {k: self.lines.get(arg_locs[k]) for k in args})
 
     def check_value(self, param: Param, value: Any, loc: tuple[Any, ...], known: set[str]) -> None:

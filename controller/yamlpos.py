@@ -1,0 +1,54 @@
+"""Where each key of a YAML document is: so that an error in the inventory or a runbook names its line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+Path_ = tuple[Any, ...]
+
+
+class DuplicateKey(ValueError):
+    def __init__(self, line: int, path: Path_) -> None:
+        super().__init__(f"duplicate key {dotted(path)}")
+        self.line, self.path = line, path
+
+
+def line_index(node: yaml.Node, *, unique: bool = False) -> dict[Path_, int]:
+    """Every key path of the document -> the 1-based line where it appears (a key's own line for mappings).
+    With `unique`, a key given twice in one mapping raises DuplicateKey (YAML keeps the last silently)."""
+    out: dict[Path_, int] = {}
+
+    def walk(n: yaml.Node, path: Path_) -> None:
+        out.setdefault(path, n.start_mark.line + 1)
+        if isinstance(n, yaml.MappingNode):
+            seen: set[Any] = set()
+            for k, v in n.value:
+                if unique and k.value in seen:
+                    raise DuplicateKey(k.start_mark.line + 1, (*path, k.value))
+                seen.add(k.value)
+                out.setdefault((*path, k.value), k.start_mark.line + 1)
+                walk(v, (*path, k.value))
+        elif isinstance(n, yaml.SequenceNode):
+            for i, v in enumerate(n.value):
+                walk(v, (*path, i))
+
+    walk(node, ())
+    return out
+
+
+def nearest_line(lines: dict[Path_, int], loc: Path_) -> int | None:
+    """The line of `loc`, or of its closest ancestor that has one (a missing key's parent)."""
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in lines:
+            return lines[loc[:n]]
+    return None
+
+
+def dotted(loc: Path_) -> str:
+    """('containers', 'ct200', 'gpus', 0) -> 'containers.ct200.gpus[0]'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
