@@ -22,12 +22,10 @@ from controller.core.envlock import (
     fingerprint,
     require_match,
     switch_commands,
-    sync_commands,
     sync_plan,
 )
 from controller.errors import EnvMismatch, InputError
 from tests.test_probe_env import (
-    PROBE,
     add_dist,
     bin_dir,
     good_venv,
@@ -259,9 +257,10 @@ def test_diff_probes_lists_exactly_the_changes(tmp_path: Path) -> None:
 # Sync
 
 
-def test_sync_commands_build_beside_verify_and_switch(lock: Lock) -> None:
-    cmds = sync_commands(lock, "/root/venv", "/root/venvs/train-20260520", "3.11")
+def test_sync_plan_builds_beside_and_switches(lock: Lock) -> None:
     new = "/root/venvs/train-20260520"
+    plan = sync_plan(lock, "/root/venv", new, "3.11")
+    cmds = [list(c) for c in (*plan.guard, *plan.build, *plan.switch)]
     assert cmds[0] == ["test", "!", "-e", new]  # never build over something
     assert cmds[1] == ["test", "-f", f"{new}.lock"]
     assert cmds[2] == ["uv", "venv", "--python", "3.11", new]
@@ -270,15 +269,13 @@ def test_sync_commands_build_beside_verify_and_switch(lock: Lock) -> None:
         "--extra-index-url", "https://download.pytorch.org/whl/cu130",
         "--index-strategy", "unsafe-best-match", "-r", f"{new}.lock",
     ]  # fmt: skip
-    assert cmds[4] == ["python3", "/root/probe_env.py", "--venv", new]
-    assert cmds[5] == ["ln", "-sfn", new, "/root/.venv.ctl-switch"]
-    assert cmds[6] == ["mv", "-T", "/root/.venv.ctl-switch", "/root/venv"]
-    assert len(cmds) == 7
+    assert cmds[4] == ["ln", "-sfn", new, "/root/.venv.ctl-switch"]
+    assert cmds[5] == ["mv", "-T", "/root/.venv.ctl-switch", "/root/venv"]
+    assert len(cmds) == 6
     for argv in cmds:
         assert argv[0] not in {"rm", "rmdir", "sh", "bash"}
         assert "--clear" not in argv and not any("rm " in a for a in argv)
-    plan = sync_plan(lock, "/root/venv", new, lock_path="/root/ctl/ct200.lock", probe_python="/usr/bin/python3")
-    assert plan.verify == ("/usr/bin/python3", "/root/probe_env.py", "--venv", new)
+    plan = sync_plan(lock, "/root/venv", new, lock_path="/root/ctl/ct200.lock")
     assert plan.build[0][3] == lock.python  # the lock's python by default
     assert plan.build[1][-1] == "/root/ctl/ct200.lock"
 
@@ -299,17 +296,17 @@ def test_sync_commands_build_beside_verify_and_switch(lock: Lock) -> None:
 )
 def test_sync_validates_what_the_user_names(lock: Lock, venv_dir: str, new_dir: str, python: str, needle: str) -> None:
     with pytest.raises(InputError) as info:
-        sync_commands(lock, venv_dir, new_dir, python)
+        sync_plan(lock, venv_dir, new_dir, python)
     assert needle in str(info.value)
 
 
 def test_sync_refuses_empty_lock_and_bad_tools(lock: Lock) -> None:
     with pytest.raises(InputError, match="pins nothing"):
-        sync_commands(Lock(pins=(), python="3.12"), "/root/venv", "/root/v2")
+        sync_plan(Lock(pins=(), python="3.12"), "/root/venv", "/root/v2")
     with pytest.raises(InputError, match="uv"):
-        sync_commands(lock, "/root/venv", "/root/v2", uv="uv; true")
+        sync_plan(lock, "/root/venv", "/root/v2", uv="uv; true")
     with pytest.raises(InputError, match="inside the new venv"):
-        sync_commands(lock, "/root/venv", "/root/v2", lock_path="/root/v2/ctl.lock")
+        sync_plan(lock, "/root/venv", "/root/v2", lock_path="/root/v2/ctl.lock")
 
 
 def _run_all(cmds: list[list[str]]) -> list[int]:
@@ -381,15 +378,18 @@ def test_sync_plan_runs_for_real_with_uv(tmp_path: Path, venv: Path) -> None:
             python=Probe.from_json(json.dumps(run_probe("--venv", venv))).python_version,
             index_url=f"http://127.0.0.1:{server.server_address[1]}/simple",
         )
-        plan = sync_plan(lock, str(link), str(tmp_path / "venv-new"), probe_path=str(PROBE))
+        plan = sync_plan(lock, str(link), str(tmp_path / "venv-new"))
         Path(plan.lock_path).write_text(lock.render())
         env = dict(os.environ, UV_CACHE_DIR=str(tmp_path / "uvcache"), UV_NO_CONFIG="1", UV_PYTHON_DOWNLOADS="never")
         env.pop("VIRTUAL_ENV", None)
-        for argv in plan.commands():
+        for argv in (*plan.guard, *plan.build):
             proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path)
             assert proc.returncode == 0, (argv, proc.stderr)
-            if tuple(argv) == plan.verify:
-                assert check(lock, Probe.from_json(proc.stdout, "new venv")) == []
+        new_probe = Probe.from_json(json.dumps(run_probe("--venv", plan.new_venv_dir)), "new venv")
+        assert check(lock, new_probe) == []  # what ctl checks before it switches
+        for argv in plan.switch:
+            proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path)
+            assert proc.returncode == 0, (argv, proc.stderr)
     finally:
         server.shutdown()
     assert os.readlink(link) == str(tmp_path / "venv-new")

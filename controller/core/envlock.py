@@ -36,7 +36,6 @@ from controller.names import check_container_path
 
 LOCK_FORMAT = "ctl-lock 1"
 PYTORCH_INDEX = "https://download.pytorch.org/whl"
-DEFAULT_PROBE_PATH = "/root/probe_env.py"
 
 _NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.!_+-]*$")
@@ -601,18 +600,14 @@ _UV = re.compile(r"^[A-Za-z0-9._-]+$")
 
 @dataclass(frozen=True)
 class SyncPlan:
-    """Argv lists, in order. Run `guard`, `build`, then `verify`: its stdout is a probe of the new venv and
-    `check(lock, Probe.from_json(stdout))` must be empty before `switch` runs. Nothing removes the old venv."""
+    """Argv lists, in order: `guard`, `build`; then the caller probes the new venv, and only when
+    `check(lock, probe)` is empty runs `switch`. Nothing removes the old venv."""
 
     guard: tuple[tuple[str, ...], ...]
     build: tuple[tuple[str, ...], ...]
-    verify: tuple[str, ...]
     switch: tuple[tuple[str, ...], ...]
     lock_path: str
     new_venv_dir: str
-
-    def commands(self) -> list[list[str]]:
-        return [list(c) for c in (*self.guard, *self.build, self.verify, *self.switch)]
 
 
 def switch_commands(link: str, target: str) -> list[list[str]]:
@@ -634,8 +629,6 @@ def sync_plan(
     python: str | None = None,
     *,
     lock_path: str | None = None,
-    probe_path: str = DEFAULT_PROBE_PATH,
-    probe_python: str = "python3",
     uv: str = "uv",
 ) -> SyncPlan:
     """Build `new_venv_dir` from the lock with uv beside the old venv, verify it, then switch `venv_dir` to it.
@@ -653,14 +646,11 @@ def sync_plan(
     lock_file = check_container_path(lock_path or f"{new}.lock", "lock path")
     if lock_file == new or lock_file.startswith(new + "/"):
         raise InputError(f"lock path {lock_file} must not be inside the new venv {new} (uv creates that directory)")
-    probe = check_container_path(probe_path, "probe path")
     interpreter = _check_python(python, lock)
     if not (_UV.match(uv) or uv.startswith("/")):
         raise InputError(f"uv {uv!r} must be a command name or an absolute path")
     if uv.startswith("/"):
         uv = check_container_path(uv, "uv path")
-    if not (_UV.match(probe_python) or probe_python.startswith("/")):
-        raise InputError(f"probe python {probe_python!r} must be a command name or an absolute path")
     if not lock.pins:
         raise InputError(f"lock {lock.path or '(unsaved)'} pins nothing: refusing to build an empty venv")
 
@@ -678,22 +668,10 @@ def sync_plan(
     return SyncPlan(
         guard=(("test", "!", "-e", new), ("test", "-f", lock_file)),
         build=(tuple([uv, "venv", "--python", interpreter, new]), tuple(install)),
-        verify=(probe_python, probe, "--venv", new),
         switch=tuple(tuple(c) for c in switch_commands(link, new)),
         lock_path=lock_file,
         new_venv_dir=new,
     )
-
-
-def sync_commands(
-    lock: Lock,
-    venv_dir: str,
-    new_venv_dir: str,
-    python: str | None = None,
-    **options: Any,
-) -> list[list[str]]:
-    """The plan's argv lists in order (see SyncPlan); keyword options as in `sync_plan`."""
-    return sync_plan(lock, venv_dir, new_venv_dir, python, **options).commands()
 
 
 def _check_python(python: str | None, lock: Lock) -> str:
