@@ -119,7 +119,7 @@ def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env)
     probe = (
         "import sys, json\n"
         "from controller.inventory import load\nfrom controller.transport.pool import Pool\n"
-        "from controller import deploy\n"
+        "from controller.commands import deploy\n"
         f"inv = load({str(env.inventory)!r}); ct = inv.container('ct200')\n"
         "with Pool(inv) as pool:\n"
         "    r = deploy.deploy(inv, ct, pool.container(ct), None, allow_dirty=True)\n"
