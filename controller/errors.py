@@ -80,6 +80,14 @@ class ConnectionDropped(ConnectionFailed):
     """The SSH connection (or the socket of ctl's persistent session) went away unasked."""
 
 
+class RelayExited(ConnectionFailed):
+    """ctl's host relay exited by itself while streams were still open."""
+
+
+class SessionEnded(ConnectionFailed):
+    """ctl's persistent session ended on purpose (`ctl mux stop`, idle timeout) under a client."""
+
+
 class HostKeyError(CtlError):
     exit_code = ExitCode.HOST_KEY
 
