@@ -4,7 +4,7 @@ The seeds' way (shared/seeds/): one `scp` of the files to the host, then `ssh ho
 per file, then an md5sum check through `pct exec`. ctl: `ctl deploy CT` (a whole CLI process each
 time, start-up included). Cases: the two payload scripts + start_training.sh when all changed, when
 none changed, and ten containers on two hosts against one. "Nothing changed" is also timed with a
-persistent host session (CTL_PERSIST=60, controller/transport/mux.py): cold (the session is stopped
+persistent host session (CTL_PERSIST=60, controller/transport/mux/): cold (the session is stopped
 first, so that run starts it) and warm (the next run reuses it).
 
     sudo python3 bench/deploy.py [--repeat 5] [--out bench/results/deploy.json]

@@ -72,6 +72,22 @@ class ConnectionFailed(CtlError):
     exit_code = ExitCode.CONNECTION
 
 
+# How a connection that was up ended under a running command. Same exit code as ConnectionFailed; the type
+# is what code branches on (the message is only for the user).
+
+
+class ConnectionDropped(ConnectionFailed):
+    """The SSH connection (or the socket of ctl's persistent session) went away unasked."""
+
+
+class RelayExited(ConnectionFailed):
+    """ctl's host relay exited by itself while streams were still open."""
+
+
+class SessionEnded(ConnectionFailed):
+    """ctl's persistent session ended on purpose (`ctl mux stop`, idle timeout) under a client."""
+
+
 class HostKeyError(CtlError):
     exit_code = ExitCode.HOST_KEY
 

@@ -78,7 +78,7 @@ def test_imports_point_down(path: Path) -> None:
     bad = []
     for line, dotted in found:
         theirs = target_layer(dotted)
-        if theirs is None or theirs == mine or theirs == "bottom" and mine != "bottom" or dotted in RESOURCES:
+        if theirs is None or theirs == mine or (theirs == "bottom" and mine != "bottom") or dotted in RESOURCES:
             continue
         if theirs not in ALLOWED[mine]:
             bad.append(f"{rel}:{line} imports {dotted} ({mine} -> {theirs})")

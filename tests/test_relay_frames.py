@@ -1,6 +1,8 @@
-"""The relay's frame splitter: frames come out whole whatever the chunking of the byte stream."""
+"""Frames of the relay and the session socket: whole whatever the chunking; session ends keep their type."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from controller.transport.relay import HEADER, frames
 
@@ -12,3 +14,25 @@ def test_frames_survive_any_chunking() -> None:
         chunks = [stream[i:i + size] for i in range(0, len(stream), size)]
         assert list(frames(chunks)) == sent, size
     assert list(frames([stream[:-1]])) == sent[:-1]  # a frame cut short is not yielded
+
+
+def test_session_end_kinds_cross_the_socket_as_types() -> None:
+    from controller.errors import ConnectionDropped, RelayExited, SessionEnded
+    from controller.transport.mux.sock import end_from, end_payload
+
+    for end in (ConnectionDropped("SSH connection dropped: EOF"), RelayExited("ctl's relay exited with status 3"),
+                SessionEnded("stopped by `ctl mux stop`")):
+        back = end_from(end_payload(end))
+        assert type(back) is type(end) and back.message == end.message
+    assert type(end_from(b"not json")) is ConnectionDropped  # a reason without a kind: the connection is gone
+
+
+def test_session_env_keeps_no_secrets(tmp_path: Path) -> None:
+    import controller
+    from controller.transport.mux.client import session_env
+
+    env = session_env({"PATH": "/usr/bin", "HOME": "/root", "LC_ALL": "C.UTF-8", "PVE_TOKEN": "xyz",
+                       "CTL_PERSIST": "60", "CTL_STATE_DIR": "/elsewhere"}, tmp_path)
+    root = str(Path(controller.__file__).resolve().parent.parent)
+    assert env == {"PATH": "/usr/bin", "HOME": "/root", "LC_ALL": "C.UTF-8", "CTL_STATE_DIR": str(tmp_path),
+                   "PYTHONPATH": root}

@@ -1,4 +1,4 @@
-"""`ctl mux status|stop`: the user's persistent host sessions (CTL_PERSIST, controller/transport/mux.py).
+"""`ctl mux status|stop`: the user's persistent host sessions (CTL_PERSIST, controller/transport/mux/).
 
 A session is started on demand by the first command that needs a host while CTL_PERSIST, or that host's
 `persist:` in the inventory, is set; these commands only list and stop them. They read no inventory.

@@ -6,9 +6,10 @@ import threading
 from collections.abc import Callable, Iterable
 
 from controller.inventory import Container, Inventory
+from controller.settings import persist_seconds
 from controller.transport.base import Transport
 from controller.transport.local import LocalContainer
-from controller.transport.mux import MuxRelay, persist_seconds
+from controller.transport.mux import MuxRelay
 from controller.transport.pct import PctContainer
 from controller.transport.relay import HostRelay
 from controller.transport.ssh import SshEndpoint

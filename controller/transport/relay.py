@@ -10,6 +10,9 @@ codes and dropped connections look the same to the caller.
 
 When the host has no usable python3 the relay never says hello: `available()` turns false, the
 reason goes to the `note` callback (`ctl --debug` prints it) and callers use one exec per container.
+
+When the channel ends under open streams, each of them fails with the kind of end as its type:
+ConnectionDropped (the SSH connection went away) or RelayExited (the relay exited by itself).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from controller.errors import ConnectionFailed
+from controller.errors import ConnectionDropped, ConnectionFailed, RelayExited
 from controller.remote import source
 from controller.transport.base import Duplex, Result
 from controller.transport.ssh import SshEndpoint
@@ -63,7 +66,7 @@ class _Stream:
         self.out = b""
         self.err = b""
         self.code: int | None = None
-        self.dead: str | None = None  # why the channel this stream ran on ended
+        self.dead: ConnectionFailed | None = None  # how the channel this stream ran on ended
         self.t0 = time.monotonic()
 
 
@@ -83,8 +86,10 @@ class HostRelay:
         self._reader: threading.Thread | None = None
         self._streams: dict[int, _Stream] = {}
         self._next = 1
-        self._dead: str | None = None  # why the relay's channel ended while streams were open
+        self._dead: ConnectionFailed | None = None  # how the relay's channel ended while streams were open
         self.streams_opened = 0
+        self.python: str | None = None  # the host's python that runs the relay (from its hello)
+        self.why_unavailable: str | None = None  # why the host cannot run the relay
 
     # --- start-up ---------------------------------------------------------------------------------
 
@@ -103,8 +108,8 @@ class HostRelay:
         except (OSError, EOFError) as e:
             chan.close()
             self.host.close()
-            raise ConnectionFailed(f"{self.host.name}: SSH connection dropped while starting ctl's relay: "
-                                   f"{e or type(e).__name__}") from None
+            raise ConnectionDropped(f"{self.host.name}: SSH connection dropped while starting ctl's relay: "
+                                    f"{e or type(e).__name__}") from None
         if hello is None:
             status = chan.recv_exit_status()  # waits for the status, or -1 when the channel closed without one
             err = b""
@@ -113,15 +118,17 @@ class HostRelay:
             chan.close()
             if status == -1:
                 self.host.close()
-                raise ConnectionFailed(f"{self.host.name}: SSH connection dropped while starting ctl's relay")
+                raise ConnectionDropped(f"{self.host.name}: SSH connection dropped while starting ctl's relay")
             last = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit status {status}"]
             why = "no python3 on the host" if status == 127 else f"relay did not start ({last[0]})"
             self._state = "unavailable"
+            self.why_unavailable = why
             if self.note is not None:
                 self.note(f"{self.host.name}: {why}; falling back to one exec per container")
             return
         self._chan = chan
         self._state = "up"
+        self.python = str(hello.get("python"))
         self._reader = threading.Thread(target=self._read_loop, name=f"relay-{self.host.name}", daemon=True)
         self._reader.start()
         if self.note is not None:
@@ -170,13 +177,15 @@ class HostRelay:
         with self._cond:
             dead = self._dead
         if dead is not None:
-            raise ConnectionFailed(f"{self.host.name}: {dead}")
+            raise _retold(dead, f"{self.host.name}: {dead.message}")
         try:
             with self._send_lock:
                 self._send_raw(self._chan, HEADER.pack(kind, sid, len(data)) + data)
         except (OSError, EOFError) as e:
-            self._fail(f"SSH connection dropped: {e or type(e).__name__}")
-            raise ConnectionFailed(f"{self.host.name}: {self._dead}") from None  # the first reason, as _fail kept it
+            end = ConnectionDropped(f"SSH connection dropped: {e or type(e).__name__}")
+            self._fail(end)
+            first = self._dead or end  # the first end, as _fail kept it
+            raise _retold(first, f"{self.host.name}: {first.message}") from None
 
     def _read_loop(self) -> None:
         chan = self._chan
@@ -184,10 +193,11 @@ class HostRelay:
             for kind, sid, payload in frames(iter(lambda: chan.recv(_CHUNK), b"")):
                 self._dispatch(kind, sid, payload)
         except (OSError, EOFError) as e:
-            self._fail(f"SSH connection dropped: {e or type(e).__name__}")
+            self._fail(ConnectionDropped(f"SSH connection dropped: {e or type(e).__name__}"))
             return
         status = chan.recv_exit_status() if chan.exit_status_ready() else -1
-        self._fail("SSH connection dropped" if status == -1 else f"ctl's relay exited with status {status}")
+        self._fail(ConnectionDropped("SSH connection dropped") if status == -1
+                   else RelayExited(f"ctl's relay exited with status {status}"))
 
     def _dispatch(self, kind: bytes, sid: int, payload: bytes) -> None:
         with self._cond:
@@ -202,15 +212,16 @@ class HostRelay:
                 st.code = int(payload.decode() or "-1")
             self._cond.notify_all()
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, end: ConnectionFailed) -> None:
+        """The channel ended (end.message: why, without the host's name): fail every open stream with it."""
         with self._cond:
             if self._dead is None:
-                self._dead = why
+                self._dead = end
             for st in self._streams.values():
                 if st.dead is None and st.code is None:
                     st.dead = self._dead
             self._cond.notify_all()
-        if why.startswith("SSH connection dropped"):
+        if isinstance(end, ConnectionDropped):
             self.host.close()
 
     # --- streams ----------------------------------------------------------------------------------
@@ -238,15 +249,20 @@ class HostRelay:
         self._chan = None
 
 
+def _retold(end: ConnectionFailed, message: str) -> ConnectionFailed:
+    """The same kind of end, told where the caller is (host, command)."""
+    return type(end)(message, hint=end.hint)
+
+
 class _RelayDuplex(Duplex):
     def __init__(self, relay: HostRelay, sid: int) -> None:
         self.relay, self.sid = relay, sid
         self.st = relay._streams[sid]
         self.closed = False
 
-    def _lost(self, why: str) -> ConnectionFailed:
-        return ConnectionFailed(f"{self.relay.host.name}: {why} while running `{self.st.argv[0]}` "
-                                f"({shlex.join(self.st.argv[:3])} ...)")
+    def _lost(self, end: ConnectionFailed) -> ConnectionFailed:
+        return _retold(end, f"{self.relay.host.name}: {end.message} while running `{self.st.argv[0]}` "
+                            f"({shlex.join(self.st.argv[:3])} ...)")
 
     def send(self, data: bytes) -> None:
         view = memoryview(data)

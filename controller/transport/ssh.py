@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from controller.errors import ConnectionFailed, HostKeyError
+from controller.errors import ConnectionDropped, ConnectionFailed, HostKeyError
 from controller.transport.base import Duplex, Result, Transport
 
 if TYPE_CHECKING:  # paramiko costs ~50 ms to import: only when a connection opens
@@ -65,6 +65,17 @@ def _ssh_config(address: str) -> dict[str, Any]:
 
         paramiko.config.invoke = invoke
         return dict(config.lookup(address))
+
+
+class _UnknownHostKey(Exception):
+    """A host key not in known_hosts (paramiko's RejectPolicy says so only in its message text)."""
+
+
+class _RejectUnknown:
+    """paramiko's missing-host-key policy (RejectPolicy) whose refusal is a type of its own."""
+
+    def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+        raise _UnknownHostKey(hostname)
 
 
 def _active(client: SSHClient) -> bool:
@@ -123,7 +134,8 @@ class SshEndpoint(Transport):
         keys = [self.identity_file] if self.identity_file else []
         keys += [os.path.expanduser(k) for k in cfg.get("identityfile", [])]
         client: SSHClient = paramiko.SSHClient()
-        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        policy: Any = _RejectUnknown()
+        client.set_missing_host_key_policy(policy)
         if os.path.exists(self.known_hosts):
             try:
                 client.get_host_keys().load(self.known_hosts)
@@ -140,6 +152,13 @@ class SshEndpoint(Transport):
                 host, port=self.port, username=self.user, timeout=self.connect_timeout, sock=sock,
                 allow_agent=True, look_for_keys=self.identity_file is None, **kwargs,
             )
+        except _UnknownHostKey:
+            client.close()
+            raise HostKeyError(
+                f"{self.name}: host key for {self._host_key_label()} is unknown "
+                f"(not in {self.known_hosts}); refusing to connect",
+                hint=accept,
+            ) from None
         except paramiko.BadHostKeyException as e:
             client.close()
             raise HostKeyError(
@@ -149,12 +168,6 @@ class SshEndpoint(Transport):
             ) from None
         except paramiko.SSHException as e:
             client.close()
-            if "not found in known_hosts" in str(e):
-                raise HostKeyError(
-                    f"{self.name}: host key for {self._host_key_label()} is unknown "
-                    f"(not in {self.known_hosts}); refusing to connect",
-                    hint=accept,
-                ) from None
             if isinstance(e, paramiko.AuthenticationException):
                 raise ConnectionFailed(
                     f"{self.name}: authentication as {self.user}@{self.address}:{self.port} refused "
@@ -206,12 +219,12 @@ class SshEndpoint(Transport):
             conn = self.connection()
             transport = conn.get_transport()
         if transport is None:
-            raise ConnectionFailed(f"{self.name}: SSH connection lost")
+            raise ConnectionDropped(f"{self.name}: SSH connection lost")
         try:
             chan = transport.open_session(timeout=self.connect_timeout)
         except Exception as e:  # paramiko raises SSHException/EOFError when the peer went away
             self.close()
-            raise ConnectionFailed(f"{self.name}: SSH connection lost: {e or type(e).__name__}") from None
+            raise ConnectionDropped(f"{self.name}: SSH connection lost: {e or type(e).__name__}") from None
         self.round_trips += 1
         return chan
 
@@ -282,11 +295,11 @@ class SshEndpoint(Transport):
             status = chan.recv_exit_status() if chan.exit_status_ready() else -1
             if status == -1:
                 self.close()
-                raise ConnectionFailed(f"{self.name}: SSH connection dropped while running `{argv[0]}`")
+                raise ConnectionDropped(f"{self.name}: SSH connection dropped while running `{argv[0]}`")
             yield "exit", str(status).encode()
         except (OSError, EOFError) as e:
             self.close()
-            raise ConnectionFailed(f"{self.name}: SSH connection dropped: {e or type(e).__name__}") from None
+            raise ConnectionDropped(f"{self.name}: SSH connection dropped: {e or type(e).__name__}") from None
         finally:
             chan.close()
 
@@ -297,7 +310,7 @@ class SshEndpoint(Transport):
             chan.exec_command(self.command_line(argv))
         except (OSError, EOFError) as e:
             self.close()
-            raise ConnectionFailed(f"{self.name}: SSH connection dropped: {e or type(e).__name__}") from None
+            raise ConnectionDropped(f"{self.name}: SSH connection dropped: {e or type(e).__name__}") from None
         return chan
 
     def open(self, argv: Sequence[str]) -> Duplex:
@@ -349,10 +362,10 @@ class _ChannelDuplex(Duplex):
         self.err = b""
         self.t0 = time.monotonic()
 
-    def _lost(self, e: BaseException | None = None) -> ConnectionFailed:
+    def _lost(self, e: BaseException | None = None) -> ConnectionDropped:
         self.ep.close()
         why = f": {e}" if e else ""
-        return ConnectionFailed(f"{self.ep.name}: SSH connection dropped while running `{self.argv[0]}`{why}")
+        return ConnectionDropped(f"{self.ep.name}: SSH connection dropped while running `{self.argv[0]}`{why}")
 
     def send(self, data: bytes) -> None:
         # Chunked through a memoryview: paramiko's sendall re-slices the bytes (quadratic on large bundles).

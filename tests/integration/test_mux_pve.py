@@ -119,7 +119,7 @@ def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env)
     probe = (
         "import sys, json\n"
         "from controller.inventory import load\nfrom controller.transport.pool import Pool\n"
-        "from controller import deploy\n"
+        "from controller.commands import deploy\n"
         f"inv = load({str(env.inventory)!r}); ct = inv.container('ct200')\n"
         "with Pool(inv) as pool:\n"
         "    r = deploy.deploy(inv, ct, pool.container(ct), None, allow_dirty=True)\n"
@@ -239,3 +239,20 @@ def test_inventory_persist_key_starts_the_session_and_ctl_persist_0_wins(persist
     off = subprocess.run(argv, capture_output=True, text=True, env={**plain, "CTL_PERSIST": "0"}, timeout=120)
     assert off.returncode == 0 and "up to date" in off.stdout, off.stdout + off.stderr
     assert "persistent session" not in off.stderr
+
+
+def test_session_process_gets_only_the_environment_it_needs(persist: Env) -> None:
+    """The session outlives the command that started it: that command's secrets never reach it."""
+    env = persist
+    env.env["PVE_TOKEN"] = "xyz"
+    env.env["AWS_SECRET_ACCESS_KEY"] = "abc"
+    r = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
+    pid = _session_pid(r.stderr)
+    assert "started ctl's persistent session" in r.stderr
+    seen = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if item)
+    assert b"PVE_TOKEN" not in seen and b"AWS_SECRET_ACCESS_KEY" not in seen
+    assert b"xyz" not in seen.values() and b"abc" not in seen.values()
+    assert seen[b"CTL_STATE_DIR"] == str(env.state).encode()
+    assert b"PATH" in seen
+    assert set(seen) <= {b"PATH", b"HOME", b"USER", b"LOGNAME", b"LANG", b"TMPDIR", b"SSH_AUTH_SOCK", b"PYTHONPATH",
+                         b"PYTHONHOME", b"CTL_STATE_DIR"} | {k for k in seen if k.startswith(b"LC_")}
