@@ -28,11 +28,9 @@ def test_session_end_kinds_cross_the_socket_as_types() -> None:
 
 
 def test_session_env_keeps_no_secrets(tmp_path: Path) -> None:
-    import controller
     from controller.transport.mux.client import session_env
 
     env = session_env({"PATH": "/usr/bin", "HOME": "/root", "LC_ALL": "C.UTF-8", "PVE_TOKEN": "xyz",
-                       "CTL_PERSIST": "60", "CTL_STATE_DIR": "/elsewhere"}, tmp_path)
-    root = str(Path(controller.__file__).resolve().parent.parent)
+                       "CTL_PERSIST": "60", "CTL_STATE_DIR": "/elsewhere", "PYTHONPATH": "/opt/lib"}, tmp_path)
     assert env == {"PATH": "/usr/bin", "HOME": "/root", "LC_ALL": "C.UTF-8", "CTL_STATE_DIR": str(tmp_path),
-                   "PYTHONPATH": root}
+                   "PYTHONPATH": "/opt/lib"}
