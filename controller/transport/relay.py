@@ -1,7 +1,7 @@
 """Several containers of one host through ONE SSH exec: the client side of ctl's host relay.
 
 Each exec channel costs the host a login shell (and its ~/.bashrc) before `pct` even starts; ten
-containers on a host paid that ten times. `HostRelay` opens one exec per host running
+containers on a host would pay it ten times. `HostRelay` opens one exec per host running
 controller/remote/hostrelay.py (stdlib Python, sent over the exec's stdin) and asks it to start, for each
 container, the very argv a direct exec would have run (`pct exec VMID -- ...`), with no shell. The
 containers' stdin/stdout/stderr and exit statuses are multiplexed as frames over that one channel,

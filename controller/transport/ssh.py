@@ -4,8 +4,8 @@ One paramiko `SSHClient` per endpoint, opened lazily and reused for every call o
 (exec channels are cheap; handshakes are not). Host keys are verified against known_hosts: an
 unknown or changed key is refused with a message that says how to accept it (jump hosts of
 ssh_config's ProxyJump too). HostName, IdentityFile, ProxyJump and ProxyCommand of ~/.ssh/config and
-/etc/ssh/ssh_config are honoured, as they were when this went through Fabric. Exec goes straight
-to a paramiko channel so that stdin/stdout stay binary-safe and stdout/stderr stay apart.
+/etc/ssh/ssh_config are honoured, so a host reachable with `ssh NAME` is reachable by ctl. Exec goes
+straight to a paramiko channel so that stdin/stdout stay binary-safe and stdout/stderr stay apart.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _paramiko() -> Any:
 
 
 def _ssh_config(address: str) -> dict[str, Any]:
-    """What ssh_config says about address (HostName, IdentityFile, ProxyJump, ProxyCommand), as Fabric read it."""
+    """What ssh_config says about address (HostName, IdentityFile, ProxyJump, ProxyCommand), first match wins."""
     paramiko = _paramiko()
     paths = [p for p in (os.path.expanduser(c) for c in SSH_CONFIGS) if os.path.isfile(p)]
     if not paths:

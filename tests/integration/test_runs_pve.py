@@ -305,3 +305,29 @@ def test_env_sync_refuses_while_a_run_is_live(pve_env: Env) -> None:
         assert "run busyenv is live" in r.stderr and "ctl stop ct200/busyenv" in r.stderr
     finally:
         pve_env.ctl("stop", "busyenv", "--grace", "2")
+
+
+def test_status_of_several_containers_opens_one_ssh_connection_per_host(pve_env: Env) -> None:
+    """`ctl status` refreshes run states and pulls metrics over ONE pool: each host is connected to once
+    (sshd's own log counts the logins), not once per step."""
+    deployed(pve_env, "ct200", steps=400, interval=0.05)
+    pve_env.ctl("deploy", "ct201", "--allow-dirty", check=True)
+    for ct, run in (("ct200", "one"), ("ct201", "two")):
+        r = pve_env.ctl("launch", ct, "--run", run)
+        assert r.returncode == 0, r.stdout + r.stderr
+    sshd_log = pve_env.host.base / "pve1" / "sshd.log"
+
+    def logins() -> int:
+        return sshd_log.read_text(errors="replace").count("Accepted publickey")
+
+    try:
+        before = logins()
+        r = pve_env.ctl("--json", "status", "ct200", "ct201")
+        assert r.returncode in (0, 21, 22), r.stdout + r.stderr
+        rows = {row["run"]: row for row in json.loads(r.stdout)}
+        assert set(rows) == {"one", "two"} and all(row["state"] == "running" for row in rows.values())
+        time.sleep(0.5)  # sshd writes its log line as the login completes
+        assert logins() - before == 1
+    finally:
+        for run in ("one", "two"):
+            pve_env.ctl("stop", run, "--grace", "1")
