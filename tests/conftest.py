@@ -1,15 +1,30 @@
-"""Shared fixtures. `pvehost`: the local Proxmox test host (tests/pvehost), once per session."""
+"""Shared by unit and integration tests: the fixtures `pvehost` and `env`, and the helpers more than one
+test module builds its world with. Helpers only one module uses stay in that module."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from tests.pvehost import DEFAULT_NODES, PveHost, down, find_free_port, missing_prerequisites, owner_alive
+
+REPO = Path(__file__).resolve().parents[1]
+
+# --------------------------------------------------------------------------------------------
+# The local Proxmox test host (tests/pvehost), once per session
 
 
 def _reap_stale_hosts() -> None:
@@ -39,3 +54,235 @@ def pvehost() -> Iterator[PveHost]:
         yield host
     finally:
         host.down()
+
+
+# --------------------------------------------------------------------------------------------
+# Fake venvs with real dist-info (python -m venv --without-pip, metadata written as an installer would),
+# and controller/remote/probe_env.py run against them
+
+
+PROBE = REPO / "controller" / "remote" / "probe_env.py"
+
+
+def make_venv(path: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    return path
+
+
+def site_packages(venv: Path) -> Path:
+    (sp,) = venv.glob("lib/python3*/site-packages")
+    return sp
+
+
+def add_dist(
+    venv: Path,
+    name: str,
+    version: str,
+    *,
+    installer: str | None = "uv",
+    direct_url: dict[str, Any] | None = None,
+    dirname: str | None = None,
+) -> Path:
+    """Write NAME-VERSION.dist-info as an installer would (METADATA, INSTALLER, RECORD, direct_url.json)."""
+    folder = dirname or f"{name.replace('-', '_')}-{version}"
+    info = site_packages(venv) / f"{folder}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\n")
+    (info / "RECORD").write_text("")
+    if installer:
+        (info / "INSTALLER").write_text(installer + "\n")
+    if direct_url is not None:
+        (info / "direct_url.json").write_text(json.dumps(direct_url))
+    return info
+
+
+def remove_dist(venv: Path, name: str) -> None:
+    for info in site_packages(venv).glob(f"{name.replace('-', '_')}-*.dist-info"):
+        for f in info.iterdir():
+            f.unlink()
+        info.rmdir()
+
+
+def set_dist_version(venv: Path, name: str, version: str) -> None:
+    """What a reinstall does to the metadata: rewrite the dist-info with the new version."""
+    remove_dist(venv, name)
+    add_dist(venv, name, version)
+
+
+def install_torch(venv: Path, version: str = "2.11.0+cu130", cuda: str | None = "13.0") -> None:
+    """A fake torch: dist-info plus torch/version.py laid out as the real wheel's (read as text, never imported)."""
+    remove_dist(venv, "torch")
+    add_dist(venv, "torch", version)
+    pkg = site_packages(venv) / "torch"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "__init__.py").write_text("raise ImportError('the probe must not import torch')\n")
+    (pkg / "version.py").write_text(
+        "from typing import Optional\n\n"
+        "__all__ = ['__version__', 'debug', 'cuda', 'git_version', 'hip', 'xpu']\n"
+        f"__version__ = '{version}'\n"
+        "debug = False\n"
+        f"cuda: Optional[str] = {cuda!r}\n"
+        "git_version = '3d5e5a7c0ffee0000000000000000000000000aa'\n"
+        "hip: Optional[str] = None\n"
+        "xpu: Optional[str] = None\n"
+    )
+
+
+# the seeds' training packages besides torch, at their known-good versions
+GOOD = {
+    "transformers": "5.17.0",
+    "datasets": "4.4.1",
+    "safetensors": "0.6.2",
+    "tokenizers": "0.22.1",
+    "numpy": "2.3.4",
+    "triton": "3.7.0",
+}
+
+
+def good_venv(path: Path) -> Path:
+    """The seeds' known-good state: torch 2.11.0+cu130 and the training packages."""
+    venv = make_venv(path)
+    install_torch(venv)
+    for name, version in GOOD.items():
+        add_dist(venv, name, version)
+    return venv
+
+
+def bin_dir(tmp_path: Path, scripts: dict[str, str]) -> str:
+    """A directory of executables to put first on PATH (e.g. an nvidia-smi stand-in)."""
+    d = tmp_path / "bin"
+    d.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        f = d / name
+        f.write_text(body)
+        f.chmod(f.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return str(d)
+
+
+def probe_env(path: str = "/usr/bin:/bin", **extra: str) -> dict[str, str]:
+    """A bare environment: no VIRTUAL_ENV, no TORCHINDUCTOR_CACHE_DIR, PATH without nvidia-smi."""
+    env = {"PATH": path, "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}
+    env.update(extra)
+    return env
+
+
+def run_probe(*args: str | Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    proc = subprocess.run(
+        ["python3", str(PROBE), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env or probe_env(),
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    doc = json.loads(proc.stdout)  # exactly one JSON document
+    assert isinstance(doc, dict)
+    return doc
+
+
+# --------------------------------------------------------------------------------------------
+# Inductor compile caches on disk, and a stand-in warmup_compile.py that fills one per GPU
+
+
+def fill_cache(d: Path, tag: str = "a") -> None:
+    for sub, n in (("fxgraph", 3), ("aotautograd", 2), ("triton", 4)):
+        for i in range(n):
+            f = d / sub / f"{tag}{i}" / "entry.bin"
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_bytes(hashlib.sha256(f"{sub}{tag}{i}".encode()).digest() * (50 + i))
+    (d / "artifacts.bin").write_bytes(os.urandom(4096))
+
+
+def tree_hashes(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+WARMUP = """\
+import json, os, sys, time
+d = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "cpu")
+log = os.path.join(d, "..", "warm.log")
+os.makedirs(os.path.join(d, "fxgraph"), exist_ok=True)
+with open(log, "a") as f:
+    f.write(json.dumps({"gpu": gpu, "start": time.time(), "argv": sys.argv[1:]}) + "\\n")
+for i in range(3):
+    print(f"compiling block {i} on {gpu}", flush=True)
+    time.sleep(0.05)
+open(os.path.join(d, "fxgraph", "g" + gpu), "w").write("x" * 100)
+with open(log, "a") as f:
+    f.write(json.dumps({"gpu": gpu, "end": time.time()}) + "\\n")
+"""
+
+
+# --------------------------------------------------------------------------------------------
+# A local inventory with tmux (`env`): the `local` transport over a directory standing for the container's /,
+# its own tmux server (TMUX_TMPDIR) and state dir, the fake payload deployed. The Proxmox-host counterpart is
+# `pve_env` in tests/integration/conftest.py.
+
+FAKE = REPO / "tests" / "fakepayload" / "emit_metrics.py"
+
+# The start script reads the fake payload's arguments from a file named after the run, so one deploy serves
+# every run of a test.
+START = """\
+#!/usr/bin/env bash
+set -euo pipefail
+exec python3 {{ root }}{{ payload["emit_metrics.py"] }} --no-preamble $(cat {{ root }}/root/args/$CTL_RUN)
+"""
+
+
+@dataclass
+class Env:
+    dir: Path
+    root: Path
+    inventory: Path
+    env: dict[str, str]
+
+    def ctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "controller.cli.main", "-i", str(self.inventory), *args],
+                              capture_output=True, text=True, timeout=timeout, env=self.env, cwd=self.dir)
+
+    def ok(self, *args: str) -> str:
+        r = self.ctl(*args)
+        assert r.returncode == 0, f"ctl {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
+        return r.stdout
+
+    def launch(self, run: str, args: str, *, follow: bool = False) -> None:
+        (self.root / "root" / "args").mkdir(parents=True, exist_ok=True)
+        (self.root / "root" / "args" / run).write_text(args)
+        self.ok("launch", "loc", "--run", run, *(["-f"] if follow else []))
+
+    def status(self, *args: str) -> tuple[int, list[dict[str, Any]]]:
+        r = self.ctl("--json", "status", *args)
+        assert r.returncode in (0, 20, 21, 22), r.stderr
+        return r.returncode, json.loads(r.stdout)
+
+    def write_inventory(self, **extra: Any) -> None:
+        doc: dict[str, Any] = {
+            "containers": {"loc": {"transport": "local", "root": str(self.root), **extra}},
+            "payload": [{"src": "emit_metrics.py", "dest": "/root/emit_metrics.py"},
+                        {"template": "start_training.sh.j2", "dest": "/root/start_training.sh", "mode": "0755"}],
+            "runs": {"series": "fresh", "session": "mt", "log": "/workspace/train_stdout_{run}.log",
+                     "dir": "/workspace/runs/{run}"},
+        }
+        self.inventory.write_text(yaml.safe_dump(doc))
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Env]:
+    """Deployed and ready to launch; its tmux server is killed afterwards. Needs tmux: its users skip without."""
+    shutil.copy(FAKE, tmp_path / "emit_metrics.py")
+    (tmp_path / "start_training.sh.j2").write_text(START)
+    tmux_dir = tmp_path / "tmux"
+    tmux_dir.mkdir()
+    e = Env(tmp_path, tmp_path / "root", tmp_path / "inventory.yaml", dict(
+        os.environ, CTL_STATE_DIR=str(tmp_path / "state"), TMUX_TMPDIR=str(tmux_dir), PYTHONPATH=str(REPO)))
+    e.root.mkdir()
+    e.write_inventory()
+    e.ok("deploy", "--allow-dirty")
+    try:
+        yield e
+    finally:
+        subprocess.run(["tmux", "kill-server"], env=e.env, capture_output=True)
+

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from controller.errors import ExitCode
-from tests.test_probe_env import add_dist, good_venv, install_torch
+from tests.conftest import WARMUP, add_dist, fill_cache, good_venv, install_torch, tree_hashes
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = "workspace/.cache/torchinductor"
@@ -46,20 +46,6 @@ class Ctl:
         doc = json.loads(r.stdout)
         assert isinstance(doc, dict)
         return doc
-
-
-def fill_cache(d: Path, tag: str = "a") -> None:
-    for sub, n in (("fxgraph", 3), ("aotautograd", 2), ("triton", 4)):
-        for i in range(n):
-            f = d / sub / f"{tag}{i}" / "entry.bin"
-            f.parent.mkdir(parents=True, exist_ok=True)
-            f.write_bytes(hashlib.sha256(f"{sub}{tag}{i}".encode()).digest() * (50 + i))
-    (d / "artifacts.bin").write_bytes(os.urandom(4096))
-
-
-def tree_hashes(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture
@@ -179,23 +165,6 @@ def test_save_local_copy(box: Ctl, tmp_path: Path) -> None:
     assert res["local_path"] == str(local)
     assert local.read_bytes() == (box.root / STORE / "pulled.tar.gz").read_bytes()
     assert json.loads((tmp_path / "here" / "pulled.json").read_text())["sha256"] == res["sha256"]
-
-
-WARMUP = """\
-import json, os, sys, time
-d = os.environ["TORCHINDUCTOR_CACHE_DIR"]
-gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "cpu")
-log = os.path.join(d, "..", "warm.log")
-os.makedirs(os.path.join(d, "fxgraph"), exist_ok=True)
-with open(log, "a") as f:
-    f.write(json.dumps({"gpu": gpu, "start": time.time(), "argv": sys.argv[1:]}) + "\\n")
-for i in range(3):
-    print(f"compiling block {i} on {gpu}", flush=True)
-    time.sleep(0.05)
-open(os.path.join(d, "fxgraph", "g" + gpu), "w").write("x" * 100)
-with open(log, "a") as f:
-    f.write(json.dumps({"gpu": gpu, "end": time.time()}) + "\\n")
-"""
 
 
 def test_warm_runs_one_gpu_at_a_time_and_marks_the_cache(tmp_path: Path) -> None:

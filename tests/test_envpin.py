@@ -1,4 +1,4 @@
-"""controller/core/envlock.py on probes of real venvs (tests/test_probe_env.py builds them), and its lock format."""
+"""controller/core/envlock.py on probes of real venvs (tests/conftest.py builds them), and its lock format."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from controller.core.envlock import (
     sync_plan,
 )
 from controller.errors import EnvMismatch, InputError
-from tests.test_probe_env import (
+from tests.conftest import (
     add_dist,
     bin_dir,
     good_venv,

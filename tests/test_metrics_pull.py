@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,73 +24,9 @@ from controller.settings import checkpoint_glob
 from controller.transport.base import Result
 from controller.transport.counting import Counting
 from controller.transport.local import LocalContainer
-
-REPO = Path(__file__).resolve().parents[1]
-FAKE = REPO / "tests" / "fakepayload" / "emit_metrics.py"
-
-# The start script reads the fake payload's arguments from a file named after the run, so one deploy serves
-# every run of a test.
-START = """\
-#!/usr/bin/env bash
-set -euo pipefail
-exec python3 {{ root }}{{ payload["emit_metrics.py"] }} --no-preamble $(cat {{ root }}/root/args/$CTL_RUN)
-"""
+from tests.conftest import Env  # the `env` fixture (local inventory, tmux, state dir) is in conftest
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-
-
-@dataclass
-class Env:
-    dir: Path
-    root: Path
-    inventory: Path
-    env: dict[str, str]
-
-    def ctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "controller.cli.main", "-i", str(self.inventory), *args],
-                              capture_output=True, text=True, timeout=timeout, env=self.env, cwd=self.dir)
-
-    def ok(self, *args: str) -> str:
-        r = self.ctl(*args)
-        assert r.returncode == 0, f"ctl {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
-        return r.stdout
-
-    def launch(self, run: str, args: str, *, follow: bool = False) -> None:
-        (self.root / "root" / "args").mkdir(parents=True, exist_ok=True)
-        (self.root / "root" / "args" / run).write_text(args)
-        self.ok("launch", "loc", "--run", run, *(["-f"] if follow else []))
-
-    def status(self, *args: str) -> tuple[int, list[dict[str, Any]]]:
-        r = self.ctl("--json", "status", *args)
-        assert r.returncode in (0, 20, 21, 22), r.stderr
-        return r.returncode, json.loads(r.stdout)
-
-    def write_inventory(self, **extra: Any) -> None:
-        doc: dict[str, Any] = {
-            "containers": {"loc": {"transport": "local", "root": str(self.root), **extra}},
-            "payload": [{"src": "emit_metrics.py", "dest": "/root/emit_metrics.py"},
-                        {"template": "start_training.sh.j2", "dest": "/root/start_training.sh", "mode": "0755"}],
-            "runs": {"series": "fresh", "session": "mt", "log": "/workspace/train_stdout_{run}.log",
-                     "dir": "/workspace/runs/{run}"},
-        }
-        self.inventory.write_text(yaml.safe_dump(doc))
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[Env]:
-    shutil.copy(FAKE, tmp_path / "emit_metrics.py")
-    (tmp_path / "start_training.sh.j2").write_text(START)
-    tmux_dir = tmp_path / "tmux"
-    tmux_dir.mkdir()
-    e = Env(tmp_path, tmp_path / "root", tmp_path / "inventory.yaml", dict(
-        os.environ, CTL_STATE_DIR=str(tmp_path / "state"), TMUX_TMPDIR=str(tmux_dir), PYTHONPATH=str(REPO)))
-    e.root.mkdir()
-    e.write_inventory()
-    e.ok("deploy", "--allow-dirty")
-    try:
-        yield e
-    finally:
-        subprocess.run(["tmux", "kill-server"], env=e.env, capture_output=True)
 
 
 def wait_for(pred: Any, timeout: float = 20, every: float = 0.2) -> Any:

@@ -1,145 +1,34 @@
 """controller/remote/probe_env.py against real venvs (python -m venv --without-pip) with real dist-info.
 
-The helpers here build the venvs; tests/test_envpin.py uses them too.
+The helpers that build the venvs live in tests/conftest.py; tests/test_envpin.py and others use them too.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-PROBE = Path(__file__).resolve().parent.parent / "controller" / "remote" / "probe_env.py"
+from tests.conftest import (
+    GOOD,
+    PROBE,
+    add_dist,
+    bin_dir,
+    good_venv,
+    install_torch,
+    make_venv,
+    probe_env,
+    run_probe,
+    set_dist_version,
+)
+
 NO_DRIVER = (
     "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
     "Make sure that the latest NVIDIA driver is installed and running."
 )
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers: real venvs, real dist-info
-
-
-def make_venv(path: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
-    return path
-
-
-def site_packages(venv: Path) -> Path:
-    (sp,) = venv.glob("lib/python3*/site-packages")
-    return sp
-
-
-def add_dist(
-    venv: Path,
-    name: str,
-    version: str,
-    *,
-    installer: str | None = "uv",
-    direct_url: dict[str, Any] | None = None,
-    dirname: str | None = None,
-) -> Path:
-    """Write NAME-VERSION.dist-info as an installer would (METADATA, INSTALLER, RECORD, direct_url.json)."""
-    folder = dirname or f"{name.replace('-', '_')}-{version}"
-    info = site_packages(venv) / f"{folder}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\n")
-    (info / "RECORD").write_text("")
-    if installer:
-        (info / "INSTALLER").write_text(installer + "\n")
-    if direct_url is not None:
-        (info / "direct_url.json").write_text(json.dumps(direct_url))
-    return info
-
-
-def remove_dist(venv: Path, name: str) -> None:
-    for info in site_packages(venv).glob(f"{name.replace('-', '_')}-*.dist-info"):
-        for f in info.iterdir():
-            f.unlink()
-        info.rmdir()
-
-
-def set_dist_version(venv: Path, name: str, version: str) -> None:
-    """What a reinstall does to the metadata: rewrite the dist-info with the new version."""
-    remove_dist(venv, name)
-    add_dist(venv, name, version)
-
-
-def install_torch(venv: Path, version: str = "2.11.0+cu130", cuda: str | None = "13.0") -> None:
-    """A fake torch: dist-info plus torch/version.py laid out as the real wheel's (read as text, never imported)."""
-    remove_dist(venv, "torch")
-    add_dist(venv, "torch", version)
-    pkg = site_packages(venv) / "torch"
-    pkg.mkdir(exist_ok=True)
-    (pkg / "__init__.py").write_text("raise ImportError('the probe must not import torch')\n")
-    (pkg / "version.py").write_text(
-        "from typing import Optional\n\n"
-        "__all__ = ['__version__', 'debug', 'cuda', 'git_version', 'hip', 'xpu']\n"
-        f"__version__ = '{version}'\n"
-        "debug = False\n"
-        f"cuda: Optional[str] = {cuda!r}\n"
-        "git_version = '3d5e5a7c0ffee0000000000000000000000000aa'\n"
-        "hip: Optional[str] = None\n"
-        "xpu: Optional[str] = None\n"
-    )
-
-
-GOOD = {
-    "transformers": "5.17.0",
-    "datasets": "4.4.1",
-    "safetensors": "0.6.2",
-    "tokenizers": "0.22.1",
-    "numpy": "2.3.4",
-    "triton": "3.7.0",
-}
-
-
-def good_venv(path: Path) -> Path:
-    """The seeds' known-good state: torch 2.11.0+cu130 and the training packages."""
-    venv = make_venv(path)
-    install_torch(venv)
-    for name, version in GOOD.items():
-        add_dist(venv, name, version)
-    return venv
-
-
-def bin_dir(tmp_path: Path, scripts: dict[str, str]) -> str:
-    """A directory of executables to put first on PATH (e.g. an nvidia-smi stand-in)."""
-    d = tmp_path / "bin"
-    d.mkdir(exist_ok=True)
-    for name, body in scripts.items():
-        f = d / name
-        f.write_text(body)
-        f.chmod(f.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return str(d)
-
-
-def probe_env(path: str = "/usr/bin:/bin", **extra: str) -> dict[str, str]:
-    """A bare environment: no VIRTUAL_ENV, no TORCHINDUCTOR_CACHE_DIR, PATH without nvidia-smi."""
-    env = {"PATH": path, "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}
-    env.update(extra)
-    return env
-
-
-def run_probe(*args: str | Path, env: dict[str, str] | None = None) -> dict[str, Any]:
-    proc = subprocess.run(
-        ["python3", str(PROBE), *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env or probe_env(),
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr == ""
-    doc = json.loads(proc.stdout)  # exactly one JSON document
-    assert isinstance(doc, dict)
-    return doc
 
 
 # --------------------------------------------------------------------------------------------

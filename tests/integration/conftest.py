@@ -1,4 +1,5 @@
-"""Helpers for end-to-end tests: a per-test inventory for the local Proxmox host and a `ctl` runner."""
+"""Helpers for end-to-end tests: a per-test inventory for the local Proxmox host, a `ctl` runner and a venv
+inside a container. Helpers shared with the unit tests are in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import GOOD, add_dist, install_torch
 from tests.pvehost import PveHost
+
+# --------------------------------------------------------------------------------------------
+# A per-test inventory on the local Proxmox host (`pve_env`), the fake payload as its start script
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = REPO / "tests" / "fakepayload" / "emit_metrics.py"
@@ -88,8 +93,28 @@ def rootfs(pvehost: PveHost) -> Callable[[int], Path]:
     return pvehost.rootfs
 
 
+# --------------------------------------------------------------------------------------------
+# What a node's sshd is serving (connection reuse, leaks)
+
+
 def sshd_sessions(env: Env, node: str) -> set[int]:
     """PIDs of the SSH sessions a test-host node's sshd is serving now (its listener's children)."""
     listener = int((env.host.base / node / "sshd.pid").read_text().strip())
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(listener)], capture_output=True, text=True).stdout
     return {int(x) for x in out.split()}
+
+
+# --------------------------------------------------------------------------------------------
+# A venv inside a container: the host's python3, the seeds' good packages as dist-info (no real installs)
+
+
+def container_venv(env: Env, vmid: int = 200) -> tuple[str, Path]:
+    """A --without-pip venv made from the host's python3 inside the container's private /root."""
+    inside = f"/root/{env.tag}/venv"
+    host_path = env.host.rootfs(vmid) / inside.lstrip("/")
+    host_path.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(host_path)], check=True)
+    install_torch(host_path)
+    for name, version in GOOD.items():
+        add_dist(host_path, name, version)
+    return inside, host_path

@@ -11,10 +11,8 @@ from pathlib import Path
 import pytest
 
 from controller.errors import ExitCode
-from tests.integration.conftest import Env
-from tests.integration.test_env_pve import container_venv
-from tests.test_cache import WARMUP, fill_cache, tree_hashes
-from tests.test_probe_env import install_torch
+from tests.conftest import WARMUP, fill_cache, install_torch, tree_hashes
+from tests.integration.conftest import Env, container_venv
 
 pytestmark = pytest.mark.pvehost
 

@@ -4,28 +4,14 @@ dist-info written by hand to replay the seeds' drift (SGLang added, torch cu130 
 from __future__ import annotations
 
 import json
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from controller.errors import ExitCode
-from tests.integration.conftest import Env
-from tests.test_probe_env import GOOD, add_dist, install_torch
+from tests.conftest import add_dist, install_torch
+from tests.integration.conftest import Env, container_venv
 
 pytestmark = pytest.mark.pvehost
-
-
-def container_venv(env: Env, vmid: int = 200) -> tuple[str, Path]:
-    """A --without-pip venv made from the host's python3 inside the container's private /root."""
-    inside = f"/root/{env.tag}/venv"
-    host_path = env.host.rootfs(vmid) / inside.lstrip("/")
-    host_path.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(host_path)], check=True)
-    install_torch(host_path)
-    for name, version in GOOD.items():
-        add_dist(host_path, name, version)
-    return inside, host_path
 
 
 def test_check_lock_diff_and_launch_records(pve_env: Env) -> None:
