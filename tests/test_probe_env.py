@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import make_venv
+
 PROBE = Path(__file__).resolve().parent.parent / "controller" / "remote" / "probe_env.py"
 NO_DRIVER = (
     "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
@@ -25,11 +27,6 @@ NO_DRIVER = (
 
 # --------------------------------------------------------------------------------------------
 # Helpers: real venvs, real dist-info
-
-
-def make_venv(path: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
-    return path
 
 
 def site_packages(venv: Path) -> Path:
