@@ -4,10 +4,10 @@
 # DFlash drafter training run to its end, then show the run table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-bash scripts/setup.sh
+# shellcheck source=scripts/use-venv.sh
+source scripts/use-venv.sh   # setup.sh, then PY = .venv's python and .venv/bin first on PATH (it says why)
 export CTL_INVENTORY=inventory.yaml
 # --allow-dirty: the quickstart deploys straight from this checkout, edited or not (the record says which).
-"$PY" -m controller deploy local --allow-dirty
-"$PY" -m controller launch local --follow
-"$PY" -m controller runs local
+ctl deploy local --allow-dirty
+ctl launch local --follow
+ctl runs local

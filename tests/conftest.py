@@ -1,5 +1,6 @@
-"""Shared by unit and integration tests: the fixtures `pvehost` and `env`, and the helpers more than one
-test module builds its world with. Helpers only one module uses stay in that module."""
+"""Shared by unit and integration tests: the fixtures `pvehost`, `env` and `ctl_wheel` (the wheel of this
+checkout, built once per session), and the helpers more than one test module builds its world with. Helpers
+only one module uses stay in that module."""
 
 from __future__ import annotations
 
@@ -22,6 +23,40 @@ import yaml
 from tests.pvehost import DEFAULT_NODES, PveHost, down, find_free_port, missing_prerequisites, owner_alive
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def make_venv(path: Path) -> Path:
+    """A venv without pip (fast); install into it with `python -m pip --python VENV/bin/python install ...`."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    return path
+
+
+def checkout_files(repo: Path = REPO) -> list[str]:
+    """The working tree as git sees it: tracked files plus untracked ones .gitignore does not exclude."""
+    out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         capture_output=True, check=True).stdout
+    return sorted({f for f in out.decode().split("\0") if f and (repo / f).is_file()})
+
+
+@pytest.fixture(scope="session")
+def ctl_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel of this checkout's working tree (edits included), as `pip wheel` builds it for an operator.
+
+    Built from a copy of the files git knows (checkout_files), never in the checkout: setuptools writes build/
+    and ctl.egg-info/ beside pyproject.toml and packs whatever build/lib holds, so a build/ left from an older
+    layout would put stale modules into the wheel (and a clean wheel would hide a missing one).
+    """
+    base = tmp_path_factory.mktemp("wheel")
+    src = base / "src"
+    for f in checkout_files():
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / f, src / f)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "--disable-pip-version-check",
+                        "-w", str(base / "dist"), str(src)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"pip wheel failed:\n{r.stdout}\n{r.stderr}"
+    (wheel,) = (base / "dist").glob("ctl-*.whl")
+    return wheel
+
 
 # --------------------------------------------------------------------------------------------
 # The local Proxmox test host (tests/pvehost), once per session
@@ -62,11 +97,6 @@ def pvehost() -> Iterator[PveHost]:
 
 
 PROBE = REPO / "controller" / "remote" / "probe_env.py"
-
-
-def make_venv(path: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
-    return path
 
 
 def site_packages(venv: Path) -> Path:

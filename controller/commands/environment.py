@@ -112,9 +112,17 @@ class CheckResult:
                               "message": f.message} for f in self.findings]}
 
 
+def _venv_probed(inv: Inventory, ct: Container, p: Probe) -> Probe:
+    """A probe that found no venv because the inventory names none gets ctl's words, not the probe's."""
+    if "venv" in p.errors and settings(inv, ct).venv is None:
+        raise InputError(f"{ct.name}: no venv to pin or check: set `vars.venv` for {ct.name} in {inv.path} "
+                         "(the venv the training uses)")
+    return p
+
+
 def check(inv: Inventory, ct: Container, t: Transport, lock_override: str | None = None) -> CheckResult:
     lock = container_lock(inv, ct, lock_override)  # before the probe: a missing lock costs no round trip
-    p = probe(inv, ct, t)
+    p = _venv_probed(inv, ct, probe(inv, ct, t))
     return CheckResult(ct.name, lock.path or "?", tuple(envlock.check(lock, p)), p.fingerprint, lock.fingerprint)
 
 
@@ -153,7 +161,7 @@ def write_lock(inv: Inventory, ct: Container, t: Transport, out: str, *, force: 
     existed = dest.exists()
     if existed and not force:
         raise ClobberError(f"{dest} exists: not overwritten (pass --force to replace it)")
-    p = probe(inv, ct, t)
+    p = _venv_probed(inv, ct, probe(inv, ct, t))
     lock = Lock.from_probe(p, source=ct.name)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.ctl-tmp")
