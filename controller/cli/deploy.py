@@ -9,12 +9,14 @@ from typing import Any
 import typer
 
 from controller.cli.app import OPTS, _console, _inv, _out, _registry, app, session
-from controller.errors import CtlError, ExitCode
+from controller.errors import CtlError, ExitCode, InputError
 
 
 @app.command("deploy")
 def deploy_cmd(
-    containers: list[str] = typer.Argument(None, help="Containers or groups (default: all)."),
+    containers: list[str] = typer.Argument(None, help="Containers or groups (none: --all, or the inventory's only "
+                                                        "container)."),
+    all_: bool = typer.Option(False, "--all", help="Every container of the inventory (listed first)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the exact commands; change nothing."),
     allow_dirty: bool = typer.Option(False, "--allow-dirty", help="Deploy sources that differ from git HEAD."),
     check: bool = typer.Option(False, "--check", help="Report drift (files changed in the container); fix nothing."),
@@ -28,6 +30,13 @@ def deploy_cmd(
         raise CtlError("choose one of --dry-run, --check, --rollback")
     inv = _inv()
     cts = inv.select(containers or [])
+    if not containers and len(cts) > 1 and not all_:
+        names = ", ".join(ct.name for ct in cts[:8]) + (" ..." if len(cts) > 8 else "")
+        raise InputError(f"name the containers or groups to deploy to ({inv.path} has {len(cts)}: {names}), "
+                         "or pass --all")
+    if all_ and not OPTS.json:
+        _console().print(f"deploying to all {len(cts)} containers of {inv.path}: {', '.join(c.name for c in cts)}",
+                         markup=False)
     reg = _registry()
     with session(inv) as pool:
         if check:

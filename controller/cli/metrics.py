@@ -16,6 +16,7 @@ import typer
 
 from controller.cli import app as _cli
 from controller.errors import CtlError, InputError
+from controller.lifecycle import Lifecycle
 from controller.settings import checkpoint_glob
 
 app: typer.Typer = _cli.app
@@ -132,15 +133,28 @@ def export_cmd(
 def mark_good_cmd(
     run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID."),
     unset: bool = typer.Option(False, "--unset", help="Remove the mark."),
+    force: bool = typer.Option(False, "--force", help="Mark a run that did not finish cleanly or is not OK "
+                                                      "(recorded in the run's note)."),
 ) -> None:
-    """Mark a run as known-good: the baseline of later runs (an inventory `baseline:` takes precedence)."""
+    """Mark a run as known-good: the baseline of later runs (an inventory `baseline:` takes precedence).
+    Only a run that finished with exit 0, or a live run judged OK against its own baseline, unless --force."""
+    from controller.commands import monitor
+
     reg = _registry()
     rec = reg.find_run(run)
-    reg.mark_good(rec.id, not unset)
-    if OPTS.json:
-        _out({"run": f"{rec.ct}/{rec.name}", "good": not unset})
+    if unset or (rec.state == Lifecycle.FINISHED and rec.exit_status == 0):  # nothing to ask a container
+        res = monitor.mark_good(None, reg, None, rec, good=not unset, force=force)
     else:
-        _console().print(f"{rec.ct}/{rec.name}: " + ("no longer marked good" if unset else "marked good (baseline)"))
+        inv = _inv()
+        with session(inv) as pool:
+            res = monitor.mark_good(inv, reg, pool, rec, force=force)
+    if OPTS.json:
+        _out({"run": f"{rec.ct}/{rec.name}", "good": res.good, "forced": res.forced, "why": res.why})
+    elif not res.good:
+        _console().print(f"{rec.ct}/{rec.name}: no longer marked good")
+    else:
+        _console().print(f"{rec.ct}/{rec.name}: marked good (baseline)"
+                         + (f" [yellow]although {res.why} (--force, recorded)[/yellow]" if res.forced else ""))
 
 
 # --- ctl status ----------------------------------------------------------------------------------

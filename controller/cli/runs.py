@@ -24,7 +24,7 @@ from controller.cli.app import (
     app,
     session,
 )
-from controller.errors import CtlError
+from controller.errors import CtlError, InputError
 
 
 @app.command("launch")
@@ -120,16 +120,16 @@ def tail_cmd(
 
 @app.command("runs")
 def runs_cmd(
-    container: str | None = typer.Argument(None, help="Only runs of this container."),
+    container: str | None = typer.Argument(None, help="Only runs of this container or group."),
     limit: int = typer.Option(30, "-n", "--limit"),
     no_refresh: bool = typer.Option(False, "--no-refresh", help="Do not ask containers about live runs."),
 ) -> None:
     """List runs from the registry (live ones are refreshed from their containers)."""
-    from controller.commands.runs import refresh_all
+    from controller.commands.runs import recorded, refresh_all
 
     inv = _inv()
     reg = _registry()
-    recs = reg.runs(container, limit=limit)
+    recs = recorded(inv, reg, container, limit=limit)
     if not no_refresh:
         with session(inv) as pool:
             refreshed = refresh_all(inv, reg, pool, recs)
@@ -189,12 +189,24 @@ def stop_cmd(
 
 @app.command("attach")
 def attach_cmd(run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID.")) -> None:
-    """Attach to the run's tmux session interactively (ssh -t + pct exec; detach with C-b d)."""
+    """Attach to the run's tmux session interactively (ssh -t + pct exec; detach with C-b d). A run that has
+    ended has no session left: ctl says how it ended and points to `ctl tail`."""
+    from controller.commands import runs
+
     inv = _inv()
     reg = _registry()
     rec, ct = _run_and_ct(inv, reg, run)
     with session(inv) as pool:
-        argv = pool.container(ct).interactive_argv(["tmux", "attach-session", "-t", "=" + str(rec.session)])
+        t = pool.container(ct)
+        rec = runs.refresh(inv, ct, t, reg, [rec])[0]
+        if not rec.state.live:
+            how = f"{rec.state}" + (f", exit status {rec.exit_status}" if rec.exit_status is not None else "")
+            raise InputError(f"run {rec.ct}/{rec.name} has ended ({how}): there is no session to attach to; "
+                             f"`ctl tail {rec.ct}/{rec.name}` shows its log")
+        if not OPTS.json and not (sys.stdin.isatty() and sys.stdout.isatty()):
+            raise InputError(f"ctl attach {run} needs a terminal (stdin and stdout are not one); "
+                             f"`ctl tail {rec.ct}/{rec.name} -f` follows its log without one")
+        argv = t.interactive_argv(["tmux", "attach-session", "-t", "=" + str(rec.session)])
     if OPTS.json:
         _out({"argv": argv})
         return

@@ -385,3 +385,55 @@ def watch(inv: Inventory, reg: Registry, pool: Pool, rec: RunRecord, *, until_st
         if why:
             return st, why
         time.sleep(every_s)
+
+
+# --- the baseline ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MarkResult:
+    run: RunRecord
+    good: bool
+    forced: bool
+    why: str  # what made the run acceptable (or what --force overrode)
+
+
+def mark_good(inv: Inventory | None, reg: Registry, pool: Pool | None, rec: RunRecord, *, good: bool = True,
+              force: bool = False, checkpoints: str | None = None) -> MarkResult:
+    """Make `rec` the baseline later runs are judged against, but only a run that can be one: it finished
+    cleanly (exit 0), or it is live and judged OK against its own baseline now. A run stopped for being slow,
+    crashed or lost would make every later run look fine. `force` overrides; the run's note records it."""
+    if not good:
+        reg.mark_good(rec.id, False)
+        return MarkResult(reg.run_by_id(rec.id), False, False, "unmarked")
+    why = _fit_for_baseline(inv, reg, pool, rec, checkpoints)
+    if why.startswith("ok: "):
+        reg.mark_good(rec.id, True)
+        return MarkResult(reg.run_by_id(rec.id), True, False, why[4:])
+    if not force:
+        raise InputError(f"{rec.ct}/{rec.name} cannot be the baseline: {why}; only a run that finished with exit 0, "
+                         "or a live run judged OK, can be marked good (--force marks it anyway, and says so)")
+    reg.mark_good(rec.id, True)
+    note = f"marked good with --force: {why}"
+    return MarkResult(reg.update_run(rec.id, note=f"{rec.note}; {note}" if rec.note else note), True, True, why)
+
+
+def _fit_for_baseline(inv: Inventory | None, reg: Registry, pool: Pool | None, rec: RunRecord,
+                      checkpoints: str | None) -> str:
+    """'ok: <why>' when the run can be a baseline, else why not."""
+    if rec.state == Lifecycle.FINISHED and rec.exit_status == 0:
+        return "ok: finished with exit 0" if not rec.crash else f"it finished but its log shows {rec.crash}"
+    if not rec.state.live:
+        exit_text = f", exit {rec.exit_status}" if rec.exit_status is not None else ""
+        return f"it is {rec.state}{exit_text}" + (f" ({rec.note})" if rec.note else "")
+    if inv is None or pool is None or rec.ct not in inv.model.containers:
+        return f"it is {rec.state} and its container cannot be asked how it does"
+    report = statuses(inv, reg, pool, [rec], slow_ratio=0.8, stall_after_s=600.0, checkpoints=checkpoints)
+    st = report.statuses[0]
+    if st.run.state == Lifecycle.FINISHED and st.run.exit_status == 0:
+        return "ok: finished with exit 0"
+    if st.verdict.state == RunState.OK:
+        return f"ok: live and {st.verdict.reason}"
+    if st.verdict.state == RunState.NO_BASELINE:  # healthy and steady: the first baseline starts somewhere
+        return f"ok: live and steady, the first baseline ({st.verdict.reason})"
+    return f"it is {st.run.state} and judged {st.verdict.state.label.upper()}: {st.verdict.reason}"

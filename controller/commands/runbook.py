@@ -119,9 +119,8 @@ class Actions:
     def mark_good(self, a: Mapping[str, Any], dry: bool) -> Any:
         if dry:
             return Done(f"would mark {a['run']} good (the baseline of later runs)")
-        rec = self._run(a["run"])
-        self.reg.mark_good(rec.id, True)
-        return Done(f"{rec.ct}/{rec.name}: marked good (baseline)")
+        res = monitor.mark_good(self.inv, self.reg, self.pool, self._run(a["run"]))
+        return Done(f"{res.run.ct}/{res.run.name}: marked good (baseline; {res.why})")
 
     def cache_restore(self, a: Mapping[str, Any], dry: bool) -> Any:
         ct, t = self._ct(a["ct"])

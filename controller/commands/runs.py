@@ -427,3 +427,21 @@ def refresh_all(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord]
     fresh = {r.id: r for o in results if o.value for r in o.value}
     warnings = tuple(f"{o.ct}: state not refreshed: {o.error}" for o in results if not o.ok)
     return Refreshed(tuple(fresh.get(r.id, r) for r in recs), warnings)
+
+
+def recorded(inv: Inventory, reg: Registry, container: str | None, *, limit: int) -> list[RunRecord]:
+    """The registry's runs, newest first: all, or of one container or group. A name that is neither in the
+    inventory nor in the registry is refused as every other command refuses it (exit 4), never an empty list;
+    a container gone from the inventory still shows its history."""
+    if container is None:
+        return reg.runs(None, limit=limit)
+    m = inv.model
+    if container in m.containers or container in m.groups:
+        names = [ct.name for ct in inv.select([container])]
+    elif reg.names(container):
+        names = [container]
+    else:
+        inv.container(container)  # raises: unknown container, naming the known ones
+        names = []
+    recs = [r for n in names for r in reg.runs(n, limit=limit)]
+    return sorted(recs, key=lambda r: r.created, reverse=True)[:limit]

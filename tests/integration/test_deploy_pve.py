@@ -214,7 +214,7 @@ def test_connection_dropped_mid_deploy_leaves_whole_files_and_rerun_finishes(pve
 
 def test_agent_refusal_codes_name_the_exit_code() -> None:
     """deploy maps the agent's refusal code, not its text, to an exit code (controller/remote/client.py)."""
-    agent = Agent(LocalContainer("ct300", "/"))
+    agent = Agent(LocalContainer("ct300", Path("/")))
     err = agent.error({"ok": False, "code": "disk", "error": "/w/.x.ctl-1: No space left on device"},
                       suffix="; nothing was replaced")
     assert isinstance(err, DiskError) and err.exit_code == ExitCode.DISK
