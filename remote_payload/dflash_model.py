@@ -82,21 +82,12 @@ class DrafterConfig:
         return asdict(self)
 
 
-# Masks up to this many elements (B x Q_LEN x KV_LEN) are built compiled: the sizes measured on the H200
-# (4 x 2048 at 16-64 anchors, at most 12.6M: 6.5 ms eager, 0.24 ms compiled). Larger ones (512 anchors:
-# 84M at 1 x 2048) stay eager, as in the one measured 512-anchor run: the attempt to measure them compiled
-# ran past its time limit, undiagnosed (bench/RESULTS.md), and eager costs little next to such a step.
-MASK_COMPILE_MAX_ELEMENTS = 16 * 2**20
+# flex_attention's tile (Q and KV): the BlockMask lists, per 128-query tile, the 128-key tiles it must visit.
+MASK_TILE = 128
 
 
-def _block_mask_builder(compiled: bool):
-    """create_block_mask, or its compiled form: eager it is a chain of small ops over the dense [B, Q, KV] mask,
-    rebuilt every step (the anchors change), which costs more than the attention it describes at small shapes."""
-    return compiled_once(create_block_mask) if compiled else create_block_mask
-
-
-def dflash_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, device, compiled: bool = False) -> BlockMask:
-    """BlockMask over Q = N blocks, KV = [context (ctx_len) ; N blocks]; anchors [B, N]."""
+def _mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int):
+    """The rule, per element: a query of block j sees context keys < anchors[b, j] and every key of block j."""
     n = anchors.shape[1]
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -106,10 +97,64 @@ def dflash_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, device, co
         own = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == q_block)
         return ctx | own
 
-    q_len, kv_len = n * block_size, ctx_len + n * block_size
-    small = anchors.shape[0] * q_len * kv_len <= MASK_COMPILE_MAX_ELEMENTS
-    return _block_mask_builder(compiled and small)(mask_mod, B=anchors.shape[0], H=None, Q_LEN=q_len,
-                                                   KV_LEN=kv_len, device=device)
+    return mask_mod
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, cols] 0/1 -> (count per row, column indices listed ones first, ascending): create_block_mask's
+    own encoding, so the kernels visit the same tiles in the same order."""
+    tiles = tiles.to(torch.int32)
+    return tiles.sum(-1, dtype=torch.int32), tiles.argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+def dflash_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, device=None) -> BlockMask:
+    """BlockMask over Q = N blocks, KV = [context (ctx_len) ; N blocks]; anchors [B, N] (on the device).
+
+    Built from the anchors, never from the dense [B, Q, KV] mask: every query of block j sees exactly two key
+    intervals, [0, min(anchor_j, ctx_len)) and block j's own [ctx_len + j*bs, ctx_len + (j+1)*bs), so the
+    number of keys a query row sees in a key tile is interval arithmetic over [B, Q, KV/128] (1/128 of the
+    dense mask's elements, a handful of small kernels, nothing compiled, no host sync). A tile is full when all
+    128 x 128 elements are visible (no padding), partial when some are (flex applies `mask_mod` inside it).
+    Equal, tensor for tensor, to create_block_mask over `_mask_mod` (tests/payload/test_dflash_model.py).
+    """
+    if device is not None and anchors.device != torch.device(device):
+        anchors = anchors.to(device)
+    b, n = anchors.shape
+    bs, t = block_size, MASK_TILE
+    q_len, kv_len = n * bs, ctx_len + n * bs
+    nq, nk = -(-q_len // t), -(-kv_len // t)
+    dev = anchors.device
+    q = torch.arange(nq * t, device=dev)  # query rows, padded to whole tiles
+    q_block = (q // bs).clamp(max=n - 1)
+    ctx_end = anchors.gather(1, q_block.expand(b, -1)).clamp(0, ctx_len)  # [B, R]: context keys [0, ctx_end)
+    own_lo = ctx_len + q_block * bs  # [R]: own block's keys [own_lo, own_lo + bs)
+    k_lo = torch.arange(nk, device=dev) * t  # key tile [k_lo, k_hi), the part inside KV_LEN
+    k_hi = (k_lo + t).clamp(max=kv_len)
+    ctx_seen = (torch.minimum(ctx_end[:, :, None], k_hi) - k_lo).clamp(min=0)  # [B, R, nk]
+    own_seen = (torch.minimum(own_lo[:, None] + bs, k_hi) - torch.maximum(own_lo[:, None], k_lo)).clamp(min=0)
+    seen = (ctx_seen + own_seen) * (q < q_len)[:, None]  # padded rows see nothing
+    seen = seen.view(b, 1, nq, t, nk)
+    full = (seen == t).all(dim=3)  # [B, 1, nq, nk]
+    partial = (seen > 0).any(dim=3) & ~full
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(t, t),
+                                    mask_mod=_mask_mod(anchors, ctx_len, bs), seq_lengths=(q_len, kv_len),
+                                    compute_q_blocks=False)
+    # The transposed lists (the backward's) straight from the tile tables, as from_kv_blocks would derive them.
+    mask.q_num_blocks, mask.q_indices = _ordered(partial.transpose(-2, -1))
+    mask.full_q_num_blocks, mask.full_q_indices = _ordered(full.transpose(-2, -1))
+    return mask
+
+
+def dflash_mask_dense(anchors: torch.Tensor, ctx_len: int, block_size: int, device=None,
+                      compiled: bool = False) -> BlockMask:
+    """The previous builder: create_block_mask evaluating `_mask_mod` over the dense [B, Q, KV] mask (84M elements
+    at 512 anchors x 2048; compiled, minutes of ptxas per new shape). Kept as the tests' and benchmark's reference."""
+    n = anchors.shape[1]
+    build = compiled_once(create_block_mask) if compiled else create_block_mask
+    return build(_mask_mod(anchors, ctx_len, block_size), B=anchors.shape[0], H=None, Q_LEN=n * block_size,
+                 KV_LEN=ctx_len + n * block_size, device=device if device is not None else anchors.device)
 
 
 def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
@@ -265,8 +310,7 @@ class DFlashDrafter(nn.Module):
         pos = torch.cat([torch.arange(s, device=dev).expand(b, s), (anchors[:, :, None] + offs).view(b, -1)], dim=1)
         cos, sin = self._rope_tables(pos)
         # flex_attention on CUDA; on CPU it has no backward, so SDPA with the same mask, dense.
-        mask = (dflash_mask(anchors, s, bs, dev, self.compiled and self.compile_mode == "layers")
-                if self.use_flex(dev) else dense_mask(anchors, s, bs))
+        mask = dflash_mask(anchors, s, bs) if self.use_flex(dev) else dense_mask(anchors, s, bs)
         for layer in self.layers:
             x = layer(x, ctx, cos, sin, mask, self._flex_in_layer)
         return self.norm(x)

@@ -409,10 +409,15 @@ class Inbox:
         src = self.remote[self.source(step)][int(header[1])] if self.mode == "ipc" else self.host[step % self.q]
         for k, t in self.local.items():
             t.copy_(src[k], non_blocking=True)
+        if self.topo.device.type == "cuda":  # `release` waits for these copies only, not for the whole step
+            self.copied = torch.cuda.Event(enable_timing=True)  # also the start of the step's GPU time
+            self.copied.record()
         return self.local, header
 
     def release(self, step: int) -> None:
-        """After the copy is done (the step's end): the target's slot and ours are free again."""
+        """Once the step's copy is done: the target's slot and ours are free again."""
+        if self.topo.device.type == "cuda":
+            self.copied.synchronize()
         self._ack(torch.tensor([step, 0], dtype=torch.int64), self.source(step))
         self.free.release()
 
@@ -649,9 +654,10 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
     s_len, n, nd = args.seq_len, args.num_anchors, args.drafters
     me = topo.rank - topo.targets
     grad_dev = topo.device if groups["drafters_backend"] == "nccl" else torch.device("cpu")
-    win = {"t": time.perf_counter(), "steps": 0, "busy": 0.0, "tgt_us": 0.0,
+    win = {"t": time.perf_counter(), "steps": 0, "busy": 0.0, "tgt_us": 0.0, "gpu": [],
            "loss": torch.zeros((), device=topo.device)}
     first_step = True
+    prev_end = None
     done = 0
     stop_all = False
     for step in range(args.steps):
@@ -685,11 +691,16 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=False)
-        if cuda:
-            torch.cuda.current_stream().synchronize()
+        if cuda:  # no drain per step: the host queues step N+1 while the GPU runs step N, never further ahead
+            ended, prev_end = prev_end, torch.cuda.Event(enable_timing=True)
+            prev_end.record()
+            (prev_end if first_step or ended is None else ended).synchronize()
+            if lead:
+                win["gpu"].append((inbox.copied, prev_end))  # busy = GPU time, read when the window is logged
         inbox.release(step)
         done = step + 1
-        win["busy"] += time.perf_counter() - t_busy
+        if not cuda:
+            win["busy"] += time.perf_counter() - t_busy
         win["steps"] += 1
         win["tgt_us"] += float(stats[2])
         win["loss"] += float(stats[0]) / nd if nd > 1 else loss.detach()  # mean over the window, no sync here
@@ -703,8 +714,11 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
                           f"{args.compile_cache}", flush=True)
         if lead and (done % args.log_every == 0 or done == args.steps or stop_all):
             loss_v = float(win["loss"]) / win["steps"]
+            if win["gpu"]:
+                win["gpu"][-1][1].synchronize()
+                win["busy"] += sum(a.elapsed_time(b) for a, b in win["gpu"]) / 1e3
             log_step(args, metrics, win, done, lr, loss_v, [int(x) for x in stats[3:]], t_start, topo, stop_all)
-            win.update(t=time.perf_counter(), steps=0, busy=0.0, tgt_us=0.0,
+            win.update(t=time.perf_counter(), steps=0, busy=0.0, tgt_us=0.0, gpu=[],
                        loss=torch.zeros((), device=topo.device))
         if lead and args.checkpoint_every and done % args.checkpoint_every == 0:
             ckpt.save(done, drafter, {"args": vars(args)})

@@ -3,6 +3,8 @@
 
     PYTHONUNBUFFERED=1 python3 bench/payload/gpu_bench.py --phase 1   # smoke, target alone, drafter micro
     PYTHONUNBUFFERED=1 python3 bench/payload/gpu_bench.py --phase 2   # pipeline: cold/warm compile, transports
+    PYTHONUNBUFFERED=1 python3 bench/payload/gpu_bench.py --phase 9   # anchor-built mask vs the previous code
+    PYTHONUNBUFFERED=1 python3 bench/payload/gpu_bench.py --phase 10  # RESULTS.md's figures for issue 19
 
 Each case runs in its own subprocess with its own TORCHINDUCTOR_CACHE_DIR (fresh unless stated) and a
 time limit, so one failure or hang costs only that case. Internal modes (--case ...) do the in-process work.
@@ -64,12 +66,15 @@ def run(name: str, cmd: list[str], timeout: float, env: dict | None = None, fres
     return rec
 
 
-def pipeline(name, flags, timeout, env=None, fresh_cache=True):
+def pipeline(name, flags, timeout, env=None, fresh_cache=True, script=PIPE):
     n = 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(PIPE),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(script),
            "--targets", "1", "--drafters", "1", "--device", "cuda", "--gpus", "0,0", "--out", str(RUNS / name),
            *flags]
-    rec = run(name, cmd, timeout, env, fresh_cache)
+    with GpuMemory() as mem:
+        rec = run(name, cmd, timeout, env, fresh_cache)
+    rec["gpu_peak_mib"] = mem.peak_total
+    rec["proc_peak_mib"] = sorted(mem.peak_proc.values(), reverse=True)
     mfile = RUNS / name / "metrics.jsonl"
     if mfile.exists():
         recs = [json.loads(x) for x in mfile.read_text().splitlines()]
@@ -133,16 +138,26 @@ def case_target(model: str, b: int, s: int, reps: int, compiled: bool = False) -
 
 
 def case_drafter(model: str, b: int, s: int, n: int, compiled: bool, reps: int, cache: str | None = None,
-                 mode: str = "layers", fused: bool = True, profile: bool = False) -> None:
+                 mode: str = "layers", fused: bool = True, profile: bool = False, mask: str = "anchors",
+                 syncs: bool = False) -> None:
     """One drafter training step (fwd + bwd + AdamW) at the run's shapes, compiled (`mode`: layers or flex alone)
     or eager. With `cache`: load the portable cache first when the file exists, else save it after the first step.
-    With `profile`: the CUDA kernels of two steps, grouped, to the log."""
+    With `profile`: the CUDA kernels of two steps, grouped, to the log. `mask`: the block mask built from the
+    anchors (today's) or by create_block_mask over the dense mask ("dense": the previous builder, compiled up to
+    16M elements, eager above, as it was). With `syncs`: host syncs in the step (profiler + sync debug mode)."""
     import torch
 
     sys.path.insert(0, str(ROOT / "remote_payload"))
     import dflash_model as dm
     import train_dflash_pipeline as tp
 
+    if mask == "dense":
+        def previous(anchors, ctx_len, block_size, device=None):
+            elements = anchors.shape[0] * anchors.shape[1] * block_size * (ctx_len + anchors.shape[1] * block_size)
+            return dm.dflash_mask_dense(anchors, ctx_len, block_size, device, compiled and elements <= 16 * 2**20)
+
+        dm.dflash_mask = previous
+    torch.cuda.reset_peak_memory_stats()
     dev = torch.device("cuda", 0)
     cfg = tp.target_config(model)
     dc = dm.DrafterConfig.from_target(cfg, 5, 16)
@@ -169,9 +184,10 @@ def case_drafter(model: str, b: int, s: int, n: int, compiled: bool, reps: int, 
 
     loaded = tp.load_compile_cache(cache) if cache else "none"
     t = time.perf_counter()
-    step(0)
+    loss0 = step(0)
     torch.cuda.synchronize()
     first = time.perf_counter() - t
+    loss0 = float(loss0.detach())
     if cache and loaded == "none":
         tp.save_compile_cache(cache)
     from torch._dynamo.utils import counters
@@ -186,15 +202,26 @@ def case_drafter(model: str, b: int, s: int, n: int, compiled: bool, reps: int, 
         step(i)
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / reps
+    peak = torch.cuda.max_memory_allocated()  # before the mask timings (the dense builder's temporaries)
+    t = time.perf_counter()
+    for i in range(reps):  # as the pipeline's drafter did until now: the host waits for each step's end
+        step(i)
+        torch.cuda.synchronize()
+    dt_synced = (time.perf_counter() - t) / reps
     mask_ms = {}
-    for mc in (False, True):
-        dm.dflash_mask(batches[0][3], s, 16, dev, mc)
+    builders = {"step's": dm.dflash_mask}
+    if mask != "dense":
+        builders["dense_eager"] = dm.dflash_mask_dense
+    for name, build in builders.items():
+        build(batches[0][3], s, 16)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        for i in range(10):
-            dm.dflash_mask(batches[i % 3][3], s, 16, dev, mc)
+        k = 10 if name != "dense_eager" else 3
+        for i in range(k):
+            build(batches[i % 3][3], s, 16)
         torch.cuda.synchronize()
-        mask_ms["compiled" if mc else "eager"] = round((time.perf_counter() - t) * 100, 2)
+        mask_ms[name] = round((time.perf_counter() - t) * 1e3 / k, 2)
+    sync_report = host_syncs(step) if syncs else None
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as prof
@@ -204,12 +231,208 @@ def case_drafter(model: str, b: int, s: int, n: int, compiled: bool, reps: int, 
                 step(i)
             torch.cuda.synchronize()
         print(pr.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
-    print("RESULT " + json.dumps({"cache": loaded, "cache_counters": hits, "compiled": compiled,
+    print("RESULT " + json.dumps({"cache": loaded, "cache_counters": hits, "compiled": compiled, "mask": mask,
+                                  "loss0": loss0, "syncs": sync_report,
                                   "mode": mode if compiled else "eager", "fused_adamw": fused, "mask_ms": mask_ms,
                                   "drafter_params_m": round(dm.param_count(d) / 1e6, 1),
                                   "batch": b, "seq": s, "anchors": n, "first_step_s": round(first, 1),
                                   "ms_per_step": round(dt * 1e3, 1), "tok_s": round(b * s / dt, 1),
-                                  "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}))
+                                  "ms_per_step_synced": round(dt_synced * 1e3, 1),
+                                  "peak_gib": round(peak / 2**30, 1)}))
+
+
+SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+            "cudaMemcpyAsync", "cudaMalloc", "cudaFree", "aten::item", "aten::_local_scalar_dense", "aten::nonzero",
+            "aten::is_nonzero", "aten::masked_select", "aten::repeat_interleave")
+
+
+def host_syncs(step) -> dict:
+    """Host syncs in two drafter steps: the profiler's CPU-side CUDA runtime calls and aten ops that wait for the
+    GPU, plus the Python lines torch.cuda's sync debug mode flags; GPU busy time against wall time."""
+    import warnings
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+        for i in range(2):
+            step(i)
+        torch.cuda.synchronize()  # the profile's own, counted once below
+    wall = (time.perf_counter() - t) / 2
+    ev = pr.key_averages()
+    found = {e.key: e.count for e in ev if any(e.key == k or e.key.startswith(k + "(") for k in SYNC_OPS)}
+    gpu_us = sum(e.self_device_time_total for e in ev if e.device_type == torch.autograd.DeviceType.CUDA)
+    try:
+        print(ev.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=80))
+    except Exception as e:  # the table is for the log only
+        print(f"profile table: {e}")
+    lines: dict[str, int] = {}
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(0)
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            lines[key] = lines.get(key, 0) + 1
+    return {"profiler_calls_2_steps": found, "debug_mode_lines_1_step": lines,
+            "gpu_busy_ms_per_step": round(gpu_us / 2e3, 2), "wall_ms_per_step_profiled": round(wall * 1e3, 2)}
+
+
+def case_targets(model: str, s: int, batches: list[int], reps: int) -> None:
+    """The target role's work alone (forward + hidden states of the drafter's layers, concatenated), eager then
+    with its decoder layers compiled (the pipeline's --compile-target), at each batch size, in one process."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "remote_payload"))
+    import train_dflash_pipeline as tp
+
+    dev = torch.device("cuda", 0)
+    m = tp.build_target(model, dev, 0)
+    layers = tp.hs_layers(m.config, 5)
+    tp.truncate_target(m, max(layers))
+    out: dict = {"layers_run": len(m.model.layers), "seq": s}
+
+    def timed(b):
+        ids = torch.randint(2, m.config.vocab_size - 2, (b, s), device=dev)
+
+        def step():
+            with torch.no_grad():
+                o = m.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+                return torch.cat([o.hidden_states[i + 1] for i in layers], dim=-1)
+
+        t = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t) / reps
+        return {"ms_per_batch": round(dt * 1e3, 2), "tok_s": round(b * s / dt, 1), "first_call_s": round(first, 1)}
+
+    for b in batches:
+        out[f"eager_b{b}"] = timed(b)
+        print(f"eager b{b}: {out[f'eager_b{b}']}", flush=True)
+    tp.compile_target_layers(m)
+    for b in batches:
+        out[f"compiled_b{b}"] = timed(b)
+        print(f"compiled b{b}: {out[f'compiled_b{b}']}", flush=True)
+    out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    print("RESULT " + json.dumps(out))
+
+
+def case_maskcheck() -> None:
+    """On the GPU: the anchor-built BlockMask against create_block_mask over the dense mask, all eight tile tables
+    equal, at small shapes and at the runs' (4 x 2048 / 64 anchors, 1 x 2048 / 512 anchors); build times."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "remote_payload"))
+    import dflash_model as dm
+
+    fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+              "full_q_num_blocks", "full_q_indices")
+    dev = torch.device("cuda", 0)
+    out = {"torch": torch.__version__, "cases": []}
+    g = torch.Generator().manual_seed(0)
+    for b, s, n, bs in ((2, 40, 3, 4), (3, 200, 9, 16), (1, 517, 20, 5), (4, 2048, 64, 16), (1, 2048, 512, 16),
+                        (1, 3072, 512, 16)):
+        anchors, _ = dm.sample_anchors(torch.ones(b, s), n, bs, g)
+        anchors = anchors.to(dev)
+        new, old = dm.dflash_mask(anchors, s, bs), dm.dflash_mask_dense(anchors, s, bs)
+        equal = all(torch.equal(getattr(new, f), getattr(old, f)) for f in fields)
+        times = {}
+        for name, build in (("anchors", dm.dflash_mask), ("dense_eager", dm.dflash_mask_dense)):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(5):
+                build(anchors, s, bs)
+            torch.cuda.synchronize()
+            times[name] = round((time.perf_counter() - t) * 200, 3)
+        out["cases"].append({"b": b, "s": s, "n": n, "bs": bs, "equal": equal, "ms": times})
+        print(out["cases"][-1], flush=True)
+    print("RESULT " + json.dumps(out))
+
+
+def case_startup(model: str, b: int, s: int) -> None:
+    """Where a pipeline's time to first step goes, one piece at a time in one process (the compile cache as the
+    caller's TORCHINDUCTOR_CACHE_DIR leaves it): imports, building the target, its embedding to the host (what
+    share_frozen sends), the first compiled target forward."""
+    t0 = time.perf_counter()
+    marks = {}
+    import torch
+
+    marks["import_torch"] = time.perf_counter() - t0
+    import transformers  # noqa: F401
+
+    marks["import_transformers"] = time.perf_counter() - t0 - sum(marks.values())
+    sys.path.insert(0, str(ROOT / "remote_payload"))
+    import train_dflash_pipeline as tp
+
+    dev = torch.device("cuda", 0)
+    torch.zeros(1, device=dev)
+    marks["cuda_init"] = time.perf_counter() - t0 - sum(marks.values())
+
+    def mark(name, fn):
+        t = time.perf_counter()
+        r = fn()
+        torch.cuda.synchronize()
+        marks[name] = time.perf_counter() - t
+        return r
+
+    m = mark("build_target", lambda: tp.build_target(model, dev, 0))
+    mark("embedding_to_host", lambda: m.get_input_embeddings().weight.detach().to("cpu").contiguous())
+    layers = tp.hs_layers(m.config, 5)
+    tp.truncate_target(m, max(layers))
+    tp.compile_target_layers(m)
+    ids = torch.randint(2, m.config.vocab_size - 2, (b, s), device=dev)
+    with torch.no_grad():
+        mark("first_compiled_forward", lambda: m.model(input_ids=ids, output_hidden_states=True, use_cache=False))
+    print("RESULT " + json.dumps({k: round(v, 2) for k, v in marks.items()}))
+
+
+class GpuMemory:
+    """Samples nvidia-smi once a second while a case runs: the GPU's and each process's peak memory (MiB)."""
+
+    def __init__(self):
+        import threading
+
+        self.peak_total, self.peak_proc, self.stop = 0, {}, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _q(self, what: str) -> list[list[str]]:
+        try:
+            r = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, timeout=10)
+            return [[x.strip() for x in ln.split(",")] for ln in r.stdout.splitlines() if ln.strip()]
+        except (OSError, subprocess.SubprocessError):
+            return []
+
+    def _run(self):
+        while not self.stop.wait(1.0):
+            for row in self._q("gpu=memory.used"):
+                self.peak_total = max(self.peak_total, int(row[0]))
+            for pid, used in self._q("compute-apps=pid,used_memory"):
+                if used.isdigit():
+                    self.peak_proc[pid] = max(self.peak_proc.get(pid, 0), int(used))
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
 
 
 # ---------------------------------------------------------------------------------------------- phases
@@ -310,6 +533,61 @@ def phase8() -> None:
                                                "--transport", "ipc", "--compile", "--steps", "40"], 150)
 
 
+def phase9() -> None:
+    """Block masks built from the anchors: the target alone (eager and compiled, 4 x 2048 and 1 x 2048), the
+    drafter step at 64 and 512 anchors (cold and warm compile cache, host syncs, the previous mask builder side
+    by side), the pipeline at 64 and 512 anchors, today's code and the previous (BASELINE_DIR) in turn."""
+    py, me = sys.executable, str(Path(__file__).resolve())
+    shared = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="ind-shared-")}
+    run("env", [py, "-c", "import torch, transformers, triton; print('RESULT ' + __import__('json').dumps({"
+                "'torch': torch.__version__, 'transformers': transformers.__version__, 'triton': triton.__version__,"
+                "'gpu': torch.cuda.get_device_name(0)}))"], 60)
+    run("maskcheck", [py, me, "--case", "maskcheck"], 60)
+    run("targets-1b", [py, me, "--case", "targets", "--model", "1b", "--s", "2048", "--reps", "10"], 150, shared,
+        False)
+    micro = [py, me, "--case", "drafter", "--model", "1b", "--s", "2048", "--reps", "10", "--compiled"]
+    run("drafter-n64-b4-cold", [*micro, "--b", "4", "--n", "64", "--syncs"], 120, shared, False)
+    run("drafter-n512-b1-cold", [*micro, "--b", "1", "--n", "512", "--syncs"], 120, shared, False)
+    run("drafter-n512-b1-warm", [*micro, "--b", "1", "--n", "512"], 90, shared, False)
+    run("drafter-n512-b1-prevmask", [*micro, "--b", "1", "--n", "512", "--mask", "dense"], 120, shared, False)
+    base = ["--model", "1b", "--seq-len", "2048", "--log-every", "5", "--queue-size", "4", "--transport", "ipc",
+            "--compile", "--steps", "40"]
+    prev = Path(os.environ.get("BASELINE_DIR", ROOT / "baseline")) / "train_dflash_pipeline.py"
+    shapes = {64: [*base, "--num-anchors", "64", "--batch-size", "4"],
+              512: [*base, "--num-anchors", "512", "--batch-size", "1"]}
+    for n, flags in shapes.items():
+        pipeline(f"pipe-n{n}", flags, 120, shared, False)
+    for n, flags in shapes.items():
+        if prev.exists():
+            pipeline(f"pipe-n{n}-previous", flags, 120, shared, False, script=prev)
+
+
+def phase10() -> None:
+    """The figures for bench/RESULTS.md, every ratio within this one call: the target alone (eager, compiled), the
+    drafter step (cold and warm cache, with and without a host wait per step), the pipeline at 64 and 512 anchors
+    (warm, then 512 anchors cold), and where the pipeline's start-up goes."""
+    py, me = sys.executable, str(Path(__file__).resolve())
+    shared = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="ind-shared-")}
+    run("env", [py, "-c", "import torch, transformers, triton; print('RESULT ' + __import__('json').dumps({"
+                "'torch': torch.__version__, 'transformers': transformers.__version__, 'triton': triton.__version__,"
+                "'gpu': torch.cuda.get_device_name(0)}))"], 60)
+    run("targets-1b", [py, me, "--case", "targets", "--model", "1b", "--s", "2048", "--reps", "20"], 150, shared,
+        False)
+    micro = [py, me, "--case", "drafter", "--model", "1b", "--s", "2048", "--reps", "10", "--compiled"]
+    run("drafter-n64-b4-cold", [*micro, "--b", "4", "--n", "64"], 120, shared, False)
+    run("drafter-n512-b1-cold", [*micro, "--b", "1", "--n", "512"], 120, shared, False)
+    run("drafter-n512-b1-warm", [*micro, "--b", "1", "--n", "512"], 90, shared, False)
+    run("startup-target-warm", [py, me, "--case", "startup", "--model", "1b", "--b", "1", "--s", "2048"], 90, shared,
+        False)
+    base = ["--model", "1b", "--seq-len", "2048", "--log-every", "5", "--queue-size", "4", "--transport", "ipc",
+            "--compile", "--steps", "60"]
+    n64 = [*base, "--num-anchors", "64", "--batch-size", "4"]
+    n512 = [*base, "--num-anchors", "512", "--batch-size", "1"]
+    pipeline("pipe-n64-warm", n64, 120, shared, False)
+    pipeline("pipe-n512-warm", n512, 120, shared, False)
+    pipeline("pipe-n512-cold", n512, 150)
+
+
 def phase5() -> None:
     """The pipeline with the regionally compiled drafter: cold vs warm start, and the anchor count."""
     py = sys.executable
@@ -342,14 +620,24 @@ def main() -> None:
     ap.add_argument("--mode", default="layers", choices=["layers", "flex"])
     ap.add_argument("--no-fused", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--mask", default="anchors", choices=["anchors", "dense"])
+    ap.add_argument("--syncs", action="store_true")
     a = ap.parse_args()
     if a.case == "target":
         return case_target(a.model, a.b, a.s, a.reps, a.compiled)
+    if a.case == "targets":
+        return case_targets(a.model, a.s, [4, 1], a.reps)
+    if a.case == "maskcheck":
+        return case_maskcheck()
+    if a.case == "startup":
+        return case_startup(a.model, a.b, a.s)
     if a.case == "drafter":
-        return case_drafter(a.model, a.b, a.s, a.n, a.compiled, a.reps, a.cache, a.mode, not a.no_fused, a.profile)
+        return case_drafter(a.model, a.b, a.s, a.n, a.compiled, a.reps, a.cache, a.mode, not a.no_fused, a.profile,
+                            a.mask, a.syncs)
     OUT.mkdir(parents=True, exist_ok=True)
     PHASE["n"] = a.phase
-    {1: phase1, 2: phase2, 3: phase3, 4: phase4, 5: phase5, 6: phase6, 7: phase7, 8: phase8}[a.phase]()
+    {1: phase1, 2: phase2, 3: phase3, 4: phase4, 5: phase5, 6: phase6, 7: phase7, 8: phase8, 9: phase9,
+     10: phase10}[a.phase]()
     (OUT / f"results_phase{a.phase}.json").write_text(json.dumps(RESULTS, indent=1))
     print("\n=== summary")
     for r in RESULTS:

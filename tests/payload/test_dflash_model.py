@@ -190,16 +190,6 @@ def test_unknown_compile_mode_is_refused(target):
         dm.DFlashDrafter(cfg, target.get_input_embeddings(), target.get_output_embeddings(), compile_mode="whole")
 
 
-def test_compiled_block_mask_equals_the_eager_one():
-    g = torch.Generator().manual_seed(3)
-    for _ in range(2):  # the second call reuses the compiled graph (new anchors, same shapes)
-        anchors, _keep = dm.sample_anchors(torch.ones(2, 256, dtype=torch.long), 8, 16, g)
-        eager = dm.dflash_mask(anchors, 256, 16, "cpu", compiled=False)
-        comp = dm.dflash_mask(anchors, 256, 16, "cpu", compiled=True)
-        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
-            assert torch.equal(getattr(eager, name), getattr(comp, name)), name
-
-
 def test_regionally_compiled_drafter_matches_eager(target):
     """compile_mode='layers' (what --compile runs on a GPU) gives the eager loss and gradients, through the
     checkpointed LM-head chunks too; on CPU through the SDPA path, as torch.compile runs anywhere."""
@@ -223,13 +213,98 @@ def test_regionally_compiled_drafter_matches_eager(target):
     assert torch.allclose(f0, f1, atol=1e-5) and torch.allclose(g0, g1, atol=1e-5)
 
 
-def test_large_block_masks_are_built_eagerly(monkeypatch):
-    """Only masks up to MASK_COMPILE_MAX_ELEMENTS go through the compiled builder (the sizes measured)."""
-    asked = []
-    real = dm._block_mask_builder
-    monkeypatch.setattr(dm, "_block_mask_builder", lambda compiled: asked.append(compiled) or real(False))
-    small, _ = dm.sample_anchors(torch.ones(2, 256, dtype=torch.long), 8, 16, torch.Generator().manual_seed(0))
-    dm.dflash_mask(small, 256, 16, "cpu", compiled=True)  # 2 x 128 x 384 elements
-    monkeypatch.setattr(dm, "MASK_COMPILE_MAX_ELEMENTS", 2 * 128 * 384 - 1)
-    dm.dflash_mask(small, 256, 16, "cpu", compiled=True)
-    assert asked == [True, False]
+MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+               "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def effective_mask(mask, q_len, kv_len):
+    """What a flex kernel computes from a BlockMask: full tiles visible, partial tiles through mask_mod, the rest
+    hidden; [B, q_len, kv_len]."""
+    qb, kb = mask.BLOCK_SIZE
+    b = mask.kv_num_blocks.shape[0]
+    tiles = torch.zeros(b, mask.kv_indices.shape[-2], mask.kv_indices.shape[-1], dtype=torch.long)
+    for num, idx, kind in ((mask.kv_num_blocks, mask.kv_indices, 1), (mask.full_kv_num_blocks, mask.full_kv_indices,
+                                                                     2)):
+        for bi in range(b):
+            for qt in range(idx.shape[-2]):
+                cols = idx[bi, 0, qt, : int(num[bi, 0, qt])].long()
+                assert (tiles[bi, qt, cols] == 0).all()  # a tile is listed once, as partial or as full
+                tiles[bi, qt, cols] = kind
+    per_elem = tiles.repeat_interleave(qb, 1).repeat_interleave(kb, 2)[:, :q_len, :kv_len]
+    bi = torch.arange(b)[:, None, None]
+    inner = mask.mask_mod(bi, torch.zeros(1, dtype=torch.long), torch.arange(q_len)[None, :, None],
+                          torch.arange(kv_len)[None, None, :])
+    return (per_elem == 2) | ((per_elem == 1) & inner)
+
+
+@pytest.mark.parametrize(("b", "s", "n", "bs"), [
+    (2, 40, 3, 4),  # everything inside one tile, Q and KV padded
+    (3, 200, 9, 16),  # context not a multiple of 128: blocks' keys straddle a tile
+    (2, 256, 8, 16),  # whole tiles, no padding
+    (1, 517, 20, 5),  # block size that does not divide 128
+    (2, 300, 16, 32),
+    (1, 64, 2, 200),  # blocks larger than a tile
+])
+def test_anchor_built_mask_equals_create_block_mask(b, s, n, bs):
+    """dflash_mask (interval arithmetic over the anchors) against the previous create_block_mask over the dense
+    mask: the same eight tile tables, tensor for tensor (so the kernels visit the same tiles in the same order),
+    and element for element the dense rule, for random, also unsorted and repeated, anchors."""
+    g = torch.Generator().manual_seed(b * 1000 + s)
+    for trial in range(3):
+        if trial == 0:
+            anchors, _ = dm.sample_anchors((torch.rand(b, s, generator=g) > 0.3).long(), n, min(bs, s - 2), g)
+        else:
+            anchors = torch.randint(0, s + 1, (b, n), generator=g)
+        new = dm.dflash_mask(anchors, s, bs)
+        old = dm.dflash_mask_dense(anchors, s, bs)
+        assert new.seq_lengths == old.seq_lengths and new.BLOCK_SIZE == old.BLOCK_SIZE
+        for name in MASK_FIELDS:
+            x, y = getattr(new, name), getattr(old, name)
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+        assert torch.equal(effective_mask(new, n * bs, s + n * bs), dm.dense_mask(anchors, s, bs))
+
+
+def test_anchor_built_mask_at_the_recipes_shape_is_cheap():
+    """512 anchors over 2,048 tokens: the dense mask has 84M elements, the tile tables 64 x 80."""
+    anchors, _ = dm.sample_anchors(torch.ones(1, 2048), 512, 16, torch.Generator().manual_seed(0))
+    mask = dm.dflash_mask(anchors, 2048, 16)
+    assert mask.kv_indices.shape == (1, 1, 64, 80) and mask.q_indices.shape == (1, 1, 80, 64)
+    # each 128-query tile (8 blocks) visits its context tiles up to its last anchor and one tile of its own keys
+    visits = mask.kv_num_blocks + mask.full_kv_num_blocks
+    last = anchors.view(8 * 8, 8)[:, -1]
+    assert torch.equal(visits[0, 0], (last + 127) // 128 + 1)
+
+
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch):
+    """flex_attention refuses a CPU backward up front; its eager (math) path computes one. The tile tables are
+    not used there (checked above, tensor for tensor), the mask_mod is."""
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
+
+
+def test_drafter_outputs_and_gradients_match_the_previous_mask(target, flex_backward_on_cpu, monkeypatch):
+    """The drafter's loss and gradients through flex_attention with the anchor-built mask equal those with the
+    previous create_block_mask builder exactly, and the dense SDPA path's to fp32 rounding."""
+    cfg = dm.DrafterConfig.from_target(target.config, 2, 16)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(2, 1000, (2, 160), generator=g)
+    lm = (torch.rand(2, 160, generator=g) > 0.2).long()
+    anchors, keep = dm.sample_anchors(lm, 7, 16, g)
+    hs = torch.randn(2, 160, len(cfg.target_layers) * 256, generator=g)
+    results = {}
+    for name in ("anchors", "dense", "sdpa"):
+        torch.manual_seed(0)
+        d = dm.DFlashDrafter(cfg, target.get_input_embeddings(), target.get_output_embeddings())
+        d.attn_backend = "sdpa" if name == "sdpa" else "flex"
+        with monkeypatch.context() as m:
+            if name == "dense":
+                m.setattr(dm, "dflash_mask", dm.dflash_mask_dense)
+            loss = d.loss(hs, ids, lm, anchors, keep)
+            loss.backward()
+        results[name] = (loss.detach(), [p.grad.clone() for p in d.parameters()])
+    (la, ga), (ld, gd), (ls, gs) = results["anchors"], results["dense"], results["sdpa"]
+    assert torch.equal(la, ld) and all(torch.equal(x, y) for x, y in zip(ga, gd, strict=True))
+    assert torch.allclose(la, ls, rtol=1e-5)
+    assert all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(ga, gs, strict=True))
