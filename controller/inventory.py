@@ -117,11 +117,26 @@ class PayloadEntry(_Model):
         return self.src if self.src is not None else str(self.template)
 
 
+class SuperviseSpec(_Model):
+    """`runs.supervise:` the defaults of `ctl supervise` (its flags win)."""
+
+    interval: str = "30s"
+    restart: str = "no"  # no | on-failure[:N] | always[:N]
+    max_restarts: int = Field(default=3, ge=0)  # of one lineage, when `restart` gives no :N
+    backoff: str = "30s"  # before a relaunch; doubles with each restart of the lineage
+    stall_after: str = "10m"
+    slow_ratio: float = Field(default=0.8, gt=0, le=1)
+    notify: list[str] = Field(default_factory=list)  # https://..., slack:https://..., cmd:PROGRAM
+    notify_secret_env: str = "CTL_NOTIFY_SECRET"  # the variable holding the webhooks' HMAC key
+
+
 class RunsSpec(_Model):
     series: str = "run"
     session: str = "ctl"
     log: str = "/workspace/train_stdout_{run}.log"
     dir: str = "/workspace/runs/{run}"
+    checkpoints: str = "{dir}/checkpoints"  # where a run's full checkpoints are (step_N/ with manifest.json)
+    supervise: SuperviseSpec = Field(default_factory=SuperviseSpec)
 
     @field_validator("series", "session")
     @classmethod

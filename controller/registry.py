@@ -111,6 +111,37 @@ SCHEMA = [
     );
     CREATE INDEX runbook_runs_started ON runbook_runs(started);
     """,
+    # version 4: what `ctl supervise` saw and did; lineages of restarted runs; one supervisor at a time
+    """
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        run_id INTEGER REFERENCES runs(id),
+        time REAL NOT NULL,
+        kind TEXT NOT NULL,             -- verdict | restart | gave_up | refused | notify_failed | supervisor
+        from_verdict TEXT,
+        to_verdict TEXT,
+        summary TEXT NOT NULL,          -- one line a person reads first
+        doc TEXT NOT NULL               -- JSON: the whole event, as the sinks got it
+    );
+    CREATE INDEX events_run ON events(run_id, id);
+    ALTER TABLE runs ADD COLUMN parent_id INTEGER REFERENCES runs(id);
+    ALTER TABLE runs ADD COLUMN resumed_from TEXT;
+    ALTER TABLE runs ADD COLUMN resumed_step INTEGER;
+    CREATE TABLE restarts (
+        failed_run_id INTEGER PRIMARY KEY REFERENCES runs(id),  -- at most one relaunch per failure
+        state TEXT NOT NULL,            -- planned | launching | done | refused | gave_up
+        new_name TEXT,
+        new_run_id INTEGER REFERENCES runs(id),
+        time REAL NOT NULL,
+        doc TEXT NOT NULL
+    );
+    CREATE TABLE leases (
+        name TEXT PRIMARY KEY,
+        holder TEXT NOT NULL,           -- host:pid:random of the process that holds it
+        since REAL NOT NULL,
+        expires REAL NOT NULL
+    );
+    """,
 ]
 
 
@@ -139,6 +170,9 @@ class RunRecord:
     good: bool = False
     crash: str | None = None
     note: str | None = None
+    parent_id: int | None = None  # the run this one was restarted from (ctl supervise)
+    resumed_from: str | None = None  # the checkpoint it resumed from
+    resumed_step: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -377,6 +411,86 @@ class Registry:
             (run_id, kind))
         return {r[0]: ({"sha256": r[1], "size": r[2], "mtime_ns": r[3]} if r[1] is not None else None)
                 for r in rows}
+
+    # --- supervisor: events, restarts, the lease (schema version 4) --------------------------------
+
+    def add_event(self, run_id: int | None, kind: str, summary: str, doc: dict[str, Any], *,
+                  from_verdict: str | None = None, to_verdict: str | None = None) -> int:
+        with self.tx() as db:
+            cur = db.execute(
+                "INSERT INTO events (run_id, time, kind, from_verdict, to_verdict, summary, doc) "
+                "VALUES (?,?,?,?,?,?,?)",
+                (run_id, doc.get("time", time.time()), kind, from_verdict, to_verdict, summary,
+                 json.dumps(doc, default=str)))
+            event_id = cur.lastrowid
+        assert event_id is not None
+        return event_id
+
+    def events(self, run_id: int | None = None, *, after: int = 0, limit: int = 200) -> list[dict[str, Any]]:
+        """Events oldest first (after id `after`), of one run or all."""
+        if run_id is None:
+            rows = self._db.execute("SELECT * FROM events WHERE id>? ORDER BY id LIMIT ?", (after, limit))
+        else:
+            rows = self._db.execute("SELECT * FROM events WHERE id>? AND run_id=? ORDER BY id LIMIT ?",
+                                    (after, run_id, limit))
+        return [{**json.loads(r["doc"]), "id": r["id"], "kind": r["kind"], "summary": r["summary"]} for r in rows]
+
+    def last_verdict(self, run_id: int) -> str | None:
+        row = self._db.execute("SELECT to_verdict FROM events WHERE run_id=? AND kind='verdict' ORDER BY id DESC "
+                               "LIMIT 1", (run_id,)).fetchone()
+        return row[0] if row is not None else None
+
+    def plan_restart(self, failed_run_id: int, doc: dict[str, Any]) -> dict[str, Any] | None:
+        """Claim the one relaunch of a failure; None when it was planned before (by us or an earlier supervisor),
+        else the new plan."""
+        try:
+            with self.tx() as db:
+                db.execute("INSERT INTO restarts (failed_run_id, state, time, doc) VALUES (?, 'planned', ?, ?)",
+                           (failed_run_id, time.time(), json.dumps(doc, default=str)))
+        except sqlite3.IntegrityError:
+            return None
+        return self.restart(failed_run_id)
+
+    def restart(self, failed_run_id: int) -> dict[str, Any] | None:
+        row = self._db.execute("SELECT * FROM restarts WHERE failed_run_id=?", (failed_run_id,)).fetchone()
+        return dict(row) if row is not None else None
+
+    def unfinished_restarts(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self._db.execute(
+            "SELECT * FROM restarts WHERE state IN ('planned', 'launching') ORDER BY time")]
+
+    def set_restart(self, failed_run_id: int, **fields: Any) -> None:
+        with self.tx() as db:
+            db.execute(f"UPDATE restarts SET {', '.join(f'{k}=?' for k in fields)} WHERE failed_run_id=?",  # noqa: S608
+                       (*fields.values(), failed_run_id))
+
+    def lineage(self, run_id: int) -> list[RunRecord]:
+        """The run and its ancestors, oldest first (parent_id links written by restarts)."""
+        chain: list[RunRecord] = []
+        seen: set[int] = set()
+        rid: int | None = run_id
+        while rid is not None and rid not in seen:
+            seen.add(rid)
+            rec = self.run_by_id(rid)
+            chain.append(rec)
+            rid = rec.parent_id
+        return chain[::-1]
+
+    def take_lease(self, name: str, holder: str, ttl: float) -> tuple[bool, dict[str, Any] | None]:
+        """Hold lease `name` for ttl seconds (renewed by calling again): (held, the current holder's row)."""
+        now = time.time()
+        with self.tx() as db:
+            row = db.execute("SELECT * FROM leases WHERE name=?", (name,)).fetchone()
+            if row is not None and row["holder"] != holder and row["expires"] > now:
+                return False, dict(row)
+            since = row["since"] if row is not None and row["holder"] == holder else now
+            db.execute("INSERT INTO leases VALUES (?,?,?,?) ON CONFLICT(name) DO UPDATE SET holder=excluded.holder, "
+                       "since=excluded.since, expires=excluded.expires", (name, holder, since, now + ttl))
+        return True, {"name": name, "holder": holder, "since": since, "expires": now + ttl}
+
+    def drop_lease(self, name: str, holder: str) -> None:
+        with self.tx() as db:
+            db.execute("DELETE FROM leases WHERE name=? AND holder=?", (name, holder))
 
     # --- runbook runs (schema version 3) ----------------------------------------------------------
 

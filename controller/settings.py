@@ -15,6 +15,7 @@ INVENTORY = "CTL_INVENTORY"  # the inventory file (default ./inventory.yaml); -i
 STATE_DIR = "CTL_STATE_DIR"  # registry, dry-run stdin files, session sockets (default: platformdirs' user state dir)
 PERSIST = "CTL_PERSIST"  # idle seconds of persistent host sessions; wins over each host's `persist:`
 CHECKPOINT_GLOB = "CTL_CHECKPOINT_GLOB"  # checkpoints to hash, relative to a run's directory
+NOTIFY_RETRIES = "CTL_NOTIFY_RETRIES"  # seconds between a notification's attempts, e.g. "1,4,15"
 
 DEFAULT_INVENTORY = "inventory.yaml"
 DEFAULT_CHECKPOINT_GLOB = "checkpoints/*.pt"
@@ -56,3 +57,17 @@ def checkpoint_glob(flag: str | None = None) -> str:
     if g.startswith("/") or ".." in g.split("/") or "\0" in g or not g.strip():
         raise InputError(f"checkpoint glob {g!r} must be a relative pattern inside the run directory")
     return g
+
+
+def notify_retries() -> tuple[float, ...]:
+    """CTL_NOTIFY_RETRIES: the waits between a failed notification's attempts (default 1, 4, 15 s)."""
+    raw = os.environ.get(NOTIFY_RETRIES, "").strip()
+    if not raw:
+        return (1.0, 4.0, 15.0)
+    try:
+        waits = tuple(float(x) for x in raw.split(","))
+    except ValueError:
+        waits = (-1.0,)
+    if any(w < 0 or w > 3600 for w in waits):
+        raise InputError(f"{NOTIFY_RETRIES}: expected seconds between attempts such as 1,4,15, got {raw!r}")
+    return waits

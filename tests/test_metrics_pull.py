@@ -292,7 +292,8 @@ def test_baseline_precedence_inventory_then_latest_marked_good(tmp_path: Path) -
 
 def test_mark_good_cli_and_unset(env: Env) -> None:
     env.launch("fresh1", "--tok-s 12800 --steps 3 --interval 0", follow=True)
-    assert json.loads(env.ok("--json", "mark-good", "fresh1")) == {"run": "loc/fresh1", "good": True}
+    assert json.loads(env.ok("--json", "mark-good", "fresh1")) == {"run": "loc/fresh1", "good": True, "forced": False,
+                                                                   "why": "finished with exit 0"}
     assert "fresh1 *" in env.ok("runs", "--no-refresh")
     assert "no longer" in env.ok("mark-good", "fresh1", "--unset")
     assert "*" not in env.ok("runs", "--no-refresh")

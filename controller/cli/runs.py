@@ -123,6 +123,8 @@ def runs_cmd(
     container: str | None = typer.Argument(None, help="Only runs of this container or group."),
     limit: int = typer.Option(30, "-n", "--limit"),
     no_refresh: bool = typer.Option(False, "--no-refresh", help="Do not ask containers about live runs."),
+    tree: bool = typer.Option(False, "--tree", help="Lineages of restarted runs: fresh7 -> fresh8 -> fresh9, each "
+                                                    "with its exit and the step it resumed from."),
 ) -> None:
     """List runs from the registry (live ones are refreshed from their containers)."""
     from controller.commands.runs import recorded, refresh_all
@@ -135,6 +137,9 @@ def runs_cmd(
             refreshed = refresh_all(inv, reg, pool, recs)
         _warn(refreshed.warnings)
         recs = list(refreshed.runs)
+    if tree:
+        _render_tree(reg, recs)
+        return
     if OPTS.json:
         _out([r.to_json() for r in recs])
         return
@@ -144,6 +149,24 @@ def runs_cmd(
     _table(None, ["ct", "run", "state", "exit", "started", "commit", "log"], rows)
     if any(r.good for r in recs):
         _console().print("* marked good (baseline)")
+
+
+def _render_tree(reg: Any, recs: list[Any]) -> None:
+    from controller.commands.supervise import lineages
+
+    chains = list(lineages(reg, recs))
+    if OPTS.json:
+        _out([[{"run": r.name, "ct": r.ct, "state": r.state, "exit_status": r.exit_status,
+                "resumed_step": r.resumed_step, "resumed_from": r.resumed_from} for r in c] for c in chains])
+        return
+    con = _console()
+    for chain in chains:
+        parts = []
+        for r in chain:
+            end = f"{r.state}" + (f" {r.exit_status}" if r.exit_status is not None else "")
+            resumed = f", from step {r.resumed_step}" if r.resumed_step is not None else ""
+            parts.append(f"{r.name} ({end}{resumed})")
+        con.print(f"{chain[0].ct:<10} " + " -> ".join(parts), markup=False)
 
 
 @app.command("show")

@@ -333,6 +333,7 @@ def baseline_for(inv: Inventory, reg: Registry, pool: Pool, rec: RunRecord, chec
 class StatusReport:
     statuses: tuple[RunStatus, ...]
     warnings: tuple[str, ...]
+    unreached: frozenset[str] = frozenset()  # containers that did not answer the state refresh
 
 
 def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *, slow_ratio: float,
@@ -353,7 +354,7 @@ def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *
         if st.error and r.state.live:
             warnings.append(f"{r.ct}/{r.name}: metrics not pulled: {st.error}")
         out.append(st)
-    return StatusReport(tuple(out), tuple(warnings))
+    return StatusReport(tuple(out), tuple(warnings), refreshed.unreached)
 
 
 def watch(inv: Inventory, reg: Registry, pool: Pool, rec: RunRecord, *, until_step: int | None,

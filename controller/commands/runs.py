@@ -220,9 +220,15 @@ def launcher_script(t: Transport, rp: RunPaths, start_script: str, env: dict[str
 def launch(
     inv: Inventory, ct: Container, t: Transport, reg: Registry, name: str | None, *, allow_drift: bool = False,
     force: bool = False, allow_env_mismatch: bool = False, probe_env: bool = True,
+    extra_env: dict[str, str] | None = None, lineage: dict[str, Any] | None = None,
 ) -> tuple[RunRecord, list[Check]]:
     """Claim the name, preflight (one round trip, which also picks the name when none is given), probe the
-    environment against its lock (`probe_env`), start the run in tmux, record it."""
+    environment against its lock (`probe_env`), start the run in tmux, record it. `extra_env` reaches the
+    training's environment (CTL_RESUME_FROM, CTL_PARENT_RUN from a supervisor's restart); `lineage` is recorded
+    with the claim (parent_id, resumed_from, resumed_step), so a restart is never recorded without its parent."""
+    for key in extra_env or {}:
+        if not re.fullmatch(r"CTL_[A-Z0-9_]+", key):
+            raise InputError(f"{key!r} is not a CTL_* variable name")
     if name is not None:
         check_name(name, "run name")
     manifest = pin(inv, ct)
@@ -235,11 +241,12 @@ def launch(
         probed = _probe(inv, ct, t, manifest, None)
         name = _name_after(inv, ct, reg, agent.need(probed, "series_logs"))
     rp = paths_for(inv, name)
-    rec = reg.claim_run(name, ct.name, host=ct.host_name, session=rp.session, log_path=rp.log, run_dir=rp.run_dir)
+    rec = reg.claim_run(name, ct.name, host=ct.host_name, session=rp.session, log_path=rp.log, run_dir=rp.run_dir,
+                        **(lineage or {}))
     try:
         checks = preflight(inv, ct, t, rp, manifest, allow_drift=allow_drift, force=force, doc=probed)
         env = environment.probe_for_launch(inv, ct, t, allow_mismatch=allow_env_mismatch) if probe_env else None
-        run_env = {"CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
+        run_env = {**(extra_env or {}), "CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
         script = launcher_script(t, rp, start[0].dest, run_env)
         command = shlex.join(["tmux", "new-session", "-d", "-s", rp.session, "bash", "-c", script])
         record = {
@@ -398,6 +405,11 @@ def _named(crash: str | None, found: str | None) -> str | None:
     return found
 
 
+def state_of(t: Transport, run: RunRecord) -> tuple[Lifecycle, int | None]:
+    """What the container says of one run now (one round trip), without recording it."""
+    return _state_from(_runstate(t, run))
+
+
 def _runstate(t: Transport, run: RunRecord) -> dict[str, Any]:
     agent = Agent(t)
     doc = agent.call("runstate", {"runs": [{"name": run.name, "log": run.log_path, "session": run.session}]})
@@ -412,6 +424,7 @@ def _runstate(t: Transport, run: RunRecord) -> dict[str, Any]:
 class Refreshed:
     runs: tuple[RunRecord, ...]
     warnings: tuple[str, ...]  # containers that could not be asked (their runs keep their recorded state)
+    unreached: frozenset[str] = frozenset()  # those containers' names
 
 
 def refresh_all(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord]) -> Refreshed:
@@ -426,7 +439,7 @@ def refresh_all(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord]
                      lambda ct, t: refresh(inv, ct, t, reg, by_ct[ct.name]))
     fresh = {r.id: r for o in results if o.value for r in o.value}
     warnings = tuple(f"{o.ct}: state not refreshed: {o.error}" for o in results if not o.ok)
-    return Refreshed(tuple(fresh.get(r.id, r) for r in recs), warnings)
+    return Refreshed(tuple(fresh.get(r.id, r) for r in recs), warnings, frozenset(o.ct for o in results if not o.ok))
 
 
 def recorded(inv: Inventory, reg: Registry, container: str | None, *, limit: int) -> list[RunRecord]:

@@ -28,6 +28,7 @@ Verbs (each prints one JSON document on stdout; exit 0 when "ok" is true):
   cacherestore JSON-ARGS           verify sha256, unpack beside, move the current cache aside (kept), swap in
   envfacts JSON-ARGS               venv symlink/dir, where uv is, which paths are taken (ctl env sync)
   writefile JSON-ARGS              stdin -> a new file (refuses to replace one)
+  ckptscan JSON-ARGS               newest complete checkpoint (manifest present, sha256s match) under given dirs
 """
 
 import hashlib
@@ -754,6 +755,49 @@ def writefile(args, stream):
     return {"ok": True, "path": args["path"], "sha256": _sha(path)}
 
 
+def ckptscan(args):
+    """The newest complete checkpoint under the given directories, tried in order (a failed run's own, then its
+    ancestors'): a step_N/ directory whose manifest.json is there and whose files match its sha256s. A
+    directory without its manifest (half-written when the run died) or with a wrong hash is skipped, and
+    the reply says why."""
+    import re
+    root = args.get("root", "/")
+    skipped = []
+    for item in args.get("dirs", []):
+        base = _under(root, item["dir"])
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        steps = sorted(((int(m.group(1)), n) for n in names if (m := re.match(r"^step_(\d+)$", n))), reverse=True)
+        for step, name in steps:
+            d = os.path.join(base, name)
+            why = _ckpt_problem(d)
+            if why is None:
+                return {"ok": True, "found": {"run": item.get("run"), "dir": item["dir"] + "/" + name,
+                                              "step": step}, "skipped": skipped}
+            skipped.append({"dir": item["dir"] + "/" + name, "why": why})
+    return {"ok": True, "found": None, "skipped": skipped}
+
+
+def _ckpt_problem(d):
+    try:
+        with open(os.path.join(d, "manifest.json")) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except FileNotFoundError:
+        return "no manifest.json (written last: the checkpoint is incomplete)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return "unreadable manifest.json (%s)" % type(e).__name__
+    for name, meta in files.items():
+        path = os.path.join(d, name)
+        if os.path.islink(path) or not os.path.isfile(path):
+            return "%s is missing" % name
+        if _sha(path) != meta.get("sha256"):
+            return "%s does not match its sha256 in the manifest" % name
+    return None
+
+
 def main(argv):
     verb = argv[0]
     if verb == "hashes":
@@ -767,6 +811,8 @@ def main(argv):
     elif verb in ("cachestat", "cachemark", "cachesave", "cacherestore", "envfacts"):
         out = {"cachestat": cachestat, "cachemark": cachemark, "cachesave": cachesave,
                "cacherestore": cacherestore, "envfacts": envfacts}[verb](json.loads(argv[1]))
+    elif verb == "ckptscan":
+        out = ckptscan(json.loads(argv[1]))
     elif verb == "writefile":
         out = writefile(json.loads(argv[1]), sys.stdin.buffer)
     elif verb in ("probe", "runstate", "launch", "stop", "tailinfo"):

@@ -1,0 +1,166 @@
+"""`ctl supervise` (watch, notify, restart) and `ctl events` (what it saw and did)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from controller.cli.app import OPTS, _console, _inv, _out, _registry, app, session
+from controller.errors import InputError
+
+
+def _seconds(text: str, what: str) -> float:
+    from controller.core.metrics import parse_duration
+
+    s = parse_duration(text)
+    if s is None or s <= 0:
+        raise InputError(f"{what}: {text!r} is not a duration such as 30s, 10m, 1h")
+    return s
+
+
+@app.command("supervise")
+def supervise_cmd(
+    targets: list[str] = typer.Argument(None, help="Containers or groups to watch (default: all)."),
+    interval: str | None = typer.Option(None, "--interval", help="Between polls (default: runs.supervise.interval, "
+                                                                  "30s)."),
+    restart: str | None = typer.Option(None, "--restart", help="no | on-failure[:N] | always[:N] (N restarts per "
+                                                                "lineage; default: runs.supervise.restart, no)."),
+    notify: list[str] = typer.Option(None, "--notify", help="https://... (signed JSON), slack:https://..., or "
+                                                            "cmd:PROGRAM (JSON on stdin); repeatable."),
+    backoff: str | None = typer.Option(None, "--backoff", help="Wait before a relaunch, doubling per restart."),
+    stall_after: str | None = typer.Option(None, "--stall-after", help="STALLED when a log is quiet this long."),
+    standby: bool = typer.Option(False, "--standby", help="If another supervisor holds the lease, wait and take "
+                                                          "over when it expires."),
+    once: bool = typer.Option(False, "--once", help="One poll, then exit (cron, tests)."),
+    unit: bool = typer.Option(False, "--unit", help="Print a systemd user unit that runs this command; change "
+                                                    "nothing."),
+) -> None:
+    """Watch every live run: verdict changes become events (`ctl events`) sent to the sinks; with a restart
+    policy a CRASHED or STALLED run is relaunched as the next of its series from its last complete checkpoint.
+    Ctrl-C stops the supervisor; the runs keep training."""
+    if unit:
+        _print_unit()
+        return
+    from controller.commands.supervise import Settings, Supervisor
+    from controller.core.supervision import Policy, Sink
+
+    inv = _inv()
+    spec = inv.model.runs.supervise
+    sinks = tuple(Sink.parse(s) for s in (notify or spec.notify))
+    secret_env = spec.notify_secret_env
+    secret = os.environ.get(secret_env)
+    if any(s.kind == "webhook" for s in sinks) and not secret:
+        raise InputError(f"webhook notifications are signed: set {secret_env} (runs.supervise.notify_secret_env in "
+                         f"{inv.path}) to the shared secret")
+    settings = Settings(
+        interval_s=_seconds(interval or spec.interval, "--interval"),
+        policy=Policy.parse(restart or spec.restart, spec.max_restarts),
+        backoff_s=_seconds(backoff or spec.backoff, "--backoff"),
+        stall_after_s=_seconds(stall_after or spec.stall_after, "--stall-after"),
+        slow_ratio=spec.slow_ratio, sinks=sinks, secret=secret.encode() if secret else None)
+    cts = inv.select(targets or [])
+    reg = _registry()
+    con = _console()
+
+    def on_event(ev: Any) -> None:
+        if OPTS.json:
+            import json
+
+            sys.stdout.write(json.dumps(ev.doc(), default=str) + "\n")
+            sys.stdout.flush()
+        else:
+            con.print(f"{time.strftime('%H:%M:%S')} {ev.summary}" + (f"  -> {ev.action}" if ev.action not in
+                                                                       ("none", "logged") else ""), markup=False)
+
+    sup = Supervisor(inv, reg, settings, cts, lambda: session(inv), on_event=on_event)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        sup.acquire(standby=standby, stop=stop)
+        if not OPTS.json:
+            con.print(f"supervising {', '.join(c.name for c in cts)} every {settings.interval_s:.0f}s "
+                      f"({settings.policy.describe()}; {len(sinks)} sink(s)); Ctrl-C stops watching, runs keep "
+                      "training", markup=False)
+        if once:
+            sup.poll()
+        else:
+            sup.run(stop)
+    except KeyboardInterrupt:
+        if not OPTS.json:
+            con.print("supervisor stopped; the runs keep training", markup=False)
+    finally:
+        sup.release()
+
+
+def _print_unit() -> None:
+    """A systemd user unit: `ctl supervise --unit > ~/.config/systemd/user/ctl-supervise.service`."""
+    args = [a for a in sys.argv[1:] if a != "--unit"]
+    inv = OPTS.inventory or os.environ.get("CTL_INVENTORY") or "inventory.yaml"
+    if "-i" not in args and "--inventory" not in args:
+        args = ["-i", str(Path(inv).resolve()), *args]
+    cmd = shlex.join([sys.executable, "-m", "controller", *args])
+    state = os.environ.get("CTL_STATE_DIR")
+    sys.stdout.write(
+        "[Unit]\n"
+        "Description=ctl supervise: watch training runs, notify, restart from checkpoints\n"
+        "After=network-online.target\n\n"
+        "[Service]\n"
+        f"ExecStart={cmd}\n"
+        f"WorkingDirectory={Path.cwd()}\n"
+        + (f"Environment=CTL_STATE_DIR={state}\n" if state else "")
+        + "# Secrets (the webhook key, PVE tokens) come from a file only you can read:\n"
+          "EnvironmentFile=-%h/.config/ctl/supervise.env\n"
+          "Restart=on-failure\nRestartSec=10\n\n"
+          "[Install]\nWantedBy=default.target\n")
+
+
+@app.command("events")
+def events_cmd(
+    run: str | None = typer.Argument(None, help="Only this run (NAME, CT/NAME or #ID)."),
+    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new events (Ctrl-C ends)."),
+    limit: int = typer.Option(50, "-n", "--limit", help="How many of the newest events to show first."),
+) -> None:
+    """What `ctl supervise` saw and did: verdict changes, restarts, give-ups, failed notifications."""
+    reg = _registry()
+    run_id = reg.find_run(run).id if run else None
+    every = reg.events(run_id, limit=1_000_000)
+    shown = every[-limit:] if limit > 0 else []
+    last = every[-1]["id"] if every else 0
+    if OPTS.json and not follow:
+        _out(shown)
+        return
+    con = _console()
+
+    def emit(evs: list[dict[str, Any]]) -> None:
+        for e in evs:
+            if OPTS.json:  # with --follow: one JSON document a line
+                import json
+
+                sys.stdout.write(json.dumps(e, default=str) + "\n")
+            else:
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e.get("time", 0))))
+                con.print(f"{when}  {e['summary']}" + (f"  -> {e['action']}" if e.get("action") not in
+                                                        (None, "none", "logged") else ""), markup=False)
+        sys.stdout.flush()
+
+    emit(shown)
+    if not every and not follow and not OPTS.json:
+        con.print("no events recorded" + (f" for {run}" if run else "") + " (`ctl supervise` records them)")
+    try:
+        while follow:
+            time.sleep(1.0)
+            new = reg.events(run_id, after=last)
+            if new:
+                last = new[-1]["id"]
+                emit(new)
+    except KeyboardInterrupt:
+        pass
+
