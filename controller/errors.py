@@ -133,6 +133,8 @@ class RemoteCommandError(CtlError):
         self, where: str, argv: Sequence[str], returncode: int, stderr: str = "", *, what: str | None = None
     ) -> None:
         tail = " | ".join(line for line in stderr.strip().splitlines()[-3:] if line.strip())
+        if len(tail) > 600:  # stderr is the far side's: one error line stays one readable line
+            tail = tail[:600] + f" ... [cut: {len(tail) - 600} chars]"
         cmd = shlex.join(argv)
         if len(cmd) > 160:
             cmd = cmd[:157] + "..."

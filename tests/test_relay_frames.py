@@ -34,3 +34,17 @@ def test_session_env_keeps_no_secrets(tmp_path: Path) -> None:
                        "CTL_PERSIST": "60", "CTL_STATE_DIR": "/elsewhere", "PYTHONPATH": "/opt/lib"}, tmp_path)
     assert env == {"PATH": "/usr/bin", "HOME": "/root", "LC_ALL": "C.UTF-8", "CTL_STATE_DIR": str(tmp_path),
                    "PYTHONPATH": "/opt/lib"}
+
+
+def test_a_frame_header_claiming_too_much_is_a_protocol_error_not_an_allocation() -> None:
+    import pytest
+
+    from controller.transport.relay import MAX_FRAME, FrameError
+
+    ok = HEADER.pack(b"O", 1, 2) + b"hi"
+    huge = HEADER.pack(b"O", 1, 0xFFFFFFFF) + b"x" * 10  # a 4 GiB frame, as a hostile stream would claim
+    got = frames([ok, huge])
+    assert next(got) == (b"O", 1, b"hi")  # what came before the bad header is delivered
+    with pytest.raises(FrameError, match="protocol error"):
+        next(got)
+    assert list(frames([HEADER.pack(b"O", 1, MAX_FRAME) + b"y" * MAX_FRAME])) == [(b"O", 1, b"y" * MAX_FRAME)]

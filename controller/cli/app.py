@@ -16,6 +16,8 @@ from typing import Any
 
 import typer
 
+from controller.core.terminal import clean, clean_line
+
 app = typer.Typer(
     name="ctl",
     help="Operate GPU training runs in Proxmox VE LXC containers: deploy, launch, follow, compare.",
@@ -61,7 +63,7 @@ def _inv() -> Any:
 def _note(msg: str) -> None:
     """What --debug adds on stderr: how ctl reached the containers (relay or not, and why)."""
     if OPTS.debug:
-        sys.stderr.write(f"ctl: debug: {msg}\n")
+        sys.stderr.write(f"ctl: debug: {clean_line(msg)}\n")
 
 
 def _out(obj: Any) -> None:
@@ -69,19 +71,34 @@ def _out(obj: Any) -> None:
 
 
 def _console() -> Any:
+    """Where the cli prints for people: a rich console that also strips escape sequences from every string
+    it is given (core/terminal.py); text from a container still needs markup=False or `_esc` at the call."""
     from rich.console import Console
 
-    return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+    class _SafeConsole(Console):
+        def print(self, *objects: Any, **kwargs: Any) -> None:
+            super().print(*(clean(o) if isinstance(o, str) else o for o in objects), **kwargs)
+
+    return _SafeConsole(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+
+
+def _esc(text: Any) -> str:
+    """Text that may come from a container, for a string printed with markup on: no control bytes, no newline,
+    its `[` escaped so that `[link=...]` or `[conceal]` stay literal."""
+    from rich.markup import escape
+
+    return escape(clean_line(str(text)))
 
 
 def _table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
     from rich.table import Table
 
-    t = Table(title=title, title_justify="left", box=None, pad_edge=False, header_style="bold")
+    t = Table(title=None if title is None else _esc(title), title_justify="left", box=None, pad_edge=False,
+              header_style="bold")
     for c in columns:
         t.add_column(c)
     for r in rows:
-        t.add_row(*[("" if v is None else str(v)) for v in r])
+        t.add_row(*[("" if v is None else _esc(v)) for v in r])
     _console().print(t)
 
 
@@ -121,7 +138,7 @@ def _run_and_ct(inv: Any, reg: Any, ref: str) -> tuple[Any, Any]:
 
 def _warn(lines: Any) -> None:
     for line in lines:
-        sys.stderr.write(f"ctl: warning: {line}\n")
+        sys.stderr.write(f"ctl: warning: {clean_line(str(line))}\n")
 
 
 def _ago(ts: float | None) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from controller.cli.app import OPTS, _console, _inv, _out, _registry, app, session
+from controller.cli.app import OPTS, _console, _esc, _inv, _out, _registry, app, session
 from controller.errors import CtlError, ExitCode, InputError
 
 
@@ -56,7 +56,7 @@ def deploy_cmd(
         con = _console()
         for r in results:
             if not r.ok or r.value is None:
-                con.print(f"{r.ct:<12} [red]FAILED[/red] {r.error}")
+                con.print(f"{r.ct:<12} [red]FAILED[/red] {_esc(r.error)}")
                 continue
             res = r.value
             con.print(f"{r.ct:<12} {res.summary()}")
@@ -111,7 +111,7 @@ def _render_check(checks: list[Any]) -> None:
     con = _console()
     for r in checks:
         if not r.ok:
-            con.print(f"{r.ct:<12} [red]FAILED[/red] {r.error}")
+            con.print(f"{r.ct:<12} [red]FAILED[/red] {_esc(r.error)}")
             continue
         bad = [p for p in r.value if p.action != "same"]
         con.print(f"{r.ct:<12} " + ("no drift" if not bad else f"[yellow]DRIFT[/yellow] in {len(bad)} file(s)"))

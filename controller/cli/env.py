@@ -21,6 +21,7 @@ from controller.errors import BusyError, CtlError, ExitCode
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
 _console, _inv, _out, _registry, _table = _cli._console, _cli._inv, _cli._out, _cli._registry, _cli._table
+_esc = _cli._esc
 
 env_app = typer.Typer(help="The training venv against its lock: probe, check, lock, diff, sync.", no_args_is_help=True)
 cache_app = typer.Typer(help="The torch.compile cache: status, save, restore, warm (nothing deletes a cache).",
@@ -76,7 +77,7 @@ def probe_cmd(container: str = typer.Argument(..., help="The container to probe.
     for k, v in rows:
         con.print(f"{k:<14} {v}", markup=False)
     for section, err in sorted(p.errors.items()):
-        con.print(f"[yellow]{section}: {err}[/yellow]")
+        con.print(f"[yellow]{_esc(section)}: {_esc(err)}[/yellow]")
 
 
 @env_app.command("check")
@@ -268,8 +269,8 @@ def cache_restore_cmd(
     if res.aside:
         con.print(f"  the previous cache is kept at {res.aside}", markup=False)
     if res.forced and res.torch_build != res.live_torch_build:
-        con.print(f"[yellow]  forced: saved by torch {res.torch_build}, container runs {res.live_torch_build}"
-                  "[/yellow]")
+        con.print(f"[yellow]  forced: saved by torch {_esc(res.torch_build)}, container runs "
+                  f"{_esc(res.live_torch_build)}[/yellow]")
 
 
 @cache_app.command("warm")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from controller.cli.app import OPTS, _console, _inv, _out, _table, app, session
+from controller.cli.app import OPTS, _console, _esc, _inv, _out, _table, app, session
 
 
 @app.command("inventory")
@@ -42,5 +42,5 @@ def ping_cmd(containers: list[str] = typer.Argument(None, help="Containers or gr
             if r.ok and r.value:
                 con.print(f"{r.ct:<12} ok    rtt {r.value['rtt_ms']:.1f} ms (first {r.value['first_ms']:.1f} ms)")
             else:
-                con.print(f"{r.ct:<12} [red]FAIL[/red]  {r.error}")
+                con.print(f"{r.ct:<12} [red]FAIL[/red]  {_esc(r.error)}")
     raise typer.Exit(worst(results))

@@ -23,6 +23,7 @@ from controller.cli import runs as _runs  # noqa: F401
 from controller.cli import snapshot as _snapshot  # noqa: F401
 from controller.cli import supervise as _supervise  # noqa: F401
 from controller.cli.app import OPTS, app
+from controller.core.terminal import clean_line
 from controller.errors import CtlError, ExitCode
 
 __all__ = ["OPTS", "app", "main"]
@@ -44,7 +45,7 @@ def main() -> None:
             import traceback
 
             traceback.print_exc()
-        sys.stderr.write(f"ctl: error: {e}\n")
+        sys.stderr.write(f"ctl: error: {clean_line(str(e))}\n")  # may quote a container's text: no escapes
         sys.exit(int(e.exit_code))
     except typer.Exit as e:
         sys.exit(e.exit_code)

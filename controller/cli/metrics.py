@@ -23,6 +23,7 @@ app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
 _console, _inv, _out, _registry, _warn, session = _cli._console, _cli._inv, _cli._out, _cli._registry, _cli._warn, \
     _cli.session
+_esc = _cli._esc
 
 metrics_app = typer.Typer(help="Pull a run's metrics (only new log bytes travel) and export them.",
                           no_args_is_help=True)
@@ -73,7 +74,7 @@ def pull_cmd(
         return
     con = _console()
     if res.reset:
-        con.print(f"[yellow]{res.run}: log {res.reset}: read again from byte 0[/yellow]")
+        con.print(f"[yellow]{res.run}: log {_esc(res.reset)}: read again from byte 0[/yellow]")
     last = res.last
     con.print(f"{res.run}: {res.fetched:,} new log bytes in {res.calls} call(s) ({res.start:,} -> {res.offset:,} "
               f"of {res.size:,}), {res.new_points} new point(s)"
@@ -82,7 +83,7 @@ def pull_cmd(
     if res.crash:
         con.print(f"  [red]crash signature: {res.crash}[/red]")
     if res.files_changed:
-        con.print(f"  [yellow]deployed files changed since launch: {', '.join(res.files_changed)}[/yellow]")
+        con.print(f"  [yellow]deployed files changed since launch: {_esc(', '.join(res.files_changed))}[/yellow]")
     for path, sha in res.checkpoints.items():
         con.print(f"  checkpoint {sha[:16]}  {path}", markup=False)
 
@@ -109,7 +110,7 @@ def export_cmd(
         with session(inv) as pool:
             got = monitor.pull_many(inv, reg, pool, [rec], None).get(rec.id)
         if isinstance(got, str):
-            sys.stderr.write(f"ctl: warning: {rec.ct}/{rec.name}: not pulled, exporting stored points: {got}\n")
+            _warn([f"{rec.ct}/{rec.name}: not pulled, exporting stored points: {got}"])
     points = monitor.stored_points(reg, rec)
     if output is None:
         plot.export_points(points, fmt, sys.stdout)
@@ -173,15 +174,15 @@ def _render_status(sts: list[Any]) -> None:
             s.run.ct, s.run.name, s.run.state, v.step if v.step is not None else "-",
             f"{last.loss:.4f}" if last and last.loss is not None else "-",
             format_rate(last.tok_s if last else None), format_eta(last.eta_s if last else None),
-            sparkline(list(s.tok_s_history)), f"[{c}]{label}[/{c}]" if c else label, v.reason,
+            sparkline(list(s.tok_s_history)), f"[{c}]{label}[/{c}]" if c else label, _esc(v.reason),
         ])
     from rich.table import Table
 
     t = Table(box=None, pad_edge=False, header_style="bold")
     for col in ("ct", "run", "state", "step", "loss", "tok/s", "ETA", "tok/s trend", "verdict", "why"):
         t.add_column(col)
-    for row in rows:
-        t.add_row(*[str(x) for x in row])
+    for row in rows:  # every cell but the verdict (ctl's own markup) escaped: names and reasons are text
+        t.add_row(*[x if i == 8 else _esc(x) for i, x in enumerate(row)])
     _console().print(t)
 
 
@@ -306,7 +307,7 @@ def plot_cmd(
         for rid, got in pulled.items():
             if isinstance(got, str):
                 r = reg.run_by_id(rid)
-                sys.stderr.write(f"ctl: warning: {r.ct}/{r.name}: not pulled, plotting stored points: {got}\n")
+                _warn([f"{r.ct}/{r.name}: not pulled, plotting stored points: {got}"])
     series = {f"{r.ct}/{r.name}" if len({x.name for x in recs}) < len(recs) else r.name:
               monitor.stored_points(reg, r) for r in recs}
     base = None if no_baseline else monitor.baseline_rate(reg, monitor.resolve_baseline(inv, reg, recs[-1]))

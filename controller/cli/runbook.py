@@ -19,6 +19,7 @@ from typing import Any
 import typer
 
 from controller.cli import app as _cli
+from controller.core.terminal import clean_line
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
@@ -71,7 +72,7 @@ def _print_step(r: Any) -> None:
     from rich.markup import escape
 
     con.print(f"{indent}{escape(r.path):<{26 - len(indent)}} {escape(r.label):<24} {outcome} {r.seconds:6.2f}s  "
-              f"{escape(r.detail)}" + (f"  -> on {r.branch}" if r.branch else ""))
+              f"{_cli._esc(r.detail)}" + (f"  -> on {escape(r.branch)}" if r.branch else ""))
     for line in r.lines:
         con.print(f"{indent}    {line}", markup=False)
 
@@ -117,8 +118,8 @@ def run_cmd(
         con.print(f"runbook {book.name}: " + ("plan ok" if dry_run else "ok") + f" ({len(res.steps)} steps)",
                   markup=False)
     if not res.ok:
-        sys.stderr.write(f"ctl: error: runbook {book.name} failed at {res.failed_at} (exit {res.exit_code}): "
-                         f"{res.message}\n")
+        sys.stderr.write(clean_line(f"ctl: error: runbook {book.name} failed at {res.failed_at} "
+                                    f"(exit {res.exit_code}): {res.message}") + "\n")
     raise typer.Exit(res.exit_code)
 
 

@@ -13,6 +13,7 @@ from controller.cli.app import (
     OPTS,
     _ago,
     _console,
+    _esc,
     _inv,
     _one_ct,
     _out,
@@ -51,7 +52,7 @@ def launch_cmd(
         con = _console()
         for c in checks:
             mark = "ok" if c.ok else "[yellow]FORCED[/yellow]"
-            con.print(f"  {c.name:<10} {mark:<6} {c.detail}")
+            con.print(f"  {c.name:<10} {mark:<6} {_esc(c.detail)}")
         con.print(f"launched {rec.name} on {ct.name}: tmux session {rec.session}, log {rec.log_path}")
         if follow:
             raise typer.Exit(_follow(t, reg, rec, -1, True))
@@ -66,7 +67,7 @@ def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool) -> int:
     status = con.status(f"following {rec.ct}/{rec.name}") if live else None
 
     def emit(line: str) -> None:
-        con.print(line, markup=False)
+        con.print(line, markup=False)  # the console strips escape sequences; markup off keeps [..] literal
         if status is not None:  # the latest metric line, as a status line under the log
             p = metrics.parse_line(line)
             if isinstance(p, metrics.MetricPoint):

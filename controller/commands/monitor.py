@@ -34,7 +34,7 @@ from controller.errors import BusyError, CtlError, InputError
 from controller.inventory import Container, Inventory
 from controller.lifecycle import Lifecycle
 from controller.registry import Registry, RunRecord
-from controller.remote.client import Agent
+from controller.remote.client import Agent, AgentReplyError
 from controller.settings import DEFAULT_CHECKPOINT_GLOB, checkpoint_glob
 from controller.transport.base import Transport
 from controller.transport.pool import Pool
@@ -103,6 +103,7 @@ def pull(
             if header.get("code") == "missing":
                 raise InputError(f"{run.ct}: log {run.log_path} of run {run.name} does not exist")
             raise CtlError(f"{run.ct}: cannot read {run.log_path}: {header.get('error')}")
+        _check_header(agent, header)
         if calls == 1:
             found = header
         if header.get("reset"):
@@ -135,6 +136,22 @@ def pull(
         last=last, log_mtime=header.get("mtime"), remote_now=header.get("now"), files_changed=files_changed,
         checkpoints=ckpts,
     )
+
+
+def _check_header(agent: Agent, header: dict[str, Any]) -> None:
+    """A logread header with what pull reads from it, of the types it reads (else one line naming the CT)."""
+    for key, kind in (("offset", int), ("size", int), ("ident", str)):
+        agent.need(header, key, kind)
+    if not isinstance(header.get("reset"), str | None) or not all(
+            isinstance(header.get(k), float | int | None) for k in ("now", "mtime")):
+        raise AgentReplyError(f"{agent.name}: agent logread: reply header has a malformed reset, now or mtime")
+    for key in ("files", "checkpoints"):
+        hashes = header.get(key) or {}
+        if not isinstance(hashes, dict) or not all(
+                h is None or (isinstance(h, dict) and isinstance(h.get("sha256"), str)
+                              and isinstance(h.get("size"), int) and isinstance(h.get("mtime_ns"), int))
+                for h in hashes.values()):
+            raise AgentReplyError(f"{agent.name}: agent logread: reply header has malformed {key!r}")
 
 
 def _hash_args(reg: Registry, run: RunRecord, checkpoints: str | None) -> dict[str, Any]:

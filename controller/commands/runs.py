@@ -19,6 +19,7 @@ from typing import Any
 from controller.commands import environment
 from controller.commands.deploy import Manifest, pin
 from controller.commands.fanout import fanout
+from controller.core.loglines import LineSplitter
 from controller.errors import (
     BusyError,
     ClobberError,
@@ -89,7 +90,7 @@ def next_name(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> str
     """The next of the series (one agent round trip to list the container's logs)."""
     agent = Agent(t)
     doc = agent.call("probe", {"series_glob": _series_glob(inv)})
-    return _name_after(inv, ct, reg, agent.need(doc, "series_logs"))
+    return _name_after(inv, ct, reg, agent.need(_checked_probe(agent, doc), "series_logs", list))
 
 
 # --- preflight -----------------------------------------------------------------------------------
@@ -113,7 +114,37 @@ def _probe(inv: Inventory, ct: Container, t: Transport, manifest: Manifest, rp: 
         args.update(series_glob=_series_glob(inv), sessions=True, log=runs.log.replace("{run}", runs.series + "0"))
     else:
         args.update(session=rp.session, log=rp.log, run_dir=rp.run_dir)
-    return Agent(t).call("probe", args)
+    agent = Agent(t)
+    return _checked_probe(agent, agent.call("probe", args))
+
+
+def _checked_probe(agent: Agent, doc: dict[str, Any]) -> dict[str, Any]:
+    """The probe's answer with each part the preflight reads of the shape it reads, else one line naming
+    the container (a foreign python3 or a broken agent, never a traceback)."""
+    def bad(what: str) -> AgentReplyError:
+        return AgentReplyError(f"{agent.name}: agent probe: malformed {what} in its reply")
+
+    files = agent.need(doc, "files", dict)
+    if not all(h is None or (isinstance(h, dict) and isinstance(h.get("sha256", ""), str)) for h in files.values()):
+        raise bad("'files'")
+    for key in ("tmux", "log", "disk", "gpus", "run_dir"):
+        if not isinstance(doc.get(key, {}), dict):
+            raise bad(repr(key))
+    tmux = doc.get("tmux", {})
+    if not isinstance(tmux.get("sessions", []), list) or not isinstance(tmux.get("error", ""), str):
+        raise bad("'tmux'")
+    if not isinstance(doc.get("disk", {}).get("free"), int | None):
+        raise bad("'disk'")
+    if "series_logs" in doc and not (isinstance(doc["series_logs"], list)
+                                     and all(isinstance(n, str) for n in doc["series_logs"])):
+        raise bad("'series_logs'")
+    gpus = doc.get("gpus", {})
+    if not isinstance(gpus.get("error", ""), str) or not isinstance(gpus.get("gpus", []), list) or not all(
+            isinstance(g, dict) and isinstance(g.get("index"), int) and isinstance(g.get("procs"), list)
+            and all(isinstance(p, dict) for p in g["procs"]) and isinstance(g.get("used_mib"), int | float)
+            for g in gpus.get("gpus", [])):
+        raise bad("'gpus'")
+    return doc
 
 
 def preflight(
@@ -122,13 +153,12 @@ def preflight(
 ) -> list[Check]:
     """Judge the probe (one agent round trip, or `doc` when the launch already made it); raises the first
     failing check as its own error (and exit code)."""
-    if doc is None:
-        doc = _probe(inv, ct, t, manifest, rp)
+    doc = _probe(inv, ct, t, manifest, rp) if doc is None else _checked_probe(Agent(t), doc)
     checks: list[Check] = [Check("container", True, "running")]
 
     drift = []
     for f in manifest.files:
-        h = Agent(t).need(doc, "files").get(f.dest)
+        h = doc["files"].get(f.dest)
         if h is None:
             drift.append(f"{f.dest} missing")
         elif h.get("sha256") != f.sha256:
@@ -239,7 +269,7 @@ def launch(
     probed = None
     if name is None:  # one round trip picks the name and answers the preflight
         probed = _probe(inv, ct, t, manifest, None)
-        name = _name_after(inv, ct, reg, agent.need(probed, "series_logs"))
+        name = _name_after(inv, ct, reg, agent.need(probed, "series_logs", list))
     rp = paths_for(inv, name)
     rec = reg.claim_run(name, ct.name, host=ct.host_name, session=rp.session, log_path=rp.log, run_dir=rp.run_dir,
                         **(lineage or {}))
@@ -257,6 +287,7 @@ def launch(
         }
         doc = agent.call("launch", {"log": rp.log, "session": rp.session, "script": script, "env": run_env,
                                     "record": record})
+        agent.need(doc, "started", (float, int))
     except BaseException:
         reg.release_run(rec.id)
         raise
@@ -285,9 +316,7 @@ def refresh(inv: Inventory, ct: Container, t: Transport, reg: Registry, runs: li
         return runs
     agent = Agent(t)
     doc = agent.call("runstate", {"runs": [{"name": r.name, "log": r.log_path, "session": r.session} for r in live]})
-    states = agent.need(doc, "runs")
-    if not isinstance(states, list) or len(states) != len(live):
-        raise AgentReplyError(f"{ct.name}: agent runstate answered {len(states)} states for {len(live)} runs")
+    states = _states(ct.name, agent.need(doc, "runs", list), len(live))
     updated = {}
     for r, st in zip(live, states, strict=True):
         state, code = _state_from(st)
@@ -346,13 +375,13 @@ def follow(
     if not info.get("ok"):
         raise InputError(f"{run.ct}: cannot read {run.log_path}: {info.get('error')}")
     crash = None
-    for line in str(agent.need(info, "text")).splitlines():
+    for line in agent.need(info, "text", str).splitlines():
         emit(line)
         crash = _named(crash, detect(line))
-    offset = int(agent.need(info, "size")) if lines >= 0 else 0  # lines < 0: the whole log, from its first byte
+    offset = agent.need(info, "size", int) if lines >= 0 else 0  # lines < 0: the whole log, from its first byte
     if not follow:
         return FollowEnd(run.exit_status, crash, run.state)
-    pending = b""
+    splitter = LineSplitter()  # holds at most LINE_CAP bytes of an unfinished line, however long it gets
     crash_at: float | None = None
     tries = 0
     while True:
@@ -367,9 +396,7 @@ def follow(
             for kind, data in t.stream(argv, idle=0.5):
                 if kind == "out":
                     offset += len(data)
-                    pending += data
-                    *complete, pending = pending.split(b"\n")
-                    for raw in complete:
+                    for raw in splitter.feed(data):
                         line = raw.decode("utf-8", "replace")
                         emit(line)
                         crash = _named(crash, detect(line))
@@ -385,8 +412,8 @@ def follow(
             if tries > reconnects:
                 raise
             time.sleep(min(2.0, 0.2 * tries))
-    if pending:
-        emit(pending.decode("utf-8", "replace"))
+    for raw in splitter.flush():
+        emit(raw.decode("utf-8", "replace"))
     st = _runstate(t, run)
     state, code = _state_from(st)
     if crash is not None and state == Lifecycle.RUNNING:
@@ -413,11 +440,16 @@ def state_of(t: Transport, run: RunRecord) -> tuple[Lifecycle, int | None]:
 def _runstate(t: Transport, run: RunRecord) -> dict[str, Any]:
     agent = Agent(t)
     doc = agent.call("runstate", {"runs": [{"name": run.name, "log": run.log_path, "session": run.session}]})
-    states = agent.need(doc, "runs")
-    if not isinstance(states, list) or len(states) != 1 or not isinstance(states[0], dict):
-        raise AgentReplyError(f"{run.ct}: agent runstate answered {states!r:.60} for one run")
-    st: dict[str, Any] = states[0]
-    return st
+    return _states(run.ct, agent.need(doc, "runs", list), 1)[0]
+
+
+def _states(ct: str, states: list[Any], n: int) -> list[dict[str, Any]]:
+    """The agent's runstate answer for n runs, checked: one dict each, numbers where numbers go."""
+    if len(states) != n or not all(
+            isinstance(st, dict) and all(isinstance(st.get(k), int | None) for k in ("exit", "pid", "log_size"))
+            for st in states):
+        raise AgentReplyError(f"{ct}: agent runstate answered {str(states)[:60]!r} for {n} run(s)")
+    return states
 
 
 @dataclass(frozen=True)

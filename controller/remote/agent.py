@@ -34,6 +34,7 @@ Verbs (each prints one JSON document on stdout; exit 0 when "ok" is true):
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -382,27 +383,53 @@ def stop(args):
             "alive": _pid_alive(pid) if pid else False}
 
 
+# A log's tail as `ctl tail` shows it: at most TAIL_WINDOW bytes are read from the end, lines end at \n, \r\n
+# or \r (tqdm redraws with \r), each is cut to LINE_CAP bytes. The same rules as controller/core/loglines.py
+# (this file is stdlib only and imports nothing of ctl).
+TAIL_WINDOW = 1 << 20
+LINE_CAP = 4096
+
+
+def _tail_lines(data, partial_first):
+    """Lines of `data` (no separators), the unfinished last one included, each cut to LINE_CAP bytes; an
+    empty line ended by a bare \r (a progress bar's redraw) is left out. With `partial_first`, the first
+    line started before `data` did: only its last LINE_CAP bytes are kept, marked."""
+    out = []
+    pos = 0
+    seps = [*re.finditer(b"\r\n|\r|\n", data), None]
+    for m in seps:
+        seg = data[pos:m.start()] if m is not None else data[pos:]
+        if m is None and not seg:
+            break
+        if seg or m is None or m.group() != b"\r":
+            if pos == 0 and partial_first:
+                seg = b"[cut: started before the last %d bytes] ... " % len(data) + seg[-LINE_CAP:]
+            elif len(seg) > LINE_CAP:
+                seg = seg[:LINE_CAP] + b" ... [cut: %d bytes]" % (len(seg) - LINE_CAP)
+            out.append(seg)
+        if m is not None:
+            pos = m.end()
+    return out
+
+
 def tailinfo(args):
-    """Size of the log and its last N lines (read from the end, not the whole file)."""
+    """Size of the log and its last N lines, from at most its last TAIL_WINDOW bytes (never the whole file:
+    a log whose last line is a long run of progress updates is read once, and answers a bounded reply)."""
     path = _under(args.get("root", "/"), args["log"])
     n = int(args.get("lines", 20))
     try:
-        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            start = max(0, size - TAIL_WINDOW)
+            f.seek(start)
+            data = f.read(size - start)
     except OSError as e:
         return {"ok": False, "error": _describe(e)}
-    block = 1 << 16
-    data = b""
-    with open(path, "rb") as f:
-        pos = size
-        while pos > 0 and data.count(b"\n") <= n:
-            step = min(block, pos)
-            pos -= step
-            f.seek(pos)
-            data = f.read(step) + data
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines = lines[:-1]
-    text = b"\n".join(lines[-n:]) + (b"\n" if lines[-n:] else b"") if n > 0 else b""
+    lines = _tail_lines(data, start > 0 and not data.startswith((b"\n", b"\r"))) if n > 0 else []
+    if start > 0 and len(lines) > n:
+        lines = lines[1:]  # the partial first line is only shown when fewer than N lines follow it
+    lines = lines[-n:] if n > 0 else []
+    text = b"".join(line + b"\n" for line in lines)
     return {"ok": True, "size": size, "text": text.decode("utf-8", "replace")}
 
 

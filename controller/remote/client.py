@@ -47,6 +47,10 @@ ERRORS: Mapping[str, tuple[type[CtlError], str]] = {
 
 POSITIONAL = frozenset({"hashes", "sync", "apply"})
 
+#: The largest answer (stdout + stderr) ctl accepts from one agent verb; logread's raw bytes come on top.
+#: Every verb answers far less; more is a foreign python3 or a runaway, refused with one line.
+MAX_REPLY = 16 << 20
+
 
 class AgentReplyError(CtlError):
     """The agent answered something it never writes: a bug, a foreign python3, or a cut connection."""
@@ -87,6 +91,7 @@ class Agent:
              timeout: float | None = None, check: bool = True) -> dict[str, Any]:
         """Run one verb; its answer. With `check`, a refusal ({"ok": false}) raises what its code names."""
         res = self.t.run(self.argv(verb, args), stdin=agent_source() + payload, timeout=timeout)
+        self.bounded(verb, res, MAX_REPLY)
         doc = self.parse(verb, res)
         if check and not doc.get("ok"):
             raise self.error(doc)
@@ -99,10 +104,13 @@ class Agent:
         argv = self.argv(verb, args)
         stdin = agent_source()
         res = self.t.run(argv, stdin=stdin, timeout=timeout)
+        self.bounded(verb, res, MAX_REPLY + int(args.get("max_bytes", 8 << 20)))
         head, sep, data = res.stdout.partition(b"\n")
         doc = self.json_line(head) if sep else None
         if doc is None:
             self.fail(verb, res)
+        if doc.get("ok") and not isinstance(doc.get("length"), int):
+            raise AgentReplyError(f"{self.name}: agent {verb}: reply header lacks a byte count")
         if doc.get("ok") and len(data) != doc.get("length"):
             raise ConnectionFailed(f"{self.name}: {verb} cut short: {len(data)} of {doc.get('length')} bytes "
                                    "arrived")
@@ -138,12 +146,23 @@ class Agent:
         raise RemoteCommandError(self.name, ["python3", "<agent>", verb], res.returncode, res.err,
                                  what=f"agent {verb}")
 
-    def need(self, doc: Mapping[str, Any], key: str) -> Any:
-        """doc[key], or one line naming the container and the key the agent's answer lacked."""
+    def need(self, doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...] | None = None) -> Any:
+        """doc[key], or one line naming the container and the key the agent's answer lacked; with `kind`,
+        also one line when the value is not of that type (an int is not a bool here)."""
         try:
-            return doc[key]
+            value = doc[key]
         except (KeyError, TypeError):
             raise AgentReplyError(f"{self.name}: agent reply lacks {key!r}") from None
+        if kind is not None and (not isinstance(value, kind) or (isinstance(value, bool) and kind is int)):
+            raise AgentReplyError(f"{self.name}: agent reply's {key!r} is {type(value).__name__}, not "
+                                  + (kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)))
+        return value
+
+    def bounded(self, verb: str, res: Result, limit: int) -> None:
+        """Refuse an answer larger than `limit` bytes with one line (a reply is never shown or parsed whole)."""
+        size = len(res.stdout) + len(res.stderr)
+        if size > limit:
+            raise AgentReplyError(f"{self.name}: agent {verb}: reply of {size:,} bytes refused (limit {limit:,})")
 
     @staticmethod
     def json_line(line: bytes) -> dict[str, Any] | None:
@@ -163,6 +182,7 @@ class Agent:
         if cache_dir:
             argv += ["--cache-dir", self.t.path(cache_dir)]
         res = self.t.run(argv, stdin=source("probe_env.py"), timeout=120)
+        self.bounded("env probe", res, MAX_REPLY)
         doc = self.json_line(res.stdout.strip())
         if doc is None:
             if res.returncode == 127 or "python3: not found" in res.err:

@@ -36,15 +36,27 @@ BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl
 # The host's own python3 first: a PATH python3 may be a shim or a venv of the login shell's rc files.
 _START = 'p=/usr/bin/python3; [ -x "$p" ] || p=python3; exec "$p" -I -S -c "$0" "$@"'
 _CHUNK = 1 << 16
+#: The longest frame accepted. The relay sends at most _CHUNK bytes of output per frame and ctl's own frames
+#: (an argv, a stdin chunk) stay far below this; a header claiming more is a protocol error, never a buffer
+#: of that size (the length field alone could ask for 4 GiB).
+MAX_FRAME = 4 << 20
+
+
+class FrameError(ConnectionFailed):
+    """A frame header that no relay or session writes: the stream is not (or no longer) the protocol."""
 
 
 def frames(chunks: Iterable[bytes]) -> Iterator[tuple[bytes, int, bytes]]:
-    """(kind, stream id, data) frames out of a byte stream that arrives in chunks of any size."""
+    """(kind, stream id, data) frames out of a byte stream that arrives in chunks of any size; FrameError
+    for a frame longer than MAX_FRAME."""
     buf = bytearray()
     for data in chunks:
         buf += data
         while len(buf) >= HEADER.size:
             kind, sid, n = HEADER.unpack_from(buf)
+            if n > MAX_FRAME:
+                raise FrameError(f"protocol error: a frame of {n:,} bytes (kind {kind!r}, stream {sid}; "
+                                 f"the limit is {MAX_FRAME:,})")
             if len(buf) < HEADER.size + n:
                 break
             payload = bytes(buf[HEADER.size:HEADER.size + n])
@@ -142,7 +154,7 @@ class HostRelay:
         while True:
             if len(buf) >= HEADER.size:
                 kind, _sid, n = HEADER.unpack(buf[:HEADER.size])
-                if kind != b"H":
+                if kind != b"H" or n > MAX_FRAME:
                     return None
                 if len(buf) >= HEADER.size + n:
                     rest = buf[HEADER.size + n:]
@@ -194,6 +206,11 @@ class HostRelay:
                 self._dispatch(kind, sid, payload)
         except (OSError, EOFError) as e:
             self._fail(ConnectionDropped(f"SSH connection dropped: {e or type(e).__name__}"))
+            return
+        except FrameError as e:  # nothing after a bad header can be trusted: end the channel and its streams
+            self._fail(RelayExited(f"ctl's relay: {e.message}"))
+            with contextlib.suppress(OSError, EOFError):
+                chan.close()
             return
         status = chan.recv_exit_status() if chan.exit_status_ready() else -1
         self._fail(ConnectionDropped("SSH connection dropped") if status == -1
