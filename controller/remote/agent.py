@@ -815,6 +815,95 @@ def sync(root, store, deploy_id, stream):
     return out
 
 
+# --- the store (ctl store status / prune) ----------------------------------------------------------------
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _store_open(args):
+    """(objects, deploys) descriptors of an existing store, or None when there is none yet."""
+    root = args["root"]
+    try:
+        fd = _opendir(root, _container_path(root, args["store"]))
+    except FileNotFoundError:
+        return None
+    try:
+        out = []
+        for sub in ("objects", "deploys"):
+            try:
+                out.append(os.open(sub, _DIRFLAGS | _NOFOLLOW, dir_fd=fd))
+            except FileNotFoundError:
+                out.append(None)
+        return out
+    finally:
+        os.close(fd)
+
+
+def storelist(args):
+    """Every object of the store (bytes, mode, mtime; stray temporary copies apart) and every deploy record."""
+    fds = _store_open(args)
+    out = {"ok": True, "now": time.time(), "objects": {}, "temps": {}, "deploys": []}
+    if fds is None:
+        return out
+    ofd, dfd = fds
+    try:
+        for name in (os.listdir(ofd) if ofd is not None else []):
+            st = os.stat(name, dir_fd=ofd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            doc = {"bytes": st.st_size, "mode": "%04o" % stat.S_IMODE(st.st_mode), "mtime": st.st_mtime}
+            if len(name) == 64 and set(name) <= _HEX:
+                out["objects"][name] = doc
+            elif name.startswith("."):
+                out["temps"][name] = doc
+        for name in sorted(os.listdir(dfd) if dfd is not None else []):
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            try:
+                fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dfd)
+                with os.fdopen(fd) as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(rec, dict):
+                out["deploys"].append({"id": rec.get("id"), "time": rec.get("time"), "partial": rec.get("partial"),
+                                       "files": [{"dest": f.get("dest"), "sha256": f.get("sha256"),
+                                                  "previous": f.get("previous")} for f in rec.get("files", [])]})
+    finally:
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
+    return out
+
+
+def storeprune(args):
+    """Delete the named objects (and stray temporary copies) of the store; the controller decides which."""
+    fds = _store_open(args)
+    if fds is None or fds[0] is None:
+        return {"ok": True, "deleted": [], "bytes": 0}
+    ofd, dfd = fds
+    deleted, freed = [], 0
+    try:
+        for name in args["objects"]:
+            ok_name = (len(name) == 64 and set(name) <= _HEX) or (name.startswith(".") and "/" not in name
+                                                                  and ".tmp" in name)
+            if not ok_name:
+                return {"ok": False, "code": "missing", "error": "not a store object: %r" % name,
+                        "deleted": deleted, "bytes": freed}
+            try:
+                st = os.stat(name, dir_fd=ofd, follow_symlinks=False)
+                os.unlink(name, dir_fd=ofd)
+            except FileNotFoundError:
+                continue
+            deleted.append(name)
+            freed += st.st_size
+    finally:
+        os.close(ofd)
+        if dfd is not None:
+            os.close(dfd)
+    return {"ok": True, "deleted": deleted, "bytes": freed}
+
+
 # --- compile caches and venv facts (ctl cache, ctl env sync) --------------------------------------
 
 _CACHE_SUBS = ("fxgraph", "aotautograd", "triton")
@@ -1083,6 +1172,8 @@ def main(argv):
                "cacherestore": cacherestore, "envfacts": envfacts}[verb](json.loads(argv[1]))
     elif verb == "writefile":
         out = writefile(json.loads(argv[1]), sys.stdin.buffer)
+    elif verb in ("storelist", "storeprune"):
+        out = {"storelist": storelist, "storeprune": storeprune}[verb](json.loads(argv[1]))
     elif verb in ("probe", "runstate", "launch", "stop", "tailinfo"):
         out = {"probe": probe, "runstate": runstate, "launch": launch, "stop": stop,
                "tailinfo": tailinfo}[verb](json.loads(argv[1]))
