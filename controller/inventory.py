@@ -7,6 +7,7 @@ traceback. Precedence: defaults < inventory < CTL_* variables < flags (see `load
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -151,6 +152,8 @@ class RunsSpec(_Model):
     def _has_run(cls, v: str) -> str:
         if "{run}" not in v:
             raise ValueError("must contain {run} so that every run gets its own path")
+        if any(ord(c) < 32 or c == "\x7f" for c in v):
+            raise ValueError("must not contain control characters (newline, NUL, ...)")
         return v
 
 
@@ -169,6 +172,17 @@ class ContainerSpec(_Model):
     lock: str | None = None
     baseline: str | None = None
     allowed_paths: list[str] = Field(default_factory=lambda: ["/root", "/workspace", "/opt", "/srv"])
+    # Container paths under which the agent may follow a symlink while resolving a destination (default: none)
+    follow_symlinks: list[str] = Field(default_factory=list)
+    store_keep: int = Field(5, ge=1)  # versions per destination `ctl store prune` keeps
+
+    @field_validator("follow_symlinks")
+    @classmethod
+    def _prefixes(cls, v: list[str]) -> list[str]:
+        try:
+            return [check_container_path(p, "follow_symlinks prefix") for p in v]
+        except InputError as e:
+            raise ValueError(e.message) from None
 
     @model_validator(mode="after")
     def _transport_needs(self) -> ContainerSpec:
@@ -289,6 +303,7 @@ def load(path: str | Path | None = None) -> Inventory:
             msg = "unknown key"
         raise InventoryError(name, msg, line=nearest_line(lines, loc), key=dotted(loc)) from None
     _check_references(name, model, lines)
+    _check_shell_vars(name, model, lines)
     return Inventory(path=p.resolve(), model=model)
 
 
@@ -330,3 +345,36 @@ def _check_references(name: str, model: InventoryModel, lines: dict[tuple[Any, .
         if gname in model.containers:
             raise InventoryError(name, "a group may not share a container's name",
                                  line=lines.get(("groups", gname)), key=f"groups.{gname}")
+
+
+# What the rendered start_training.sh puts unquoted on a shell line: each must be a name, never shell text.
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # a shell identifier (`export KEY=...`)
+_OPTION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")  # an option name (`--KEY value`)
+_COMMAND = re.compile(r"^[A-Za-z0-9_./+][A-Za-z0-9_./+-]*$")  # an interpreter: a name or a path, no shell
+
+
+def _check_shell_vars(name: str, model: InventoryModel, lines: dict[tuple[Any, ...], int]) -> None:
+    """vars.env keys, vars.train_args keys and vars.python (globally and per container), refused at load with
+    the line: the start script is shell, and these reach it as names, not quoted values."""
+    scopes: list[tuple[tuple[Any, ...], dict[str, Any]]] = [(("vars",), model.vars)]
+    scopes += [(("containers", c, "vars"), spec.vars) for c, spec in model.containers.items()]
+
+    def refuse(loc: tuple[Any, ...], msg: str) -> None:
+        raise InventoryError(name, msg, line=nearest_line(lines, loc), key=dotted(loc))
+
+    for base, vs in scopes:
+        for var, pattern, what in (("env", _ENV_KEY, "an environment variable name (a shell identifier: "
+                                    "letters, digits, '_', not starting with a digit)"),
+                                   ("train_args", _OPTION, "an option name (letters, digits, '_', '-', "
+                                    "starting with a letter or digit)")):
+            if var not in vs or vs[var] is None:
+                continue
+            if not isinstance(vs[var], dict):
+                refuse((*base, var), "must be a mapping")
+            for key in vs[var]:
+                if not isinstance(key, str) or not pattern.match(key):
+                    refuse((*base, var, key), f"{key!r} is not {what}")
+        py = vs.get("python")
+        if py is not None and (not isinstance(py, str) or not _COMMAND.match(py)):
+            refuse((*base, "python"), f"{py!r} is not an interpreter name or path (letters, digits, "
+                                      "'_', '.', '/', '+', '-'; no spaces or shell characters)")

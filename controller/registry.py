@@ -19,7 +19,7 @@ from typing import Any
 
 from controller.errors import BusyError, InputError
 from controller.lifecycle import Lifecycle
-from controller.settings import state_dir
+from controller.settings import private_dir, private_file, state_dir
 
 SCHEMA = [
     # version 1
@@ -194,7 +194,12 @@ class DeployRecord:
 class Registry:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or state_dir() / "registry.sqlite3"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Private: run records hold commands, variables and rendered scripts (SQLite gives -wal/-shm the db's mode).
+        private_dir(self.path.parent)
+        for suffix in ("", "-wal", "-shm"):
+            p = self.path.with_name(self.path.name + suffix)
+            if not suffix or p.exists():
+                private_file(p)
         # One connection per thread (fan-out commands record from worker threads): SQLite's own locking then
         # orders them exactly as it orders two ctl processes, and no transaction is ever nested in another.
         self._local = threading.local()

@@ -36,6 +36,25 @@ def state_dir() -> Path:
     return Path(platformdirs.user_state_dir("ctl"))
 
 
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only its owner can enter (0700): made so, or narrowed when it is ours (never the
+    home directory). ctl's state holds run records, deploy stdin files and sockets."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.stat()
+    if st.st_mode & 0o077 and st.st_uid == os.getuid() and path.resolve() != Path.home().resolve():
+        path.chmod(0o700)
+    return path
+
+
+def private_file(path: Path) -> Path:
+    """Create `path` empty if missing, 0600 (narrowed when it exists and is ours)."""
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0), 0o600))
+    st = path.stat()
+    if st.st_mode & 0o077 and st.st_uid == os.getuid():
+        path.chmod(0o600)
+    return path
+
+
 def persist_seconds() -> int | None:
     """CTL_PERSIST: idle seconds a host session outlives its last client (0: no session); None when unset
     (then each host's inventory `persist:` decides)."""

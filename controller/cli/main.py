@@ -21,6 +21,7 @@ from controller.cli import mux as _mux  # noqa: F401
 from controller.cli import runbook as _runbook  # noqa: F401
 from controller.cli import runs as _runs  # noqa: F401
 from controller.cli import snapshot as _snapshot  # noqa: F401
+from controller.cli import store as _store  # noqa: F401
 from controller.cli import supervise as _supervise  # noqa: F401
 from controller.cli.app import OPTS, app
 from controller.core.terminal import clean_line

@@ -47,7 +47,7 @@ def launch_cmd(
         rec, checks = runs.launch(inv, ct, t, reg, run, allow_drift=allow_drift, force=force,
                                   allow_env_mismatch=allow_env_mismatch)
         if OPTS.json and not follow:
-            _out({"run": rec.to_json(), "checks": [c.__dict__ for c in checks]})
+            _out({"run": _redacted(rec), "checks": [c.__dict__ for c in checks]})
             return
         con = _console()
         for c in checks:
@@ -142,7 +142,7 @@ def runs_cmd(
         _render_tree(reg, recs)
         return
     if OPTS.json:
-        _out([r.to_json() for r in recs])
+        _out([_redacted(r) for r in recs])
         return
     rows = [[r.ct, r.name + (" *" if r.good else ""), r.state, "" if r.exit_status is None else r.exit_status,
              _ago(r.started or r.created), (r.commit_sha or "-")[:10] + ("+dirty" if r.dirty else ""), r.log_path]
@@ -170,12 +170,19 @@ def _render_tree(reg: Any, recs: list[Any]) -> None:
         con.print(f"{chain[0].ct:<10} " + " -> ".join(parts), markup=False)
 
 
+def _redacted(rec: Any) -> dict[str, Any]:
+    """A run's record as --json prints it: secrets redacted (records made before launches redacted them too)."""
+    from controller.core.redact import redact_run
+
+    return redact_run(rec.to_json())
+
+
 @app.command("show")
 def show_cmd(run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID.")) -> None:
     """Everything recorded about one run."""
     reg = _registry()
     rec = reg.find_run(run)
-    data = rec.to_json()
+    data = _redacted(rec)
     if OPTS.json:
         _out(data)
         return
@@ -206,7 +213,7 @@ def stop_cmd(
         rec = runs.refresh(inv, ct, t, reg, [rec])[0]
         rec = runs.stop(inv, ct, t, reg, rec, grace=grace)
     if OPTS.json:
-        _out(rec.to_json())
+        _out(_redacted(rec))
     else:
         _console().print(f"{rec.ct}/{rec.name}: {rec.state} ({rec.note})")
 

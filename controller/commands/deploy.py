@@ -33,7 +33,7 @@ from controller.inventory import Container, Inventory
 from controller.names import check_container_path
 from controller.registry import DeployRecord, Registry
 from controller.remote.client import Agent, agent_source
-from controller.settings import state_dir
+from controller.settings import private_dir, private_file, state_dir
 from controller.transport.base import Duplex, Transport
 from controller.transport.pool import Pool
 
@@ -182,9 +182,12 @@ def pin(inv: Inventory, ct: Container) -> Manifest:
 # --- plan ----------------------------------------------------------------------------------------
 
 
-def remote_hashes(t: Transport, dests: list[str]) -> dict[str, dict[str, Any] | None]:
+def remote_hashes(t: Transport, dests: list[str], follow: list[str] | None = None
+                  ) -> dict[str, dict[str, Any] | None]:
+    """sha256/size/mode of each destination, walked without following symlinks except under `follow`."""
     agent = Agent(t)
-    files: dict[str, dict[str, Any] | None] = agent.need(agent.call("hashes", dests), "files")
+    args = [f"--follow={json.dumps(follow)}", *dests] if follow else dests
+    files: dict[str, dict[str, Any] | None] = agent.need(agent.call("hashes", args), "files")
     return files
 
 
@@ -202,12 +205,13 @@ def _tar(members: list[tuple[str, bytes]]) -> bytes:
     return buf.getvalue()
 
 
-def bundle(entries: list[dict[str, Any]], bodies: list[bytes], *, manifest: bool = True) -> bytes:
+def bundle(entries: list[dict[str, Any]], bodies: list[bytes], *, manifest: bool = True,
+           follow: list[str] | None = None) -> bytes:
     """The tar stream `apply` reads: manifest.json first (unless the agent has it already from sync's header
     line), then f<index> bodies of the entries sent "from": "tar", in order. Entries "from": "store" travel as
     manifest lines only: the agent takes their bytes from its store."""
     sent = [e for e in entries if e.get("from", "tar") == "tar"]
-    members = [("manifest.json", json.dumps({"files": entries}).encode())] if manifest else []
+    members = [("manifest.json", json.dumps({"files": entries, "follow": follow or []}).encode())] if manifest else []
     return _tar(members + [(f"f{e['index']}", b) for e, b in zip(sent, bodies, strict=True)])
 
 
@@ -276,13 +280,20 @@ def deploy(
     entries = [{"index": i, "dest": f.dest, "sha256": f.sha256, "mode": f.mode, "size": f.size}
                for i, f in enumerate(manifest.files)]
     session = opening.session()
-    session.send(agent_source() + json.dumps({"files": entries, "dry_run": dry_run}).encode() + b"\n")
+    follow = list(ct.spec.follow_symlinks)
+    session.send(agent_source() + json.dumps({"files": entries, "dry_run": dry_run, "follow": follow}).encode()
+                 + b"\n")
     answer = session.readline(timeout=120)
     first = Agent.json_line(answer)
     if first is None:
         agent.fail("sync", session.finish(timeout=30))
     have = agent.need(first, "have")
-    fplan = [_file_plan(f, have.get(f.dest)) for f in manifest.files]
+    try:
+        fplan = [_file_plan(f, have.get(f.dest), ct.name) for f in manifest.files]
+    except CtlError:
+        with contextlib.suppress(CtlError):
+            session.finish(timeout=30)  # stdin closed: the agent applies nothing
+        raise
     changed = [(e, f) for e, f, p in zip(entries, manifest.files, fplan, strict=True) if p.action != "same"]
     bodies = [f.content for _e, f in changed]
     data = b"apply\n" + bundle([e for e, _f in changed], bodies, manifest=False)
@@ -292,9 +303,10 @@ def deploy(
         if dry_run and changed:
             # The exact exec, runnable by hand: its stdin (agent, pinned files, "apply", tar) is kept here.
             stdin_file = state_dir() / "dry-run" / f"{ct.name}-{deploy_id}.stdin"
-            stdin_file.parent.mkdir(parents=True, exist_ok=True)
-            header = json.dumps({"files": entries, "dry_run": False}).encode() + b"\n"
-            stdin_file.write_bytes(agent_source() + header + data)
+            private_dir(stdin_file.parent.parent)
+            private_dir(stdin_file.parent)
+            header = json.dumps({"files": entries, "dry_run": False, "follow": follow}).encode() + b"\n"
+            private_file(stdin_file).write_bytes(agent_source() + header + data)  # rendered scripts: 0600
             commands = (f"{agent.shell_line('sync', *args)} < {shlex.quote(str(stdin_file))}",)
         return DeployResult(ct.name, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands,
                             dry_run=dry_run)
@@ -308,15 +320,30 @@ def deploy(
     files = [{"dest": p.dest, "sha256": p.want, "mode": f.mode, "previous": p.have, "action": p.action,
               "previous_mode": prev_modes.get(p.dest)} for f, p in zip(manifest.files, fplan, strict=True)]
     ok = bool(doc.get("ok"))
+    partial = not ok and bool(doc.get("partial"))
+    if partial:  # what stays replaced, and only that: `ctl deploy --rollback` restores it
+        replaced = set(doc.get("replaced") or [])
+        files = [f for f in files if f["dest"] in replaced]
     if reg is not None:
-        reg.add_deploy(DeployRecord(deploy_id, ct.name, "deploy", time.time(), manifest.commit, manifest.dirty, ok,
-                                    files, doc.get("error")))
+        reg.add_deploy(DeployRecord(deploy_id, ct.name, "partial" if partial else "deploy", time.time(),
+                                    manifest.commit, manifest.dirty, ok, files, doc.get("error")))
     if not ok:
-        raise agent.error(doc, suffix="; nothing was replaced")
+        raise agent.error(doc, suffix=_failure_suffix(doc, deploy_id))
     return DeployResult(ct.name, tuple(fplan), deploy_id, time.monotonic() - t0, sum(len(b) for b in bodies))
 
 
-def _file_plan(f: PinnedFile, h: dict[str, Any] | None) -> FilePlan:
+def _failure_suffix(doc: dict[str, Any], deploy_id: str) -> str:
+    """What a failed apply left: nothing replaced, or exactly the files that stay replaced (partial)."""
+    if not doc.get("partial"):
+        return "; nothing was replaced"
+    names = ", ".join(str(d) for d in doc.get("replaced") or [])
+    return (f"; PARTIAL: {names} stay replaced (recorded as deploy {deploy_id}; "
+            "`ctl deploy --rollback` restores their previous versions)")
+
+
+def _file_plan(f: PinnedFile, h: dict[str, Any] | None, ct: str = "") -> FilePlan:
+    if h is not None and h.get("code") == "symlink":
+        raise InputError(f"{ct + ': ' if ct else ''}{f.dest}: {h['error']}; refusing to deploy through it")
     if h is not None and "error" in h:
         raise InputError(f"{f.dest} exists in the container but is {h['error']}; refusing to replace it")
     if h is None:
@@ -337,7 +364,7 @@ def check(inv: Inventory, ct: Container, t: Transport, reg: Registry | None) -> 
         want = {f["dest"]: (f["sha256"], f["mode"]) for f in last[0].files}
     else:
         want = {f.dest: (f.sha256, f.mode) for f in pin(inv, ct).files}
-    have = remote_hashes(t, list(want))
+    have = remote_hashes(t, list(want), list(ct.spec.follow_symlinks))
     out = []
     for dest, (sha, mode) in want.items():
         h = have.get(dest)
@@ -355,7 +382,9 @@ def check(inv: Inventory, ct: Container, t: Transport, reg: Registry | None) -> 
 def rollback(ct: Container, t: Transport, reg: Registry) -> DeployResult:
     """Restore every file the last deploy replaced to its previous version, from the container's store."""
     t0 = time.monotonic()
-    history = reg.deploys(ct.name, limit=1)  # a rollback of a rollback re-applies what it undid
+    # The last deploy that replaced files: a complete one, or a partial one (those it left replaced); a failed
+    # deploy that put everything back replaced nothing. A rollback of a rollback re-applies what it undid.
+    history = [d for d in reg.deploys(ct.name, ok_only=False, limit=50) if d.ok or d.kind == "partial"][:1]
     if not history:
         raise InputError(f"{ct.name}: no deploy recorded in {reg.path}; nothing to roll back")
     last = history[0]
@@ -366,7 +395,8 @@ def rollback(ct: Container, t: Transport, reg: Registry) -> DeployResult:
             f"{ct.name}: deploy {last.id} only created files ({', '.join(kept_new) or 'none'}); "
             "rolling back would mean deleting them, which ctl never does"
         )
-    have = remote_hashes(t, [f["dest"] for f in restore])
+    follow = list(ct.spec.follow_symlinks)
+    have = remote_hashes(t, [f["dest"] for f in restore], follow)
     drifted = [f["dest"] for f in restore if (have.get(f["dest"]) or {}).get("sha256") != f["sha256"]]
     if drifted:
         raise DriftError(f"{ct.name}: {', '.join(drifted)} changed since deploy {last.id}; "
@@ -375,14 +405,19 @@ def rollback(ct: Container, t: Transport, reg: Registry) -> DeployResult:
     entries = [{"index": i, "dest": f["dest"], "sha256": f["previous"], "mode": f.get("previous_mode") or f["mode"],
                 "from": "store"} for i, f in enumerate(restore)]
     agent = Agent(t)
-    doc = agent.call("apply", (t.path(STORE), deploy_id), payload=bundle(entries, []), check=False)
+    doc = agent.call("apply", (t.path(STORE), deploy_id), payload=bundle(entries, [], follow=follow), check=False)
+    prev_modes = {r["dest"]: r.get("previous_mode") for r in doc.get("files", [])}
     files = [{"dest": e["dest"], "sha256": e["sha256"], "mode": e["mode"], "previous": f["sha256"],
-              "action": "update"} for e, f in zip(entries, restore, strict=True)]
+              "action": "update", "previous_mode": prev_modes.get(e["dest"]) or f["mode"]}
+             for e, f in zip(entries, restore, strict=True)]
     ok = bool(doc.get("ok"))
-    reg.add_deploy(DeployRecord(deploy_id, ct.name, "rollback", time.time(), last.commit_sha, last.dirty, ok, files,
-                                doc.get("error")))
+    partial = not ok and bool(doc.get("partial"))
+    if partial:
+        files = [f for f in files if f["dest"] in set(doc.get("replaced") or [])]
+    reg.add_deploy(DeployRecord(deploy_id, ct.name, "partial" if partial else "rollback", time.time(),
+                                last.commit_sha, last.dirty, ok, files, doc.get("error")))
     if not ok:
-        raise agent.error(doc, suffix="; nothing was replaced")
+        raise agent.error(doc, suffix=_failure_suffix(doc, deploy_id))
     fplan = tuple(FilePlan(e["dest"], "update", e["sha256"], f["sha256"], 0)
                   for e, f in zip(entries, restore, strict=True))
     return DeployResult(ct.name, fplan, deploy_id, time.monotonic() - t0, 0, kind="rollback")

@@ -20,6 +20,7 @@ from controller.commands import environment
 from controller.commands.deploy import Manifest, pin
 from controller.commands.fanout import fanout
 from controller.core.loglines import LineSplitter
+from controller.core.redact import redact_rendered, redact_vars
 from controller.errors import (
     BusyError,
     ClobberError,
@@ -108,7 +109,8 @@ def _probe(inv: Inventory, ct: Container, t: Transport, manifest: Manifest, rp: 
            ) -> dict[str, Any]:
     """Everything the preflight needs in one agent round trip. Without a run name yet (rp None), the same
     round trip lists the series' logs and every tmux session, so the name is chosen from its answer."""
-    args: dict[str, Any] = {"files": [f.dest for f in manifest.files], "gpus": bool(ct.spec.gpus.all)}
+    args: dict[str, Any] = {"files": [f.dest for f in manifest.files], "gpus": bool(ct.spec.gpus.all),
+                            "follow": list(ct.spec.follow_symlinks)}
     if rp is None:
         runs = inv.model.runs
         args.update(series_glob=_series_glob(inv), sessions=True, log=runs.log.replace("{run}", runs.series + "0"))
@@ -281,19 +283,21 @@ def launch(
         command = shlex.join(["tmux", "new-session", "-d", "-s", rp.session, "bash", "-c", script])
         record = {
             "run": name, "ct": ct.name, "host": ct.host_name, "vmid": ct.spec.vmid, "created": rec.created,
-            "commit": manifest.commit, "dirty": manifest.dirty, "files": manifest.hashes(), "vars": manifest.vars,
+            "commit": manifest.commit, "dirty": manifest.dirty, "files": manifest.hashes(),
+            "vars": redact_vars(manifest.vars),
             "command": command, "log": rp.log, "run_dir": rp.run_dir, "session": rp.session,
             "env_fingerprint": (env or {}).get("fingerprint"),
         }
         doc = agent.call("launch", {"log": rp.log, "session": rp.session, "script": script, "env": run_env,
-                                    "record": record})
+                                    "record": record, "follow": list(ct.spec.follow_symlinks)})
         agent.need(doc, "started", (float, int))
     except BaseException:
         reg.release_run(rec.id)
         raise
     rec = reg.update_run(
         rec.id, state=Lifecycle.RUNNING, started=doc.get("started"), command=command, commit_sha=manifest.commit,
-        dirty=manifest.dirty, files=manifest.hashes(), vars=manifest.vars, rendered=manifest.rendered(),
+        dirty=manifest.dirty, files=manifest.hashes(), vars=redact_vars(manifest.vars),
+        rendered=redact_rendered(manifest.rendered()),
         env_fingerprint=(env or {}).get("fingerprint"), env=env,
     )
     return rec, checks

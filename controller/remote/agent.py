@@ -5,15 +5,20 @@ The controller never imports this module. It sends its source over the stdin of 
 stdin is the verb's input), so a whole operation costs one `pct exec`, whatever the number of files.
 
 Verbs (each prints one JSON document on stdout; exit 0 when "ok" is true):
-  hashes   ROOT PATH...            sha256/size/mode of each path (null when missing)
-  sync     ROOT STORE DEPLOY_ID    plan + apply in one exec: stdin header line (pinned files) -> stdout line
-                                   (what it has, what it needs) -> stdin "apply" + tar of the needed files
+  hashes   ROOT [--follow=JSON] PATH...  sha256/size/mode of each path (null when missing)
+  sync     ROOT STORE DEPLOY_ID    plan + apply in one exec: stdin header line (pinned files, "follow")
+                                   -> stdout line (what it has, what it needs) -> stdin "apply" + tar
   apply    ROOT STORE DEPLOY_ID    stdin: a tar of manifest.json + file bodies. Every file is written
                                    to a temporary name beside its destination and verified; the old
-                                   and new versions are kept in STORE/objects (content-addressed);
-                                   only when all of that succeeded is each file renamed into place
-                                   (atomic per file) and read back. Any failure removes the temporary
-                                   files and leaves every destination untouched.
+                                   and new versions are kept in STORE/objects (content-addressed, with
+                                   the file's mode); only when all of that succeeded is each file renamed
+                                   into place (atomic per file) and read back. A failure before the
+                                   renames leaves every destination untouched; one during them puts the
+                                   renamed files back from the store ("partial" names what could not be).
+                                   No temporary file remains. Paths are walked without following
+                                   symlinks (code "symlink"), except under the "follow" prefixes.
+  storelist JSON-ARGS              the store's objects (bytes, mode) and its deploy records
+  storeprune JSON-ARGS             delete the named objects (ctl store prune decides which)
   probe    JSON-ARGS               launch preflight facts in one round trip (files, tmux, log, disk,
                                    GPUs, logs of the run series)
   launch   JSON-ARGS               write the run record beside the log (never over one) and start the
@@ -61,119 +66,413 @@ def _sha(path):
     return h.hexdigest()
 
 
-def _stat(path):
+# --- paths resolved without following symlinks ------------------------------------------------------
+# The agent runs as root; a container user who owns a directory on a destination's path could otherwise swap
+# a component for a symlink and redirect a write anywhere (/etc/cron.d). Every write (and the hashes that
+# decide one) walks the path one component at a time with O_NOFOLLOW from the container's root, holding each
+# directory open, and then works relative to the last one (openat, renameat): there is no window in which a
+# swapped component changes where the bytes go. A symlink is followed only under a prefix the inventory
+# lists (`follow_symlinks:`).
+
+_DIRFLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+class Refused(ValueError):
+    """A path that goes through a symlink the inventory does not allow ctl to follow."""
+
+
+def _followable(path, follow):
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in follow or ())
+
+
+def _refuse_link(fd, name, at):
     try:
-        st = os.stat(path)
+        target = os.readlink(name, dir_fd=fd)
+    except OSError:
+        target = "?"
+    raise Refused("%s is a symlink (to %s); ctl does not follow symlinks in a destination's path "
+                  "(list a prefix under follow_symlinks: in the inventory to allow it)" % (at, target))
+
+
+def _is_link(fd, name):
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _opendir(root, path, follow=(), created=None, mode=0o755):
+    """A descriptor of the directory `path` (as the container sees it) opened from `root` one component at a
+    time, never through a symlink unless under a `follow` prefix (Refused names the component). With
+    `created` (a list), missing directories are made (mode `mode`) and appended to it; else missing raises."""
+    fd = os.open(root or "/", _DIRFLAGS)
+    at = ""
+    try:
+        for part in [p for p in path.split("/") if p not in ("", ".")]:
+            at += "/" + part
+            nfd = None
+            for _attempt in (0, 1):
+                try:
+                    nfd = os.open(part, _DIRFLAGS | _NOFOLLOW, dir_fd=fd)
+                    break
+                except FileNotFoundError:
+                    if created is None or _attempt:
+                        raise
+                    try:
+                        os.mkdir(part, mode, dir_fd=fd)
+                        created.append(at)
+                    except FileExistsError:
+                        pass
+                except OSError:
+                    if not _is_link(fd, part):
+                        raise
+                    if not _followable(at, follow):
+                        _refuse_link(fd, part, at)
+                    nfd = os.open(part, _DIRFLAGS, dir_fd=fd)
+                    break
+            os.close(fd)
+            fd = nfd
+    except OSError as e:
+        os.close(fd)
+        if e.filename in (None, at.rsplit("/", 1)[-1]):  # name the component as the container sees it
+            raise OSError(e.errno, e.strerror, at) from None
+        raise
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _container_path(root, path):
+    """A host path under `root` (the store: STORE arrives already joined to the root) as the container sees it."""
+    if root not in ("", "/") and (path == root or path.startswith(root.rstrip("/") + "/")):
+        return path[len(root.rstrip("/")):] or "/"
+    return path
+
+
+def _stat_at(fd, name, where, follow=()):
+    """sha256/size/mode of `name` in directory `fd` (None when missing); a symlink is an error unless followed."""
+    try:
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
     except FileNotFoundError:
         return None
+    flags = os.O_RDONLY | _NOFOLLOW
+    if stat.S_ISLNK(st.st_mode):
+        if not _followable(where, follow):
+            try:
+                target = os.readlink(name, dir_fd=fd)
+            except OSError:
+                target = "?"
+            return {"error": "a symlink (to %s); ctl does not replace or follow one unless follow_symlinks: "
+                             "allows it" % target, "code": "symlink"}
+        try:
+            st = os.stat(name, dir_fd=fd)
+        except FileNotFoundError:
+            return None
+        flags = os.O_RDONLY
     if not stat.S_ISREG(st.st_mode):
         return {"error": "not a regular file"}
-    return {"sha256": _sha(path), "size": st.st_size, "mode": "%04o" % stat.S_IMODE(st.st_mode)}
+    h = hashlib.sha256()
+    rfd = os.open(name, flags, dir_fd=fd)
+    with os.fdopen(rfd, "rb") as f:
+        for b in iter(lambda: f.read(_BLOCK), b""):
+            h.update(b)
+    return {"sha256": h.hexdigest(), "size": st.st_size, "mode": "%04o" % stat.S_IMODE(st.st_mode)}
 
 
-def hashes(root, paths):
-    return {"ok": True, "files": {p: _stat(_under(root, p)) for p in paths}}
+def _stat_path(root, path, follow=()):
+    """_stat_at for a container path: None when it or a parent is missing, an error (with the component)
+    when a parent is a symlink ctl may not follow or not a directory."""
+    parent, name = path.rsplit("/", 1)
+    try:
+        fd = _opendir(root, parent, follow)
+    except FileNotFoundError:
+        return None
+    except Refused as e:
+        return {"error": "behind a symlink: %s" % e, "code": "symlink"}
+    except NotADirectoryError:
+        return {"error": "under a path component that is not a directory"}
+    try:
+        return _stat_at(fd, name, path, follow)
+    finally:
+        os.close(fd)
 
 
-def _store_object(store, path, sha):
-    obj = os.path.join(store, "objects", sha)
-    if not os.path.exists(obj):
-        os.makedirs(os.path.dirname(obj), exist_ok=True)
-        tmp = obj + ".tmp%d" % os.getpid()
-        shutil.copyfile(path, tmp)
-        os.replace(tmp, obj)
-    return obj
+def hashes(root, paths, follow=()):
+    return {"ok": True, "files": {p: _stat_path(root, p, follow) for p in paths}}
 
 
-def apply(root, store, deploy_id, stream, manifest=None):
-    staged = []  # (tmp, dest, entry)
+def _store_dirs(root, store):
+    """(objects, deploys) directory descriptors of the store, made 0700 (versions of 0600 files live there)."""
+    fd = _opendir(root, _container_path(root, store), (), [], 0o700)
+    try:
+        os.fchmod(fd, 0o700)
+        out = []
+        for sub in ("objects", "deploys"):
+            sfd = _opendir_at(fd, sub)
+            os.fchmod(sfd, 0o700)
+            out.append(sfd)
+        return out
+    finally:
+        os.close(fd)
+
+
+def _opendir_at(fd, name):
+    try:
+        os.mkdir(name, 0o700, dir_fd=fd)
+    except FileExistsError:
+        pass
+    return os.open(name, _DIRFLAGS | _NOFOLLOW, dir_fd=fd)
+
+
+def _copy_at(src_fd, src_name, dst_fd, dst_name, mode, follow_src=False):
+    """Copy src to a NEW file dst (O_EXCL, never through a symlink) with `mode`, fsynced; its sha256."""
+    h = hashlib.sha256()
+    rfd = os.open(src_name, os.O_RDONLY | (0 if follow_src else _NOFOLLOW), dir_fd=src_fd)
+    try:
+        wfd = os.open(dst_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=dst_fd)
+        try:
+            with os.fdopen(rfd, "rb", closefd=False) as src, os.fdopen(wfd, "wb", closefd=False) as out:
+                for b in iter(lambda: src.read(_BLOCK), b""):
+                    h.update(b)
+                    out.write(b)
+                out.flush()
+                os.fchmod(wfd, mode)
+                os.fsync(wfd)
+        finally:
+            os.close(wfd)
+    except BaseException:
+        _unlink_at(dst_fd, dst_name)
+        raise
+    finally:
+        os.close(rfd)
+    return h.hexdigest()
+
+
+def _store_object(ofd, src_fd, src_name, sha, mode, follow_src=False):
+    """Keep the version `sha` in the store (objects directory `ofd`) with the file's own mode, at most:
+    an object kept earlier from a more open file is narrowed. The copy is hashed as it is read: a file that
+    changed since it was hashed is refused, never stored under a name that is not its content's."""
+    mode &= 0o777
+    try:
+        st = os.stat(sha, dir_fd=ofd, follow_symlinks=False)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISREG(st.st_mode):
+        if stat.S_IMODE(st.st_mode) & ~mode:
+            fd = os.open(sha, os.O_RDONLY | _NOFOLLOW, dir_fd=ofd)
+            try:
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) & mode)
+            finally:
+                os.close(fd)
+        return
+    tmp = ".%s.tmp%d" % (sha, os.getpid())
+    got = _copy_at(src_fd, src_name, ofd, tmp, mode, follow_src)
+    if got != sha:
+        _unlink_at(ofd, tmp)
+        raise VerifyFailed("%s changed while it was being kept in the store (sha256 %s, expected %s)"
+                           % (src_name, got[:12], sha[:12]))
+    os.replace(tmp, sha, src_dir_fd=ofd, dst_dir_fd=ofd)
+
+
+def _unlink_at(fd, name):
+    try:
+        os.unlink(name, dir_fd=fd)
+    except OSError:
+        pass
+
+
+def _lexists_at(fd, name):
+    try:
+        os.stat(name, dir_fd=fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+class _Staged:
+    """One received file: its directory (held open), its temporary name there, its name, its manifest entry."""
+
+    def __init__(self, fd, tmp, name, entry):
+        self.fd, self.tmp, self.name, self.entry = fd, tmp, name, entry
+
+
+def _release(staged):
+    for s in staged:
+        if s.tmp is not None:
+            _unlink_at(s.fd, s.tmp)
+            s.tmp = None
+        try:
+            os.close(s.fd)
+        except OSError:
+            pass
+
+
+def apply(root, store, deploy_id, stream, manifest=None, follow=()):
+    staged = []  # _Staged, in manifest order
     created = []
     by_index = {}
     if manifest is not None:
+        follow = manifest.get("follow", follow)
         by_index = {e["index"]: e for e in manifest["files"] if e.get("from") == "tar"}
+    try:
+        ofd, dfd = _store_dirs(root, store)
+    except BaseException as e:
+        return {"ok": False, "error": "store %s: %s" % (store, _describe(e)), "code": _code(e), "stage": "receive"}
     try:
         tar = tarfile.open(fileobj=stream, mode="r|") if (manifest is None or by_index) else []
         for member in tar:
             data = tar.extractfile(member)
             if member.name == "manifest.json":
                 manifest = json.loads(data.read().decode())
+                follow = manifest.get("follow", follow)
                 by_index = {e["index"]: e for e in manifest["files"] if e.get("from") == "tar"}
                 continue
             if manifest is None or not member.name.startswith("f"):
                 raise ValueError("unexpected member %r in bundle" % member.name)
             entry = by_index[int(member.name[1:])]
-            staged.append(_receive(root, entry, data, created, deploy_id))
+            staged.append(_receive(root, entry, data, created, deploy_id, follow))
         if manifest is None:
             raise ValueError("bundle has no manifest (connection dropped?)")
         for entry in manifest["files"]:
             if entry.get("from") == "store":
-                obj = os.path.join(store, "objects", entry["sha256"])
-                if not os.path.exists(obj):
-                    raise ValueError("%s: version %s is not in the store" % (entry["dest"], entry["sha256"][:12]))
-                with open(obj, "rb") as data:
-                    staged.append(_receive(root, entry, data, created, deploy_id))
+                try:
+                    ifd = os.open(entry["sha256"], os.O_RDONLY | _NOFOLLOW, dir_fd=ofd)
+                except FileNotFoundError:
+                    raise ValueError("%s: version %s is not in the store"
+                                     % (entry["dest"], entry["sha256"][:12])) from None
+                with os.fdopen(ifd, "rb") as data:
+                    staged.append(_receive(root, entry, data, created, deploy_id, follow))
         if len(staged) != len(manifest["files"]):
             raise VerifyFailed("bundle incomplete: %d of %d files (connection dropped?)"
-                             % (len(staged), len(manifest["files"])))
+                               % (len(staged), len(manifest["files"])))
         # Keep old and new versions before anything is replaced.
         results = []
-        for tmp, dest, entry in staged:
-            previous = _stat(dest)
+        for s in staged:
+            previous = _stat_at(s.fd, s.name, s.entry["dest"], follow)
+            if previous and "error" in previous:
+                raise Refused("%s: %s" % (s.entry["dest"], previous["error"]))
             prev_sha = previous.get("sha256") if previous else None
             if prev_sha:
-                _store_object(store, dest, prev_sha)
-            _store_object(store, tmp, entry["sha256"])
-            results.append({"dest": entry["dest"], "sha256": entry["sha256"], "mode": entry["mode"],
+                _store_object(ofd, s.fd, s.name, prev_sha, int(previous["mode"], 8),
+                              follow_src=_followable(s.entry["dest"], follow))
+            _store_object(ofd, s.fd, s.tmp, s.entry["sha256"], int(s.entry["mode"], 8))
+            results.append({"dest": s.entry["dest"], "sha256": s.entry["sha256"], "mode": s.entry["mode"],
                             "previous": prev_sha, "previous_mode": previous.get("mode") if previous else None})
     except BaseException as e:
-        for tmp, _dest, _entry in staged:
-            _unlink(tmp)
+        _release(staged)
+        os.close(ofd)
+        os.close(dfd)
         return {"ok": False, "error": _describe(e), "code": _code(e), "stage": "receive"}
-    # Commit: atomic rename per file, then read back.
-    for (tmp, dest, entry), res in zip(staged, results):
-        os.replace(tmp, dest)
-        res["verified"] = _sha(dest) == entry["sha256"]
-    record = {"id": deploy_id, "time": time.time(), "files": results}
-    rec_dir = os.path.join(store, "deploys")
-    os.makedirs(rec_dir, exist_ok=True)
-    with open(os.path.join(rec_dir, deploy_id + ".json"), "w") as f:
-        json.dump(record, f)
-    ok = all(r["verified"] for r in results)
-    out = {"ok": ok, "files": results, "dirs_created": created}
-    if not ok:
-        out["error"] = "read-back differs for " + ", ".join(r["dest"] for r in results if not r["verified"])
-        out["code"] = "verify"
-    return out
-
-
-def _receive(root, entry, data, created, deploy_id):
-    dest = _under(root, entry["dest"])
-    parent = os.path.dirname(dest)
-    if not os.path.isdir(parent):
-        os.makedirs(parent, exist_ok=True)
-        created.append(entry["dest"].rsplit("/", 1)[0])
-    tmp = os.path.join(parent, ".%s.ctl-%s" % (os.path.basename(dest), deploy_id))
-    h = hashlib.sha256()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        with os.fdopen(fd, "wb") as out:
-            while True:
-                b = data.read(_BLOCK)
-                if not b:
-                    break
-                h.update(b)
-                out.write(b)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, int(entry["mode"], 8))
+        return _commit(staged, results, ofd, dfd, deploy_id, created)
+    finally:
+        _release(staged)
+        os.close(ofd)
+        os.close(dfd)
+
+
+def _commit(staged, results, ofd, dfd, deploy_id, created):
+    """Rename each file into place (atomic per file) and read it back. On any failure the renames already done
+    are undone from the store's old versions (a file this deploy created is removed again), so every file is
+    the old one; only when that undo fails too does the answer name exactly what stays replaced ("partial"),
+    and the deploy record lists those files so that `ctl deploy --rollback` restores them."""
+    done = []
+    try:
+        for s, res in zip(staged, results):
+            os.replace(s.tmp, s.name, src_dir_fd=s.fd, dst_dir_fd=s.fd)
+            s.tmp = None
+            done.append((s, res))
+            back = _stat_at(s.fd, s.name, s.entry["dest"])
+            res["verified"] = bool(back) and back.get("sha256") == s.entry["sha256"]
+            if not res["verified"]:
+                raise VerifyFailed("%s: read back sha256 %s, expected %s"
+                                   % (s.entry["dest"], str((back or {}).get("sha256"))[:12], s.entry["sha256"][:12]))
+    except BaseException as e:
+        failed = _describe(e)
+        stuck = []
+        for s, res in reversed(done):
+            try:
+                _undo(s, res, ofd, deploy_id)
+            except BaseException as u:
+                res["undo_error"] = _describe(u)
+                stuck.append(res)
+        out = {"ok": False, "code": _code(e), "stage": "commit", "dirs_created": created}
+        if not stuck:
+            out.update(error=failed + (" (the %d file(s) already replaced were put back)" % len(done) if done
+                                       else ""), files=[], replaced=[])
+            return out
+        stuck.reverse()
+        _write_record(dfd, deploy_id, stuck, partial=True)
+        out.update(error="%s; putting the old versions back failed too (%s)" % (failed, stuck[0]["undo_error"]),
+                   partial=True, files=stuck, replaced=[r["dest"] for r in stuck])
+        return out
+    _write_record(dfd, deploy_id, results)
+    return {"ok": True, "files": results, "dirs_created": created}
+
+
+def _undo(s, res, ofd, deploy_id):
+    """Put the old version of one renamed file back (from the store), or remove the file this deploy created."""
+    if not res["previous"]:
+        os.unlink(s.name, dir_fd=s.fd)
+        return
+    tmp = ".%s.ctl-undo-%s" % (s.name, deploy_id)
+    got = _copy_at(ofd, res["previous"], s.fd, tmp, int(res["previous_mode"], 8))
+    if got != res["previous"]:
+        _unlink_at(s.fd, tmp)
+        raise VerifyFailed("store object %s is damaged" % res["previous"][:12])
+    try:
+        os.replace(tmp, s.name, src_dir_fd=s.fd, dst_dir_fd=s.fd)
     except BaseException:
-        _unlink(tmp)
+        _unlink_at(s.fd, tmp)
         raise
-    if h.hexdigest() != entry["sha256"]:
-        _unlink(tmp)
-        raise VerifyFailed("%s: received content has sha256 %s, expected %s (truncated transfer?)"
-                         % (entry["dest"], h.hexdigest()[:12], entry["sha256"][:12]))
-    return tmp, dest, entry
+
+
+def _write_record(dfd, deploy_id, files, partial=False):
+    record = {"id": deploy_id, "time": time.time(), "files": files}
+    if partial:
+        record["partial"] = True
+    name = deploy_id + ".json"
+    tmp = "." + name + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o600, dir_fd=dfd)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+
+
+def _receive(root, entry, data, created, deploy_id, follow=()):
+    parent, name = entry["dest"].rsplit("/", 1)
+    try:
+        fd = _opendir(root, parent, follow, created)
+    except Refused as e:
+        raise Refused("%s: %s" % (entry["dest"], e)) from None
+    tmp = ".%s.ctl-%s" % (name, deploy_id)
+    h = hashlib.sha256()
+    try:
+        wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=fd)
+        try:
+            with os.fdopen(wfd, "wb") as out:
+                while True:
+                    b = data.read(_BLOCK)
+                    if not b:
+                        break
+                    h.update(b)
+                    out.write(b)
+                out.flush()
+                os.fchmod(out.fileno(), int(entry["mode"], 8))
+                os.fsync(out.fileno())
+        except BaseException:
+            _unlink_at(fd, tmp)
+            raise
+        if h.hexdigest() != entry["sha256"]:
+            _unlink_at(fd, tmp)
+            raise VerifyFailed("%s: received content has sha256 %s, expected %s (truncated transfer?)"
+                               % (entry["dest"], h.hexdigest()[:12], entry["sha256"][:12]))
+    except BaseException:
+        os.close(fd)
+        raise
+    return _Staged(fd, tmp, name, entry)
 
 
 def _unlink(path):
@@ -190,6 +489,8 @@ def _code(e):
         return "disk"
     if isinstance(e, VerifyFailed):
         return "verify"
+    if isinstance(e, Refused):
+        return "symlink"
     return "io"
 
 
@@ -207,7 +508,7 @@ def probe(args):
     """Everything a launch preflight needs, in one round trip."""
     root = args.get("root", "/")
     out = {"ok": True}
-    out["files"] = hashes(root, args.get("files", []))["files"]
+    out["files"] = hashes(root, args.get("files", []), args.get("follow", ()))["files"]
     session = args.get("session")
     if session or args.get("sessions"):
         tmux = shutil.which("tmux")
@@ -324,18 +625,27 @@ def launch(args):
     tmux = shutil.which("tmux")
     if tmux is None:
         return {"ok": False, "error": "tmux not found in the container", "code": "tmux"}
-    if os.path.lexists(log):
-        return {"ok": False, "error": "log %s already exists; a log is never overwritten" % args["log"],
-                "code": "clobber"}
-    if _tmux_has(session):
-        return {"ok": False, "error": "tmux session %r already exists" % session, "code": "busy"}
-    os.makedirs(os.path.dirname(log), exist_ok=True)
+    # The log's directory is made and held without following symlinks (a container user's symlink must not
+    # send root's record elsewhere); the record is private (0600): it holds the run's variables.
+    parent, name = args["log"].rsplit("/", 1)
     try:
-        fd = os.open(log + ".ctl.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return {"ok": False, "error": "run record %s.ctl.json already exists" % args["log"], "code": "clobber"}
-    with os.fdopen(fd, "w") as f:
-        json.dump(args["record"], f, indent=2, sort_keys=True, default=str)
+        dfd = _opendir(root, parent, args.get("follow", ()), [])
+    except Refused as e:
+        return {"ok": False, "error": "log %s: %s" % (args["log"], e), "code": "symlink"}
+    try:
+        if os.path.lexists(log) or _lexists_at(dfd, name):
+            return {"ok": False, "error": "log %s already exists; a log is never overwritten" % args["log"],
+                    "code": "clobber"}
+        if _tmux_has(session):
+            return {"ok": False, "error": "tmux session %r already exists" % session, "code": "busy"}
+        try:
+            fd = os.open(name + ".ctl.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=dfd)
+        except FileExistsError:
+            return {"ok": False, "error": "run record %s.ctl.json already exists" % args["log"], "code": "clobber"}
+        with os.fdopen(fd, "w") as f:
+            json.dump(args["record"], f, indent=2, sort_keys=True, default=str)
+    finally:
+        os.close(dfd)
     env = dict(os.environ)
     env.update(args.get("env", {}))
     r = subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "200", "-y", "50",
@@ -515,7 +825,8 @@ def sync(root, store, deploy_id, stream):
     has and which it needs; the controller then sends a tar of just those (or closes stdin)."""
     header = json.loads(stream.readline().decode())
     files = header["files"]
-    have = {e["dest"]: _stat(_under(root, e["dest"])) for e in files}
+    follow = header.get("follow", ())
+    have = {e["dest"]: _stat_path(root, e["dest"], follow) for e in files}
     need = [e["index"] for e in files
             if not have[e["dest"]] or have[e["dest"]].get("sha256") != e["sha256"]
             or have[e["dest"]].get("mode") != e["mode"]]
@@ -527,9 +838,98 @@ def sync(root, store, deploy_id, stream):
     if go != b"apply":
         return {"ok": True, "files": [], "dirs_created": [], "applied": False, "note": "not applied"}
     entries = [dict(e, **{"from": "tar"}) for e in files if e["index"] in need]
-    out = apply(root, store, deploy_id, stream, manifest={"files": entries})
+    out = apply(root, store, deploy_id, stream, manifest={"files": entries, "follow": follow})
     out["applied"] = True
     return out
+
+
+# --- the store (ctl store status / prune) ----------------------------------------------------------------
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _store_open(args):
+    """(objects, deploys) descriptors of an existing store, or None when there is none yet."""
+    root = args["root"]
+    try:
+        fd = _opendir(root, _container_path(root, args["store"]))
+    except FileNotFoundError:
+        return None
+    try:
+        out = []
+        for sub in ("objects", "deploys"):
+            try:
+                out.append(os.open(sub, _DIRFLAGS | _NOFOLLOW, dir_fd=fd))
+            except FileNotFoundError:
+                out.append(None)
+        return out
+    finally:
+        os.close(fd)
+
+
+def storelist(args):
+    """Every object of the store (bytes, mode, mtime; stray temporary copies apart) and every deploy record."""
+    fds = _store_open(args)
+    out = {"ok": True, "now": time.time(), "objects": {}, "temps": {}, "deploys": []}
+    if fds is None:
+        return out
+    ofd, dfd = fds
+    try:
+        for name in (os.listdir(ofd) if ofd is not None else []):
+            st = os.stat(name, dir_fd=ofd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            doc = {"bytes": st.st_size, "mode": "%04o" % stat.S_IMODE(st.st_mode), "mtime": st.st_mtime}
+            if len(name) == 64 and set(name) <= _HEX:
+                out["objects"][name] = doc
+            elif name.startswith("."):
+                out["temps"][name] = doc
+        for name in sorted(os.listdir(dfd) if dfd is not None else []):
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            try:
+                fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dfd)
+                with os.fdopen(fd) as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(rec, dict):
+                out["deploys"].append({"id": rec.get("id"), "time": rec.get("time"), "partial": rec.get("partial"),
+                                       "files": [{"dest": f.get("dest"), "sha256": f.get("sha256"),
+                                                  "previous": f.get("previous")} for f in rec.get("files", [])]})
+    finally:
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
+    return out
+
+
+def storeprune(args):
+    """Delete the named objects (and stray temporary copies) of the store; the controller decides which."""
+    fds = _store_open(args)
+    if fds is None or fds[0] is None:
+        return {"ok": True, "deleted": [], "bytes": 0}
+    ofd, dfd = fds
+    deleted, freed = [], 0
+    try:
+        for name in args["objects"]:
+            ok_name = (len(name) == 64 and set(name) <= _HEX) or (name.startswith(".") and "/" not in name
+                                                                  and ".tmp" in name)
+            if not ok_name:
+                return {"ok": False, "code": "missing", "error": "not a store object: %r" % name,
+                        "deleted": deleted, "bytes": freed}
+            try:
+                st = os.stat(name, dir_fd=ofd, follow_symlinks=False)
+                os.unlink(name, dir_fd=ofd)
+            except FileNotFoundError:
+                continue
+            deleted.append(name)
+            freed += st.st_size
+    finally:
+        os.close(ofd)
+        if dfd is not None:
+            os.close(dfd)
+    return {"ok": True, "deleted": deleted, "bytes": freed}
 
 
 # --- compile caches and venv facts (ctl cache, ctl env sync) --------------------------------------
@@ -827,8 +1227,11 @@ def _ckpt_problem(d):
 
 def main(argv):
     verb = argv[0]
-    if verb == "hashes":
-        out = hashes(argv[1], argv[2:])
+    if verb == "hashes":  # hashes ROOT [--follow=JSON] PATH...
+        paths, follow = argv[2:], []
+        if paths and paths[0].startswith("--follow="):
+            follow, paths = json.loads(paths[0][len("--follow="):]), paths[1:]
+        out = hashes(argv[1], paths, follow)
     elif verb == "sync":
         out = sync(argv[1], argv[2], argv[3], sys.stdin.buffer)
     elif verb == "apply":
@@ -842,6 +1245,8 @@ def main(argv):
         out = ckptscan(json.loads(argv[1]))
     elif verb == "writefile":
         out = writefile(json.loads(argv[1]), sys.stdin.buffer)
+    elif verb in ("storelist", "storeprune"):
+        out = {"storelist": storelist, "storeprune": storeprune}[verb](json.loads(argv[1]))
     elif verb in ("probe", "runstate", "launch", "stop", "tailinfo"):
         out = {"probe": probe, "runstate": runstate, "launch": launch, "stop": stop,
                "tailinfo": tailinfo}[verb](json.loads(argv[1]))

@@ -43,6 +43,7 @@ ERRORS: Mapping[str, tuple[type[CtlError], str]] = {
     "verify": (VerifyError, ""),  # a hash or read-back did not match
     "disk": (DiskError, "container disk full: "),  # ENOSPC / EDQUOT
     "torch": (EnvMismatch, ""),  # a cache of another torch build
+    "symlink": (InputError, ""),  # a destination's path goes through a symlink the inventory does not allow
 }
 
 POSITIONAL = frozenset({"hashes", "sync", "apply"})
