@@ -146,8 +146,8 @@ def test_finished() -> None:
 
 def test_severity_order() -> None:
     assert sorted(RunState, reverse=True) == [
-        RunState.CRASHED, RunState.UNREACHABLE, RunState.STALLED, RunState.SLOW, RunState.NO_BASELINE, RunState.WARMUP, RunState.OK,
-        RunState.FINISHED,
+        RunState.CRASHED, RunState.UNREACHABLE, RunState.STALLED, RunState.SLOW, RunState.NO_BASELINE,
+        RunState.WARMUP, RunState.OK, RunState.FINISHED,
     ]
     verdicts = [judge(run(12800, 10)), judge(run(4600, 10)), judge(run(12800, 10), last_step_time=0.0),
                 judge(run(12800, 2))]
