@@ -88,6 +88,12 @@ class SessionEnded(ConnectionFailed):
     """ctl's persistent session ended on purpose (`ctl mux stop`, idle timeout) under a client."""
 
 
+class DeadlineExceeded(ConnectionFailed):
+    """A request got no (complete) answer within its deadline: the host, the relay, `pct` or the agent (or
+    ctl's session process) stopped answering while the SSH connection itself may still be up. The message
+    names the host, what was asked and how long ctl waited. Nothing about the run is concluded from it."""
+
+
 class HostKeyError(CtlError):
     exit_code = ExitCode.HOST_KEY
 

@@ -49,6 +49,14 @@ class ApiSpec(_Model):
         return v
 
 
+class KeepaliveSpec(_Model):
+    """SSH keepalives, like OpenSSH's ServerAliveInterval / ServerAliveCountMax: a probe every `interval`
+    seconds (0: none); `count` unanswered in a row drop the connection (CTL_KEEPALIVE_* override)."""
+
+    interval: float = Field(default=settings.DEFAULT_KEEPALIVE_INTERVAL, ge=0)
+    count: int = Field(default=settings.DEFAULT_KEEPALIVE_COUNT, ge=1)
+
+
 class HostSpec(_Model):
     address: str
     port: int = Field(22, ge=1, le=65535)
@@ -58,6 +66,9 @@ class HostSpec(_Model):
     pct: str = "pct"
     stage_dir: str = "/tmp"
     persist: int = Field(0, ge=0)  # idle seconds of a persistent host session (0: off); CTL_PERSIST overrides
+    keepalive: KeepaliveSpec = Field(default_factory=KeepaliveSpec)
+    connect_timeout: float = Field(settings.DEFAULT_CONNECT_TIMEOUT, gt=0)  # CTL_CONNECT_TIMEOUT overrides
+    timeout: float = Field(settings.DEFAULT_TIMEOUT, ge=0)  # deadline of each request, 0: none; CTL_TIMEOUT overrides
     api: ApiSpec | None = None
 
 

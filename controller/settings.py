@@ -16,9 +16,21 @@ STATE_DIR = "CTL_STATE_DIR"  # registry, dry-run stdin files, session sockets (d
 PERSIST = "CTL_PERSIST"  # idle seconds of persistent host sessions; wins over each host's `persist:`
 CHECKPOINT_GLOB = "CTL_CHECKPOINT_GLOB"  # checkpoints to hash, relative to a run's directory
 NOTIFY_RETRIES = "CTL_NOTIFY_RETRIES"  # seconds between a notification's attempts, e.g. "1,4,15"
+# Silent hosts. Each wins over the host's inventory key named after it (hosts.H.keepalive.interval, ...).
+KEEPALIVE_INTERVAL = "CTL_KEEPALIVE_INTERVAL"  # seconds between SSH keepalive probes (0: no keepalive)
+KEEPALIVE_COUNT = "CTL_KEEPALIVE_COUNT"  # unanswered probes in a row after which the connection is dropped
+CONNECT_TIMEOUT = "CTL_CONNECT_TIMEOUT"  # seconds for TCP connect, SSH banner and authentication
+TIMEOUT = "CTL_TIMEOUT"  # deadline in seconds of every request that is not a follow (0: none)
+FOLLOW_RECONNECT = "CTL_FOLLOW_RECONNECT"  # seconds `tail -f` keeps trying to reconnect to a silent host
 
 DEFAULT_INVENTORY = "inventory.yaml"
 DEFAULT_CHECKPOINT_GLOB = "checkpoints/*.pt"
+DEFAULT_KEEPALIVE_INTERVAL = 15.0  # OpenSSH's ServerAliveInterval, as commonly set
+DEFAULT_KEEPALIVE_COUNT = 3  # OpenSSH's ServerAliveCountMax default
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_TIMEOUT = 60.0  # a status, launch, stop or deploy round trip; long verbs (cache, env sync) set their own
+DEFAULT_FOLLOW_RECONNECT = 300.0
+LONG_TIMEOUT = 6 * 3600.0  # verbs whose work is legitimately long (cache save/restore/warm, env sync build)
 
 
 def inventory_path(flag: str | None = None) -> Path:
@@ -90,3 +102,53 @@ def notify_retries() -> tuple[float, ...]:
     if any(w < 0 or w > 3600 for w in waits):
         raise InputError(f"{NOTIFY_RETRIES}: expected seconds between attempts such as 1,4,15, got {raw!r}")
     return waits
+
+
+def _seconds(name: str, *, allow_zero: bool) -> float | None:
+    """A CTL_* variable holding seconds (None when unset); malformed or out of range: InputError naming it."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
+        need = ">= 0" if allow_zero else "> 0"
+        raise InputError(f"{name}: expected seconds {need}, got {raw!r}")
+    return value
+
+
+def keepalive_interval() -> float | None:
+    """CTL_KEEPALIVE_INTERVAL: seconds between keepalive probes, 0 turns them off; None when unset."""
+    return _seconds(KEEPALIVE_INTERVAL, allow_zero=True)
+
+
+def keepalive_count() -> int | None:
+    """CTL_KEEPALIVE_COUNT: unanswered probes before the connection counts as dropped; None when unset."""
+    raw = os.environ.get(KEEPALIVE_COUNT, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise InputError(f"{KEEPALIVE_COUNT}: expected a whole number >= 1, got {raw!r}")
+    return value
+
+
+def connect_timeout() -> float | None:
+    """CTL_CONNECT_TIMEOUT: seconds to connect and authenticate; None when unset."""
+    return _seconds(CONNECT_TIMEOUT, allow_zero=False)
+
+
+def request_timeout() -> float | None:
+    """CTL_TIMEOUT: the deadline of one request (0: none); None when unset (the host's `timeout:` decides)."""
+    return _seconds(TIMEOUT, allow_zero=True)
+
+
+def follow_reconnect() -> float:
+    """CTL_FOLLOW_RECONNECT: how long a follow keeps reconnecting after its connection dropped."""
+    value = _seconds(FOLLOW_RECONNECT, allow_zero=True)
+    return DEFAULT_FOLLOW_RECONNECT if value is None else value

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what ctl and its tests need on a fresh Debian machine (idempotent; run as root for apt).
 #   system: openssh (the test host's sshd and `ssh -t` for attach), lxc (the test host's containers), tmux,
+#           nftables (a test drops the test host's loopback traffic; skipped without nft or iptables),
 #           python3-venv where the interpreter cannot make a venv (stock Debian)
 #   python: a project venv at .venv (CTL_VENV overrides) holding ctl (editable) with its dev tools and the
 #           payload's torch/transformers. Nothing is installed into the system interpreter: Debian 12 refuses
@@ -15,6 +16,9 @@ need_apt=()
 for bin in sshd:openssh-server ssh:openssh-client lxc-start:lxc tmux:tmux git:git ps:procps; do
   command -v "${bin%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${bin%%:*}" ] || need_apt+=("${bin##*:}")
 done
+if ! command -v nft >/dev/null 2>&1 && ! command -v iptables >/dev/null 2>&1 && [ ! -x /usr/sbin/nft ]; then
+  need_apt+=(nftables)
+fi
 if [ ! -x "$VENV/bin/python" ] && ! "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1; then
   need_apt+=(python3-venv)
 fi

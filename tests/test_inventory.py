@@ -178,3 +178,38 @@ def test_host_persist_is_whole_seconds_at_least_0(tmp_path: Path) -> None:
     msg = error_of(tmp_path, GOOD.replace("    port: 22\n", "    port: 22\n    persist: -5\n"))
     assert msg.startswith("INV:5: hosts.kpro6.persist:"), msg
     assert ">= 0" in msg or "greater than or equal to 0" in msg, msg
+
+
+def test_host_keepalive_and_deadlines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defaults < the host's keepalive/connect_timeout/timeout keys < CTL_* variables; bad values named."""
+    from controller import settings
+    from controller.transport.pool import Pool
+
+    for var in (settings.KEEPALIVE_INTERVAL, settings.KEEPALIVE_COUNT, settings.CONNECT_TIMEOUT, settings.TIMEOUT):
+        monkeypatch.delenv(var, raising=False)
+    inv = load(write(tmp_path, GOOD))
+    host = inv.model.hosts["kpro6"]
+    assert (host.keepalive.interval, host.keepalive.count, host.connect_timeout, host.timeout) == (15, 3, 10, 60)
+    with Pool(inv) as pool:
+        ep = pool.host("kpro6")
+        assert (ep.keepalive_interval, ep.keepalive_count, ep.connect_timeout, ep.request_timeout) == (15, 3, 10, 60)
+    keys = "    port: 22\n    keepalive: {interval: 2, count: 4}\n    connect_timeout: 3\n    timeout: 0\n"
+    inv = load(write(tmp_path, GOOD.replace("    port: 22\n", keys)))
+    with Pool(inv) as pool:
+        ep = pool.host("kpro6")
+        assert (ep.keepalive_interval, ep.keepalive_count, ep.connect_timeout) == (2, 4, 3)
+        assert ep.request_timeout is None  # timeout: 0 is no deadline
+    monkeypatch.setenv(settings.KEEPALIVE_INTERVAL, "0")
+    monkeypatch.setenv(settings.TIMEOUT, "7.5")
+    with Pool(inv) as pool:
+        ep = pool.host("kpro6")
+        assert (ep.keepalive_interval, ep.keepalive_count, ep.request_timeout) == (0, 4, 7.5)  # the variables win
+    for var, bad in ((settings.TIMEOUT, "soon"), (settings.KEEPALIVE_COUNT, "0"), (settings.CONNECT_TIMEOUT, "0")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(InputError, match=var):
+            Pool(inv)
+        monkeypatch.delenv(var)
+    msg = error_of(tmp_path, GOOD.replace("    port: 22\n", "    port: 22\n    keepalive: {count: 0}\n"))
+    assert msg.startswith("INV:5: hosts.kpro6.keepalive.count:"), msg
+    msg = error_of(tmp_path, GOOD.replace("    port: 22\n", "    port: 22\n    keepalive: {intervl: 5}\n"))
+    assert "hosts.kpro6.keepalive.intervl: unknown key" in msg, msg

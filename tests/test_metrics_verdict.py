@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -145,8 +146,8 @@ def test_finished() -> None:
 
 def test_severity_order() -> None:
     assert sorted(RunState, reverse=True) == [
-        RunState.CRASHED, RunState.STALLED, RunState.SLOW, RunState.NO_BASELINE, RunState.WARMUP, RunState.OK,
-        RunState.FINISHED,
+        RunState.CRASHED, RunState.UNREACHABLE, RunState.STALLED, RunState.SLOW, RunState.NO_BASELINE,
+        RunState.WARMUP, RunState.OK, RunState.FINISHED,
     ]
     verdicts = [judge(run(12800, 10)), judge(run(4600, 10)), judge(run(12800, 10), last_step_time=0.0),
                 judge(run(12800, 2))]
@@ -157,6 +158,11 @@ def test_severity_order() -> None:
     assert exit_code_for([judge(run(4600, 10)), judge(run(12800, 10))]) is ExitCode.SLOW
     assert exit_code_for([judge(run(12800, 2)), judge(run(4600, 10), baseline=None)]) is ExitCode.OK
     assert exit_code_for([]) is ExitCode.OK and worst([]) is None
+    # a host that did not answer (exit 5) outranks what is known to be slow or stalled, never a known crash
+    silent = replace(judge(run(12800, 10)), state=RunState.UNREACHABLE)
+    assert silent.exit_code is ExitCode.CONNECTION and silent.state.label == "unreachable"
+    assert exit_code_for([judge(run(4600, 10)), silent]) is ExitCode.CONNECTION
+    assert exit_code_for([silent, judge([], crash="nccl")]) is ExitCode.RUN_FAILED
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 the main app. Each converts options, calls controller.commands.monitor / metrics / plot, and renders the result.
 
 Exit codes of `status` and `watch` are the verdict's (metrics.exit_code_for): 0 OK / FINISHED / warming up /
-no baseline, 21 SLOW, 22 STALLED, 20 CRASHED, so that a runbook can branch on them.
+no baseline, 21 SLOW, 22 STALLED, 5 UNREACHABLE (status: the host did not answer), 20 CRASHED, so that a runbook
+can branch on them.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def mark_good_cmd(
 def _render_status(sts: list[Any]) -> None:
     from controller.core.metrics import format_eta, format_rate, sparkline
 
-    colour = {"ok": "green", "finished": "green", "slow": "yellow", "stalled": "red", "crashed": "red"}
+    colour = {"ok": "green", "finished": "green", "slow": "yellow", "stalled": "red", "unreachable": "magenta",
+              "crashed": "red"}
     rows = []
     for s in sts:
         v, last = s.verdict, s.last
@@ -194,7 +196,8 @@ def status_cmd(
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=_CHECKPOINTS_HELP),
 ) -> None:
     """Live runs (else each container's latest run): pull new metrics, show step, loss, tok/s, ETA, trend
-    and the verdict against the baseline. Exit code: the worst verdict's (21 SLOW, 22 STALLED, 20 CRASHED)."""
+    and the verdict against the baseline. Exit code: the worst verdict's (21 SLOW, 22 STALLED, 5 UNREACHABLE,
+    20 CRASHED)."""
     from controller.commands import monitor
     from controller.core.metrics import exit_code_for
 

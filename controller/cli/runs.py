@@ -25,7 +25,7 @@ from controller.cli.app import (
     app,
     session,
 )
-from controller.errors import CtlError, InputError
+from controller.errors import CtlError, ExitCode, InputError
 
 
 @app.command("launch")
@@ -79,7 +79,8 @@ def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool) -> int:
     if status is not None:
         status.start()
     try:
-        end = runs.follow(t, reg, rec, lines=lines, follow=follow, emit=emit, detect=metrics.detect_crash)
+        end = runs.follow(t, reg, rec, lines=lines, follow=follow, emit=emit, detect=metrics.detect_crash,
+                          note=lambda text: _warn([text]))
     finally:
         if status is not None:
             status.stop()
@@ -133,23 +134,28 @@ def runs_cmd(
     inv = _inv()
     reg = _registry()
     recs = recorded(inv, reg, container, limit=limit)
+    silent: dict[int, str] = {}  # run id -> why its container did not answer (state unknown, record kept)
     if not no_refresh:
         with session(inv) as pool:
             refreshed = refresh_all(inv, reg, pool, recs)
         _warn(refreshed.warnings)
         recs = list(refreshed.runs)
+        silent = {r.id: why for r in recs if (why := refreshed.unreachable_run(r)) is not None}
+    code = int(ExitCode.CONNECTION) if silent else 0  # a host that did not answer: exit 5, like the others
     if tree:
         _render_tree(reg, recs)
-        return
+        raise typer.Exit(code)
     if OPTS.json:
-        _out([_redacted(r) for r in recs])
-        return
-    rows = [[r.ct, r.name + (" *" if r.good else ""), r.state, "" if r.exit_status is None else r.exit_status,
+        _out([{**_redacted(r), "unreachable": silent.get(r.id)} for r in recs])
+        raise typer.Exit(code)
+    rows = [[r.ct, r.name + (" *" if r.good else ""), f"UNREACHABLE ({r.state})" if r.id in silent else r.state,
+             "" if r.exit_status is None else r.exit_status,
              _ago(r.started or r.created), (r.commit_sha or "-")[:10] + ("+dirty" if r.dirty else ""), r.log_path]
             for r in recs]
     _table(None, ["ct", "run", "state", "exit", "started", "commit", "log"], rows)
     if any(r.good for r in recs):
         _console().print("* marked good (baseline)")
+    raise typer.Exit(code)
 
 
 def _render_tree(reg: Any, recs: list[Any]) -> None:

@@ -29,6 +29,7 @@ from controller.errors import ClobberError, EnvMismatch, InputError, RemoteComma
 from controller.inventory import Container, Inventory
 from controller.names import check_container_path, check_name
 from controller.remote.client import Agent
+from controller.settings import LONG_TIMEOUT
 from controller.transport.base import Transport
 
 DEFAULT_STORE = "/workspace/.ctl-caches"
@@ -116,8 +117,10 @@ def settings(inv: Inventory, ct: Container) -> CacheSettings:
     return CacheSettings(env.cache_dir, store)
 
 
-def _call(t: Transport, verb: str, args: dict[str, Any]) -> dict[str, Any]:
-    return Agent(t).call(verb, args, timeout=None, check=False)
+def _call(t: Transport, verb: str, args: dict[str, Any], *, long: bool = False) -> dict[str, Any]:
+    """One cache verb; `long` ones (save, restore: tarballs of GBs) get settings.LONG_TIMEOUT, not the
+    request deadline."""
+    return Agent(t).call(verb, args, timeout=LONG_TIMEOUT if long else None, check=False)
 
 
 def _saved(doc: dict[str, Any]) -> SavedCache:
@@ -165,7 +168,7 @@ def save(inv: Inventory, ct: Container, t: Transport, name: str, *, local_dir: s
             raise ClobberError(f"{local} exists: not overwritten (pick another name or directory)")
     p = environment.probe(inv, ct, t)  # a cache ctl never warmed gets a marker from the live torch build
     doc = _call(t, "cachesave", {"dir": s.dir, "store": s.store, "name": name, "marker": Marker.doc(p, "save", now),
-                                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))})
+                                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))}, long=True)
     if not doc.get("ok"):
         _raise(ct, t, doc)
     side = doc["sidecar"]
@@ -210,7 +213,7 @@ def restore(inv: Inventory, ct: Container, t: Transport, name: str, *, force: bo
     live = torch_build(environment.probe(inv, ct, t))
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     doc = _call(t, "cacherestore", {"dir": s.dir, "store": s.store, "name": name, "torch_build": live,
-                                    "force": force, "stamp": stamp})
+                                    "force": force, "stamp": stamp}, long=True)
     if not doc.get("ok"):
         if doc.get("code") == "torch":
             raise EnvMismatch(f"{ct.name}: {doc.get('error')}: its kernels would not be used",

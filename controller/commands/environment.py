@@ -22,6 +22,7 @@ from controller.errors import ClobberError, CtlError, EnvMismatch, InputError
 from controller.inventory import Container, Inventory
 from controller.names import check_container_path, check_snapshot_name
 from controller.remote.client import Agent
+from controller.settings import LONG_TIMEOUT
 from controller.transport.base import Transport
 
 # Where uv usually is: PATH, then the installer's defaults (pct exec's PATH has no ~/.local/bin).
@@ -304,7 +305,7 @@ def sync(
         t.check(list(c), what="sync guard")
     agent.call("writefile", {"path": lock_in_ct}, payload=lock.render().encode())
     for c in plan.build:
-        t.check(list(c), what="building the new venv", timeout=None)
+        t.check(list(c), what="building the new venv", timeout=LONG_TIMEOUT)  # uv downloads GBs of wheels
     new_probe = Probe.from_json(json.dumps(run_probe(t, venv=new, cache_dir=s.cache_dir)), f"{ct.name}:{new}")
     findings = envlock.check(lock, new_probe)
     if findings:

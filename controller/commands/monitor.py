@@ -95,7 +95,7 @@ def pull(
                                 "max_bytes": chunk}
         if calls == 0 and hashes:
             args.update(_hash_args(reg, run, checkpoints))
-        header, data, n_in, n_out = agent.read("logread", args, timeout=600)
+        header, data, n_in, n_out = agent.read("logread", args)  # the request deadline (CTL_TIMEOUT)
         calls += 1
         wire_in += n_in
         wire_out += n_out
@@ -290,10 +290,15 @@ def baseline_rate(reg: Registry, base: Baseline | None) -> tuple[str, float] | N
 
 def status_of(
     run: RunRecord, reg: Registry, baseline: tuple[str, float] | None, *, pull: PullResult | None,
-    slow_ratio: float, stall_after_s: float, error: str | None = None,
+    slow_ratio: float, stall_after_s: float, error: str | None = None, unreachable: str | None = None,
 ) -> RunStatus:
+    """One run's status line. `unreachable` (why its container did not answer) makes the verdict UNREACHABLE:
+    the stored points still give step and rate, but no stall or crash is concluded from the silence."""
     points = stored_points(reg, run)
     v = judge(run, points, baseline, pull=pull, slow_ratio=slow_ratio, stall_after_s=stall_after_s)
+    if unreachable is not None:
+        v = replace(v, state=RunState.UNREACHABLE, idle_s=None,
+                    reason=f"host did not answer; recorded state {run.state} kept: {unreachable}")
     last = max(points, key=lambda p: p.step) if points else None
     return RunStatus(run, v, last, tuple(p.tok_s for p in points[-20:]), baseline[0] if baseline else None,
                      pull, error)
@@ -350,7 +355,6 @@ def baseline_for(inv: Inventory, reg: Registry, pool: Pool, rec: RunRecord, chec
 class StatusReport:
     statuses: tuple[RunStatus, ...]
     warnings: tuple[str, ...]
-    unreached: frozenset[str] = frozenset()  # containers that did not answer the state refresh
 
 
 def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *, slow_ratio: float,
@@ -359,19 +363,22 @@ def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *
     over one connection per host."""
     refreshed = refresh_all(inv, reg, pool, recs)
     warnings = list(refreshed.warnings)
-    pulled = pull_many(inv, reg, pool, list(refreshed.runs), checkpoints)
+    # A container that did not answer is not asked again in this command (a second deadline to wait out).
+    reachable = [r for r in refreshed.runs if r.ct not in refreshed.unreachable]
+    pulled = pull_many(inv, reg, pool, reachable, checkpoints)
     out = []
     for r in (reg.run_by_id(r.id) for r in refreshed.runs):  # crash signatures found by the pull
         res = pulled.get(r.id)
         base, warning = baseline_for(inv, reg, pool, r, checkpoints)
         if warning:
             warnings.append(warning)
+        silent = refreshed.unreachable_run(r)
         st = status_of(r, reg, base, pull=None if isinstance(res, str) else res, slow_ratio=slow_ratio,
-                       stall_after_s=stall_after_s, error=res if isinstance(res, str) else None)
-        if st.error and r.state.live:
+                       stall_after_s=stall_after_s, error=res if isinstance(res, str) else silent, unreachable=silent)
+        if st.error and r.state.live and silent is None:  # an unreachable one is already warned about
             warnings.append(f"{r.ct}/{r.name}: metrics not pulled: {st.error}")
         out.append(st)
-    return StatusReport(tuple(out), tuple(warnings), refreshed.unreached)
+    return StatusReport(tuple(out), tuple(warnings))
 
 
 def watch(inv: Inventory, reg: Registry, pool: Pool, rec: RunRecord, *, until_step: int | None,

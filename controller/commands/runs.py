@@ -13,7 +13,7 @@ import re
 import shlex
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from controller.commands import environment
@@ -36,7 +36,8 @@ from controller.lifecycle import Lifecycle
 from controller.names import check_name
 from controller.registry import Registry, RunRecord
 from controller.remote.client import Agent, AgentReplyError
-from controller.transport.base import Transport
+from controller.settings import follow_reconnect
+from controller.transport.base import Transport, limit
 from controller.transport.pool import Pool
 
 START_SCRIPT = "start_training.sh"
@@ -341,7 +342,9 @@ def live(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> list[Run
 def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRecord, grace: float = 30) -> RunRecord:
     if not run.state.live:
         raise InputError(f"run {run.name} on {ct.name} is not running (state: {run.state})")
-    doc = Agent(t).call("stop", {"log": run.log_path, "session": run.session, "grace": grace})
+    deadline = limit(None, t.request_timeout)  # the agent waits up to `grace` after SIGINT and after SIGTERM
+    doc = Agent(t).call("stop", {"log": run.log_path, "session": run.session, "grace": grace},
+                        timeout=None if deadline is None else deadline + 3 * grace)
     if doc.get("alive"):
         raise CtlError(f"{ct.name}: run {run.name} survived SIGINT, SIGTERM and SIGKILL")
     note = "stopped by ctl stop (" + " -> ".join(doc.get("signals", [])) + ")"
@@ -366,13 +369,19 @@ class FollowEnd:
 
 def follow(
     t: Transport, reg: Registry, run: RunRecord, *, lines: int, follow: bool, emit: Callable[[str], None],
-    detect: Callable[[str], str | None], reconnects: int = 5, crash_grace: float = 3.0,
+    detect: Callable[[str], str | None], reconnect_s: float | None = None, crash_grace: float = 3.0,
+    note: Callable[[str], None] | None = None,
 ) -> FollowEnd:
     """Print the last `lines` lines (all of them when negative), then (with follow) new ones until the run
     ends or crashes.
 
-    A dropped connection is resumed from the last byte offset received: no line is lost or repeated.
+    A dropped connection (an SSH connection cut, or one the keepalive found silent: ConnectionDropped), or a
+    request past its deadline, is resumed from the last byte offset received: no line is lost or repeated.
+    Reconnecting goes on for `reconnect_s` seconds after the failure (CTL_FOLLOW_RECONNECT, 300), then the last
+    error is raised (exit 5) and the registry keeps the run's state. `note` hears of each drop and reconnection.
     """
+    if reconnect_s is None:
+        reconnect_s = follow_reconnect()
     assert run.log_path is not None
     agent = Agent(t)
     info = agent.call("tailinfo", {"log": run.log_path, "lines": max(lines, 0)}, check=False)
@@ -388,9 +397,15 @@ def follow(
     splitter = LineSplitter()  # holds at most LINE_CAP bytes of an unfinished line, however long it gets
     crash_at: float | None = None
     tries = 0
+    failing_since: float | None = None
     while True:
         try:
             st = _runstate(t, run)
+            if failing_since is not None:
+                if note is not None:
+                    note(f"{run.ct}: reconnected after {time.monotonic() - failing_since:.0f}s; "
+                         f"following {run.name} from byte {offset}")
+                failing_since, tries = None, 0
             if not st.get("alive") and st.get("log_size") == offset and crash_at is None:
                 break
             argv = ["tail", "-c", f"+{offset + 1}"]
@@ -411,9 +426,14 @@ def follow(
                 if kind == "exit":
                     break
             break
-        except ConnectionFailed:
+        except ConnectionFailed as e:
+            now = time.monotonic()
+            if failing_since is None:
+                failing_since = now
+                if note is not None:
+                    note(f"{e}; reconnecting (for up to {reconnect_s:g}s)")
             tries += 1
-            if tries > reconnects:
+            if now - failing_since >= reconnect_s:
                 raise
             time.sleep(min(2.0, 0.2 * tries))
     for raw in splitter.flush():
@@ -460,7 +480,13 @@ def _states(ct: str, states: list[Any], n: int) -> list[dict[str, Any]]:
 class Refreshed:
     runs: tuple[RunRecord, ...]
     warnings: tuple[str, ...]  # containers that could not be asked (their runs keep their recorded state)
-    unreached: frozenset[str] = frozenset()  # those containers' names
+    #: containers whose host did not answer (connection refused, dropped, past its deadline: exit 5), with why;
+    #: their runs keep their recorded state and are shown UNREACHABLE, never crashed or lost
+    unreachable: dict[str, str] = field(default_factory=dict)
+
+    def unreachable_run(self, r: RunRecord) -> str | None:
+        """Why a live run's state is unknown (its container did not answer), else None."""
+        return self.unreachable.get(r.ct) if r.state.live else None
 
 
 def refresh_all(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord]) -> Refreshed:
@@ -475,7 +501,9 @@ def refresh_all(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord]
                      lambda ct, t: refresh(inv, ct, t, reg, by_ct[ct.name]))
     fresh = {r.id: r for o in results if o.value for r in o.value}
     warnings = tuple(f"{o.ct}: state not refreshed: {o.error}" for o in results if not o.ok)
-    return Refreshed(tuple(fresh.get(r.id, r) for r in recs), warnings, frozenset(o.ct for o in results if not o.ok))
+    unreachable = {o.ct: o.error or "unreachable" for o in results
+                   if not o.ok and o.exit_code == int(ExitCode.CONNECTION)}
+    return Refreshed(tuple(fresh.get(r.id, r) for r in recs), warnings, unreachable)
 
 
 def recorded(inv: Inventory, reg: Registry, container: str | None, *, limit: int) -> list[RunRecord]:

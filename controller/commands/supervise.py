@@ -35,6 +35,7 @@ from typing import Any
 from controller.commands import runs
 from controller.commands.monitor import RunStatus, statuses
 from controller.commands.notify import Deliverer
+from controller.core.metrics import RunState
 from controller.core.supervision import UNREACHABLE, Event, Policy, Sink, backoff_s, summary_line
 from controller.errors import BusyError, ConnectionFailed, CtlError, DriftError, InputError, InventoryError
 from controller.inventory import Container, Inventory
@@ -125,15 +126,16 @@ class Supervisor:
                 report = statuses(self.inv, self.reg, pool, recs, slow_ratio=self.s.slow_ratio,
                                   stall_after_s=self.s.stall_after_s, checkpoints=None)
                 for st in report.statuses:
-                    verdict = self._verdict(st, report.unreached)
+                    verdict = self._verdict(st)
                     out.verdicts[f"{st.run.ct}/{st.run.name}"] = verdict
                     self._judge(pool, st, verdict, out)
             self._restarts(pool, out)
         out.seconds = time.monotonic() - t0
         return out
 
-    def _verdict(self, st: RunStatus, unreached: frozenset[str]) -> str:
-        if st.run.ct in unreached or (st.error is not None and st.run.state.live):
+    def _verdict(self, st: RunStatus) -> str:
+        # A live run whose log could not be read is judged on stale points: call it what it is.
+        if st.verdict.state == RunState.UNREACHABLE or (st.error is not None and st.run.state.live):
             return UNREACHABLE
         if st.run.state == Lifecycle.STOPPED:
             return "stopped"

@@ -407,7 +407,10 @@ class RunState(IntEnum):
 
     FINISHED < OK: a finished run can no longer go wrong. WARMUP and NO_BASELINE cannot be judged
     (NO_BASELINE above WARMUP: it stays that way, the blind spot of the seeds). SLOW < STALLED (no
-    progress at all, maybe a hung compile holding eight GPUs) < CRASHED (certain, needs a relaunch).
+    progress at all, maybe a hung compile holding eight GPUs) < UNREACHABLE (its host did not answer: nothing is
+    known, and it may hide anything short of a crash that is already known) < CRASHED (certain, needs a relaunch).
+    UNREACHABLE is never concluded from a run's log: `ctl status` sets it when the container could not be asked
+    (exit 5); the registry keeps the run's recorded state.
     The exit codes are not in this order (RUN_FAILED=20 < SLOW=21), so never take max() of them.
     """
 
@@ -417,7 +420,8 @@ class RunState(IntEnum):
     NO_BASELINE = 3
     SLOW = 4
     STALLED = 5
-    CRASHED = 6
+    UNREACHABLE = 6
+    CRASHED = 7
 
     @property
     def label(self) -> str:
@@ -428,7 +432,8 @@ class RunState(IntEnum):
         return _EXIT.get(self, ExitCode.OK)
 
 
-_EXIT = {RunState.SLOW: ExitCode.SLOW, RunState.STALLED: ExitCode.STALLED, RunState.CRASHED: ExitCode.RUN_FAILED}
+_EXIT = {RunState.SLOW: ExitCode.SLOW, RunState.STALLED: ExitCode.STALLED, RunState.UNREACHABLE: ExitCode.CONNECTION,
+         RunState.CRASHED: ExitCode.RUN_FAILED}
 
 
 @dataclass(frozen=True)

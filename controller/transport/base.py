@@ -7,12 +7,26 @@ Implementations: a Proxmox host over SSH (`ssh.HostConnection`), a container thr
 
 from __future__ import annotations
 
+import math
 import shlex
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from controller.errors import RemoteCommandError
+
+#: A timeout that means "no deadline": for work that is legitimately long (a cache save, a venv build). A
+#: timeout of None means the endpoint's default deadline (`Transport.request_timeout`, CTL_TIMEOUT).
+NO_DEADLINE = math.inf
+
+
+def limit(timeout: float | None, default: float | None) -> float | None:
+    """The seconds a request may take: `timeout`, else `default`; None for no deadline (NO_DEADLINE, 0)."""
+    if timeout is None:
+        timeout = default
+    if timeout is None or math.isinf(timeout) or timeout <= 0:
+        return None
+    return timeout
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,9 @@ class Transport(ABC):
 
     #: Human name used in every message about this endpoint ("kpro6", "ct200 (kpro6/200)").
     name: str
+    #: The deadline in seconds of a request given no timeout (run, a Duplex's readline/finish, put, get);
+    #: None: none. A request past it raises DeadlineExceeded. Follows (stream) have none: keepalives guard them.
+    request_timeout: float | None = None
 
     @abstractmethod
     def run(

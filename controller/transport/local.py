@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from controller.errors import ConnectionFailed
-from controller.transport.base import Duplex, Result, Transport
+from controller.transport.base import Duplex, Result, Transport, limit
 
 
 class LocalContainer(Transport):
@@ -31,6 +31,7 @@ class LocalContainer(Transport):
     ) -> Result:
         self.root.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
+        timeout = limit(timeout, self.request_timeout)  # NO_DEADLINE -> None (subprocess wants a number)
         try:
             p = subprocess.run(
                 list(argv), input=stdin if stdin is not None else b"", capture_output=True,
@@ -60,7 +61,7 @@ class LocalContainer(Transport):
             err = p.stderr.read()
             if err:
                 yield "err", err
-            yield "exit", str(p.wait(timeout=timeout)).encode()
+            yield "exit", str(p.wait(timeout=limit(timeout, None))).encode()
         finally:
             if p.poll() is None:
                 p.kill()
@@ -108,7 +109,7 @@ class _PopenDuplex(Duplex):
     def finish(self, timeout: float | None = None) -> Result:
         # communicate() closes stdin (the command sees EOF), then drains stdout and stderr.
         try:
-            out, err = self.p.communicate(timeout=timeout)
+            out, err = self.p.communicate(timeout=limit(timeout, None))
         except subprocess.TimeoutExpired:
             self.p.kill()
             raise ConnectionFailed(f"`{self.argv[0]}` did not finish in {timeout}s") from None

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Literal
 
-from controller.errors import ConnectionFailed, NotRunning, RemoteCommandError, VerifyError
+from controller.errors import ConnectionFailed, DeadlineExceeded, NotRunning, RemoteCommandError, VerifyError
 from controller.transport.base import Duplex, Result, Transport
 from controller.transport.ssh import SshEndpoint
 
@@ -45,6 +45,7 @@ class PctContainer(Transport):
         self.pct = pct
         self.stage_dir = stage_dir
         self.relay = relay  # several containers of this host share one exec (run/open go through it)
+        self.request_timeout = host.request_timeout  # the host's deadline: one SSH connection, one setting
 
     # --- pct-level ------------------------------------------------------------------------------
 
@@ -122,9 +123,11 @@ class PctContainer(Transport):
         stage = f"{self.stage_dir.rstrip('/')}/ctl-stage-{uuid.uuid4().hex}"
         staged = f"{stage}/file"
         try:
-            with self.host.connection().open_sftp() as sftp:
+            with self.host.sftp() as sftp:
                 sftp.mkdir(stage, mode=0o700)
                 sftp.put(local_path, staged)
+        except TimeoutError:
+            raise self.host._sftp_silent(f"staging {local_path} in {stage}") from None
         except OSError as e:
             raise ConnectionFailed(f"{self.host.name}: staging {local_path} in {stage} failed: {e}") from None
         push = shlex.join(self.pct_argv("push", str(self.vmid), staged, remote_path))
@@ -145,8 +148,11 @@ class PctContainer(Transport):
         """Stream the file through `pct exec -- cat` (one round trip; avoids pull's empty-file trap)."""
         err = b""
         code = b"-1"
+        quiet = self.request_timeout  # a download may be long; silence longer than the deadline is not
         with open(local_path, "wb") as f:
-            for kind, data in self.host.stream(self.exec_argv(["cat", "--", remote_path])):
+            for kind, data in self.host.stream(self.exec_argv(["cat", "--", remote_path]), idle=quiet):
+                if kind == "idle":
+                    raise DeadlineExceeded(f"{self.name}: download of {remote_path}: no data for {quiet:g}s")
                 if kind == "out":
                     f.write(data)
                 elif kind == "err":

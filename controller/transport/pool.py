@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 
-from controller.inventory import Container, Inventory
+from controller import settings
+from controller.inventory import Container, HostSpec, Inventory
 from controller.settings import persist_seconds
 from controller.transport.base import Transport
 from controller.transport.local import LocalContainer
@@ -26,6 +28,25 @@ class Pool:
         self._relays: dict[str, HostRelay] = {}
         self._lock = threading.Lock()
         self._persist_env = persist_seconds()  # CTL_PERSIST, when set, wins over the inventory's `persist:`
+        # CTL_KEEPALIVE_INTERVAL / _COUNT, CTL_CONNECT_TIMEOUT, CTL_TIMEOUT win over each host's keys
+        self._env = {"keepalive_interval": settings.keepalive_interval(), "keepalive_count": settings.keepalive_count(),
+                     "connect_timeout": settings.connect_timeout(), "request_timeout": settings.request_timeout()}
+
+    def limits(self, spec: HostSpec | None) -> dict[str, Any]:
+        """SshEndpoint's keepalive, connect timeout and request deadline: the CTL_* variable when set, else the
+        host's inventory keys (defaults: settings.DEFAULT_*). A container with its own sshd has no host: its
+        endpoint gets the variables, else the defaults."""
+        keepalive = spec.keepalive if spec is not None else None
+        base: dict[str, Any] = {
+            "keepalive_interval": keepalive.interval if keepalive else settings.DEFAULT_KEEPALIVE_INTERVAL,
+            "keepalive_count": keepalive.count if keepalive else settings.DEFAULT_KEEPALIVE_COUNT,
+            "connect_timeout": spec.connect_timeout if spec is not None else settings.DEFAULT_CONNECT_TIMEOUT,
+            "request_timeout": spec.timeout if spec is not None else settings.DEFAULT_TIMEOUT,
+        }
+        base.update({k: v for k, v in self._env.items() if v is not None})
+        if not base["request_timeout"]:
+            base["request_timeout"] = None  # 0: no deadline
+        return base
 
     def persist(self, host: str) -> int:
         """Idle seconds of the user's persistent session for this host (0: none): CTL_PERSIST when set,
@@ -72,6 +93,7 @@ class Pool:
                 ep = SshEndpoint(
                     name, spec.address, port=spec.port, user=spec.user,
                     identity_file=self._abs(spec.identity_file), known_hosts=self._abs(spec.known_hosts),
+                    **self.limits(spec),
                 )
                 self._hosts[name] = ep
             return ep
@@ -94,6 +116,7 @@ class Pool:
                     ep = SshEndpoint(
                         ct.name, spec.address, port=spec.port, user=spec.user,
                         identity_file=self._abs(spec.identity_file), known_hosts=self._abs(spec.known_hosts),
+                        **self.limits(None),
                     )
                     self._direct[ct.name] = ep
                 return ep

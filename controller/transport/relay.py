@@ -12,7 +12,9 @@ When the host has no usable python3 the relay never says hello: `available()` tu
 reason goes to the `note` callback (`ctl --debug` prints it) and callers use one exec per container.
 
 When the channel ends under open streams, each of them fails with the kind of end as its type:
-ConnectionDropped (the SSH connection went away) or RelayExited (the relay exited by itself).
+ConnectionDropped (the SSH connection went away) or RelayExited (the relay exited by itself). A stream that
+gets no answer within its deadline (the host's request_timeout unless the caller gave one) fails with
+DeadlineExceeded, and the relay is then closed without waiting for it.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from controller.errors import ConnectionDropped, ConnectionFailed, RelayExited
+from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded, RelayExited
 from controller.remote import source
-from controller.transport.base import Duplex, Result
+from controller.transport.base import Duplex, Result, limit
 from controller.transport.ssh import SshEndpoint
 
 HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/remote/hostrelay.py)
@@ -86,10 +88,10 @@ class HostRelay:
     """One exec channel on `host` that runs and multiplexes the containers' execs (see module doc)."""
 
     def __init__(self, host: SshEndpoint, *, note: Callable[[str], None] | None = None,
-                 hello_timeout: float = 30.0) -> None:
+                 hello_timeout: float | None = None) -> None:
         self.host = host
         self.note = note
-        self.hello_timeout = hello_timeout
+        self.hello_timeout = limit(hello_timeout, host.request_timeout) or 30.0
         self._lock = threading.Lock()  # start-up
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -102,6 +104,7 @@ class HostRelay:
         self.streams_opened = 0
         self.python: str | None = None  # the host's python that runs the relay (from its hello)
         self.why_unavailable: str | None = None  # why the host cannot run the relay
+        self.stuck = False  # a stream passed its deadline: close() does not wait for the relay
 
     # --- start-up ---------------------------------------------------------------------------------
 
@@ -172,7 +175,11 @@ class HostRelay:
             if data:
                 buf += data
             if time.monotonic() > deadline:
-                raise ConnectionFailed(f"{self.host.name}: ctl's relay did not answer in {self.hello_timeout}s")
+                raise DeadlineExceeded(f"{self.host.name}: {self.what()} did not answer in {self.hello_timeout:g}s")
+
+    def what(self) -> str:
+        """What answers for this relay, in messages ("ctl's relay"; the session says which process)."""
+        return "ctl's relay"
 
     # --- frames -----------------------------------------------------------------------------------
 
@@ -260,7 +267,7 @@ class HostRelay:
             return
         with contextlib.suppress(OSError, EOFError):
             chan.shutdown_write()
-        if self._reader is not None:
+        if self._reader is not None and not self.stuck:
             self._reader.join(timeout=5)
         chan.close()
         self._chan = None
@@ -286,7 +293,18 @@ class _RelayDuplex(Duplex):
         for pos in range(0, len(view), _CHUNK):
             self.relay._send(b"I", self.sid, bytes(view[pos:pos + _CHUNK]))
 
+    def _late(self, doing: str, timeout: float) -> DeadlineExceeded:
+        """Past the deadline: forget the stream (its late frames are dropped) and say who did not answer."""
+        with self.relay._cond:
+            self.relay._streams.pop(self.sid, None)
+            self.relay.stuck = True
+        return DeadlineExceeded(f"{self.relay.host.name}: {doing} `{shlex.join(self.st.argv[:3])} ...` "
+                                f"through {self.relay.what()}: no answer in {timeout:g}s",
+                                hint="the host, its relay, pct or the command stopped answering "
+                                     "(CTL_TIMEOUT, hosts.H.timeout)")
+
     def readline(self, timeout: float | None = None) -> bytes:
+        timeout = limit(timeout, self.relay.host.request_timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         st = self.st
         with self.relay._cond:
@@ -298,7 +316,8 @@ class _RelayDuplex(Duplex):
                     raise self._lost(st.dead)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise ConnectionFailed(f"{self.relay.host.name}: no answer from `{st.argv[0]}` in {timeout}s")
+                    assert timeout is not None
+                    raise self._late("reading from", timeout)
                 self.relay._cond.wait(left)
             line, _, st.out = st.out.partition(b"\n")
             return line + b"\n"
@@ -307,6 +326,7 @@ class _RelayDuplex(Duplex):
         if not self.closed:
             self.closed = True
             self.relay._send(b"C", self.sid)
+        timeout = limit(timeout, self.relay.host.request_timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         st = self.st
         with self.relay._cond:
@@ -315,7 +335,8 @@ class _RelayDuplex(Duplex):
                     raise self._lost(st.dead)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise ConnectionFailed(f"{self.relay.host.name}: `{st.argv[0]}` did not finish in {timeout}s")
+                    assert timeout is not None
+                    raise self._late("waiting for", timeout)
                 self.relay._cond.wait(left)
             self.relay._streams.pop(self.sid, None)
             out, st.out = st.out, b""

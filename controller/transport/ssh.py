@@ -6,6 +6,11 @@ unknown or changed key is refused with a message that says how to accept it (jum
 ssh_config's ProxyJump too). HostName, IdentityFile, ProxyJump and ProxyCommand of ~/.ssh/config and
 /etc/ssh/ssh_config are honoured, so a host reachable with `ssh NAME` is reachable by ctl. Exec goes
 straight to a paramiko channel so that stdin/stdout stay binary-safe and stdout/stderr stay apart.
+
+Silent hosts: every connection sends keepalives that want an answer (`_Keepalive`, like OpenSSH's
+ServerAliveInterval/ServerAliveCountMax) and is closed when `count` in a row go unanswered, so every reader
+fails with ConnectionDropped instead of waiting forever; connecting (TCP, banner, authentication) is bounded by
+connect_timeout; and every request but a follow (`stream`) has a deadline (`request_timeout`, DeadlineExceeded).
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from controller.errors import ConnectionDropped, ConnectionFailed, HostKeyError
-from controller.transport.base import Duplex, Result, Transport
+from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded, HostKeyError
+from controller.transport.base import Duplex, Result, Transport, limit
 
 if TYPE_CHECKING:  # paramiko costs ~50 ms to import: only when a connection opens
     from paramiko import SSHClient
@@ -83,6 +88,52 @@ def _active(client: SSHClient) -> bool:
     return t is not None and t.is_active()
 
 
+class _Keepalive:
+    """Notices a silent server: every `interval` seconds (once the previous probe was answered) a
+    `keepalive@openssh.com` global request that wants a reply (OpenSSH's sshd answers it with a failure, which
+    is an answer); when a probe stays unanswered for `count` intervals, the endpoint records why and closes the
+    transport, so that every channel reader (exec, relay, sftp) fails with ConnectionDropped. A dead link is
+    noticed within interval * (count + 1) seconds. paramiko's own set_keepalive only sends, never checks."""
+
+    def __init__(self, ep: SshEndpoint, transport: Any, interval: float, count: int) -> None:
+        self.ep, self.transport, self.interval, self.count = ep, transport, interval, count
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name=f"keepalive-{ep.name}", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _probe(self, answered: threading.Event) -> None:
+        try:
+            self.transport.global_request("keepalive@openssh.com", wait=True)  # returns once answered (or closed)
+        except Exception:
+            return
+        if self.transport.is_active():
+            answered.set()
+
+    def _loop(self) -> None:
+        answered = threading.Event()
+        answered.set()
+        sent_at = time.monotonic()
+        tick = min(self.interval, 1.0)
+        while not self.stopped.wait(tick):
+            if not self.transport.is_active():
+                return
+            now = time.monotonic()
+            if answered.is_set():
+                if now - sent_at >= self.interval:
+                    answered = threading.Event()
+                    sent_at = now
+                    threading.Thread(target=self._probe, args=(answered,), daemon=True,
+                                     name=f"keepalive-probe-{self.ep.name}").start()
+            elif now - sent_at >= self.interval * self.count:
+                self.ep.dropped_why = (f"no answer to keepalives for {now - sent_at:.0f}s "
+                                       f"(keepalive interval {self.interval:g}s, count {self.count})")
+                self.transport.close()
+                return
+
+
 class SshEndpoint(Transport):
     """Commands and files over one SSH connection (paramiko; ssh_config honoured)."""
 
@@ -97,6 +148,9 @@ class SshEndpoint(Transport):
         known_hosts: str | None = None,
         connect_timeout: float = 10.0,
         jump: list[str] | None = None,
+        keepalive_interval: float = 0.0,
+        keepalive_count: int = 3,
+        request_timeout: float | None = None,
     ) -> None:
         self.name = name
         self.address = address
@@ -106,6 +160,11 @@ class SshEndpoint(Transport):
         self.known_hosts = os.path.expanduser(known_hosts or DEFAULT_KNOWN_HOSTS)
         self.connect_timeout = connect_timeout
         self.jump = jump  # ProxyJump hops still to go through (None: ask ssh_config)
+        self.keepalive_interval = keepalive_interval  # 0: no keepalive
+        self.keepalive_count = keepalive_count
+        self.request_timeout = request_timeout
+        self.dropped_why: str | None = None  # why the last connection was closed under us (keepalive)
+        self._keepalive: _Keepalive | None = None
         self._jump_ep: SshEndpoint | None = None
         self._conn: SSHClient | None = None
         self._lock = threading.Lock()
@@ -123,9 +182,19 @@ class SshEndpoint(Transport):
                 return self._conn
             if self._conn is not None:
                 self._conn.close()
+            if self._keepalive is not None:
+                self._keepalive.stop()
             self._conn = self._open()
+            self.dropped_why = None
             self.connects += 1
+            transport = self._conn.get_transport()
+            if self.keepalive_interval > 0 and transport is not None:
+                self._keepalive = _Keepalive(self, transport, self.keepalive_interval, self.keepalive_count)
             return self._conn
+
+    def _why(self) -> str:
+        """What the keepalive found, for the messages of readers whose connection it closed."""
+        return f" ({self.dropped_why})" if self.dropped_why else ""
 
     def _open(self) -> SSHClient:
         paramiko = _paramiko()
@@ -150,7 +219,8 @@ class SshEndpoint(Transport):
             kwargs: dict[str, Any] = {"key_filename": keys} if keys else {}  # a list works (the stubs say str)
             client.connect(
                 host, port=self.port, username=self.user, timeout=self.connect_timeout, sock=sock,
-                allow_agent=True, look_for_keys=self.identity_file is None, **kwargs,
+                allow_agent=True, look_for_keys=self.identity_file is None, banner_timeout=self.connect_timeout,
+                auth_timeout=self.connect_timeout, channel_timeout=self.connect_timeout, **kwargs,
             )
         except _UnknownHostKey:
             client.close()
@@ -195,6 +265,8 @@ class SshEndpoint(Transport):
                     f"{self.name} (via {hops[-1]})", hop_host, port=int(hop_port or 22), user=user or self.user,
                     identity_file=self.identity_file, known_hosts=self.known_hosts,
                     connect_timeout=self.connect_timeout, jump=hops[:-1],
+                    keepalive_interval=self.keepalive_interval, keepalive_count=self.keepalive_count,
+                    request_timeout=self.request_timeout,
                 )
             transport = self._jump_ep.connection().get_transport()
             assert transport is not None
@@ -205,6 +277,9 @@ class SshEndpoint(Transport):
 
     def close(self) -> None:
         with self._lock:
+            if self._keepalive is not None:
+                self._keepalive.stop()
+                self._keepalive = None
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
@@ -219,12 +294,13 @@ class SshEndpoint(Transport):
             conn = self.connection()
             transport = conn.get_transport()
         if transport is None:
-            raise ConnectionDropped(f"{self.name}: SSH connection lost")
+            raise ConnectionDropped(f"{self.name}: SSH connection lost{self._why()}")
         try:
             chan = transport.open_session(timeout=self.connect_timeout)
         except Exception as e:  # paramiko raises SSHException/EOFError when the peer went away
+            why = self._why()
             self.close()
-            raise ConnectionDropped(f"{self.name}: SSH connection lost: {e or type(e).__name__}") from None
+            raise ConnectionDropped(f"{self.name}: SSH connection lost: {e or type(e).__name__}{why}") from None
         self.round_trips += 1
         return chan
 
@@ -241,7 +317,7 @@ class SshEndpoint(Transport):
         out: list[bytes] = []
         err: list[bytes] = []
         code = -1
-        for kind, data in self._exec(argv, stdin=stdin, timeout=timeout):
+        for kind, data in self._exec(argv, stdin=stdin, timeout=limit(timeout, self.request_timeout)):
             if kind == "out":
                 out.append(data)
             elif kind == "err":
@@ -254,7 +330,7 @@ class SshEndpoint(Transport):
         self, argv: Sequence[str], *, timeout: float | None = None, idle: float | None = None
     ) -> Iterator[tuple[str, bytes]]:
         """Yield ("out"|"err", chunk) as they arrive, then ("exit", b"<code>"); ("idle", b"") on silence."""
-        yield from self._exec(argv, stdin=None, timeout=timeout, idle=idle)
+        yield from self._exec(argv, stdin=None, timeout=limit(timeout, None), idle=idle)
 
     def _exec(
         self, argv: Sequence[str], *, stdin: bytes | None, timeout: float | None, idle: float | None = None
@@ -283,7 +359,9 @@ class SshEndpoint(Transport):
                 if chan.closed and not got:
                     break
                 if deadline is not None and time.monotonic() > deadline:
-                    raise ConnectionFailed(f"{self.name}: `{shlex.join(argv)[:120]}` timed out after {timeout}s")
+                    raise DeadlineExceeded(f"{self.name}: no answer to `{shlex.join(argv)[:120]}` in {timeout:g}s",
+                                           hint="the host, pct or the command stopped answering (CTL_TIMEOUT, "
+                                                "hosts.H.timeout)")
                 if got:
                     quiet_since = time.monotonic()
                 else:
@@ -294,12 +372,14 @@ class SshEndpoint(Transport):
             # paramiko reports -1 when the channel closed without an exit status: the connection went away.
             status = chan.recv_exit_status() if chan.exit_status_ready() else -1
             if status == -1:
+                why = self._why()
                 self.close()
-                raise ConnectionDropped(f"{self.name}: SSH connection dropped while running `{argv[0]}`")
+                raise ConnectionDropped(f"{self.name}: SSH connection dropped while running `{argv[0]}`{why}")
             yield "exit", str(status).encode()
         except (OSError, EOFError) as e:
+            why = self._why()
             self.close()
-            raise ConnectionDropped(f"{self.name}: SSH connection dropped: {e or type(e).__name__}") from None
+            raise ConnectionDropped(f"{self.name}: SSH connection dropped: {e or type(e).__name__}{why}") from None
         finally:
             chan.close()
 
@@ -318,26 +398,43 @@ class SshEndpoint(Transport):
 
     # --- files -----------------------------------------------------------------------------------
 
+    def sftp(self) -> Any:
+        """An SFTP session whose every read waits at most request_timeout (TimeoutError: a silent server)."""
+        sftp = self.connection().open_sftp()
+        chan = sftp.get_channel()
+        if chan is not None:
+            chan.settimeout(self.request_timeout)
+        return sftp
+
+    def _sftp_silent(self, what: str) -> DeadlineExceeded:
+        self.close()  # the SFTP session is in an unknown state: drop it with the connection
+        return DeadlineExceeded(f"{self.name}: {what}: no answer from the SFTP server in {self.request_timeout:g}s")
+
     def put(self, local_path: str, remote_path: str) -> None:
         """SFTP upload (not atomic: callers that need atomicity write a temp name and rename)."""
+        what = f"upload of {local_path} to {remote_path}"
         try:
-            with self.connection().open_sftp() as sftp:
+            with self.sftp() as sftp:
                 sftp.put(local_path, remote_path)
                 sftp.chmod(remote_path, stat.S_IMODE(os.stat(local_path).st_mode))  # the local mode, as before
+        except TimeoutError:
+            raise self._sftp_silent(what) from None
         except (OSError, EOFError) as e:
-            raise ConnectionFailed(f"{self.name}: upload of {local_path} to {remote_path} failed: {e}") from None
+            raise ConnectionFailed(f"{self.name}: {what} failed: {e}{self._why()}") from None
 
     def get(self, remote_path: str, local_path: str) -> None:
         try:
-            with self.connection().open_sftp() as sftp:
+            with self.sftp() as sftp:
                 sftp.get(remote_path, local_path)
                 mode = sftp.stat(remote_path).st_mode
             if mode is not None:
                 os.chmod(local_path, stat.S_IMODE(mode))
         except FileNotFoundError:
             raise ConnectionFailed(f"{self.name}: {remote_path} does not exist") from None
+        except TimeoutError:
+            raise self._sftp_silent(f"download of {remote_path}") from None
         except (OSError, EOFError) as e:
-            raise ConnectionFailed(f"{self.name}: download of {remote_path} failed: {e}") from None
+            raise ConnectionFailed(f"{self.name}: download of {remote_path} failed: {e}{self._why()}") from None
 
     def ssh_argv(self, *, tty: bool = False) -> list[str]:
         """The OpenSSH client line for this endpoint, with the same host-key rules as ours."""
@@ -363,8 +460,8 @@ class _ChannelDuplex(Duplex):
         self.t0 = time.monotonic()
 
     def _lost(self, e: BaseException | None = None) -> ConnectionDropped:
+        why = (f": {e}" if e else "") + self.ep._why()
         self.ep.close()
-        why = f": {e}" if e else ""
         return ConnectionDropped(f"{self.ep.name}: SSH connection dropped while running `{self.argv[0]}`{why}")
 
     def send(self, data: bytes) -> None:
@@ -392,6 +489,7 @@ class _ChannelDuplex(Duplex):
         return got
 
     def readline(self, timeout: float | None = None) -> bytes:
+        timeout = limit(timeout, self.ep.request_timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while b"\n" not in self.buf:
@@ -400,13 +498,14 @@ class _ChannelDuplex(Duplex):
                     line, self.buf = self.buf, b""
                     return line
                 if deadline is not None and time.monotonic() > deadline:
-                    raise ConnectionFailed(f"{self.ep.name}: no answer from `{self.argv[0]}` in {timeout}s")
+                    raise DeadlineExceeded(f"{self.ep.name}: no answer from `{self.argv[0]}` in {timeout:g}s")
         except (OSError, EOFError) as e:
             raise self._lost(e) from None
         line, _, self.buf = self.buf.partition(b"\n")
         return line + b"\n"
 
     def finish(self, timeout: float | None = None) -> Result:
+        timeout = limit(timeout, self.ep.request_timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self.chan.shutdown_write()
@@ -414,7 +513,7 @@ class _ChannelDuplex(Duplex):
                        and not self.chan.recv_stderr_ready() and (self.chan.eof_received or self.chan.closed)):
                 self._pump(0.05)
                 if deadline is not None and time.monotonic() > deadline:
-                    raise ConnectionFailed(f"{self.ep.name}: `{self.argv[0]}` did not finish in {timeout}s")
+                    raise DeadlineExceeded(f"{self.ep.name}: `{self.argv[0]}` did not finish in {timeout:g}s")
             status = self.chan.recv_exit_status()
         except (OSError, EOFError) as e:
             raise self._lost(e) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from controller import settings
-from controller.errors import ConnectionDropped, ConnectionFailed
+from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded
 from controller.transport.base import Duplex
 from controller.transport.mux.sock import (
     PROTOCOL,
@@ -92,10 +93,21 @@ class MuxRelay(HostRelay):
         self.idle = idle
         self.hello: dict[str, Any] = {}
         self.started_session = False  # this command started the session process (a cold session)
+        self._path: Path | None = None
+
+    def what(self) -> str:
+        """The session process by pid (from its hello, else from what it wrote beside its socket)."""
+        pid = self.hello.get("pid")
+        if pid is None and self._path is not None:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                pid = json.loads(self._path.with_suffix(".json").read_text()).get("pid")
+        return (f"ctl's session process for {self.host.name} (pid {pid if pid is not None else '?'}; "
+                f"`ctl mux stop {self.host.name}` or kill it)")
 
     def _start(self) -> None:
         d = private_dir(create=True)
         path = d / f"{session_key(self.host)}.sock"
+        self._path = path
         why = "no hello"
         for _attempt in range(2):  # a session that reached its idle timeout as we connected: start another
             sock = connect(path)
@@ -111,6 +123,9 @@ class MuxRelay(HostRelay):
                 hello = self._read_hello(chan)
             except OSError as e:
                 hello, why = None, str(e)
+            except DeadlineExceeded:
+                sock.close()  # the session process accepts (the kernel does) but does not answer: stopped, hung
+                raise
             if hello is not None and hello.get("mux") == PROTOCOL:
                 break
             sock.close()
@@ -133,7 +148,9 @@ class MuxRelay(HostRelay):
         ep = self.host
         spec = {"name": ep.name, "address": ep.address, "port": ep.port, "user": ep.user,
                 "identity_file": ep.identity_file, "known_hosts": ep.known_hosts,
-                "connect_timeout": ep.connect_timeout, "idle": self.idle, "socket": str(path)}
+                "connect_timeout": ep.connect_timeout, "idle": self.idle, "socket": str(path),
+                "keepalive_interval": ep.keepalive_interval, "keepalive_count": ep.keepalive_count,
+                "request_timeout": ep.request_timeout}
         old = os.umask(0o077)
         try:
             with open(path.with_suffix(".log"), "ab") as log:
@@ -144,8 +161,14 @@ class MuxRelay(HostRelay):
         finally:
             os.umask(old)
         assert proc.stdout is not None
-        line = proc.stdout.readline()
+        # It connects (connect_timeout) and starts the relay (its hello deadline) before it answers.
+        wait = ep.connect_timeout + self.hello_timeout + 10
+        ready, _, _ = select.select([proc.stdout], [], [], wait)
+        line = proc.stdout.readline() if ready else b""
         proc.stdout.close()
+        if not ready:
+            raise DeadlineExceeded(f"{ep.name}: ctl's session process (pid {proc.pid}) did not say it listens "
+                                   f"in {wait:g}s (see {path.with_suffix('.log')})")
         try:
             doc = json.loads(line) if line.strip() else {}
         except json.JSONDecodeError:

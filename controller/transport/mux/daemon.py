@@ -183,7 +183,9 @@ def serve(spec: dict[str, Any]) -> int:
         os.unlink(path)  # stale: its process is gone (we hold the lock it held)
     ep = SshEndpoint(spec["name"], spec["address"], port=spec["port"], user=spec["user"],
                      identity_file=spec["identity_file"], known_hosts=spec["known_hosts"],
-                     connect_timeout=spec["connect_timeout"])
+                     connect_timeout=spec["connect_timeout"],
+                     keepalive_interval=spec.get("keepalive_interval", 0.0),
+                     keepalive_count=spec.get("keepalive_count", 3), request_timeout=spec.get("request_timeout"))
     mux = _Mux(ep, int(spec["idle"]))
     try:
         up = mux.available()
