@@ -291,3 +291,36 @@ def prompt_length(mask: np.ndarray) -> int:
         return max(1, min(64, len(m) // 2))
     starts = np.flatnonzero((m[1:] == 1) & (m[:-1] == 0)) + 1
     return int(starts[-1]) if len(starts) else max(1, len(m) // 2)
+
+
+def model_sha256(model_dir: str, cache_dir: str | Path) -> str:
+    """sha256 over a model directory's config and weight files (name, then bytes, sorted by name).
+
+    Hashing a 16 GB checkpoint takes a while: the result is remembered in CACHE_DIR/model_sha256.json, keyed on
+    the files' names, sizes and modification times, so a restart does not hash again."""
+    root = Path(model_dir)
+    files = sorted(f for f in root.iterdir() if f.is_file() and (
+        f.name == "config.json" or f.suffix in (".safetensors", ".bin", ".pt") or f.name.endswith(".index.json")))
+    stamp = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+    memo_path = Path(cache_dir) / "model_sha256.json"
+    key = str(root.resolve())
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    hit = memo.get(key)
+    if hit and hit.get("files") == stamp:
+        return hit["sha256"]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+    digest = h.hexdigest()
+    memo[key] = {"files": stamp, "sha256": digest}
+    memo_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo_path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(memo, indent=1) + "\n")
+    os.replace(tmp, memo_path)
+    return digest
