@@ -981,6 +981,8 @@ def main(argv=None) -> int:
     except UsageError as e:
         if rank == 0 or not everywhere:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # exiting first would have torchrun stop rank 0 before it says why
+            time.sleep(5)
         code = EXIT_USAGE
     except Exception as e:  # one line for the controller; the traceback with DFLASH_TRACEBACK=1
         peer = isinstance(e, (PeerLost, dist.DistError)) or any(
