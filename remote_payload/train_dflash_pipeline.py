@@ -26,6 +26,20 @@ tgt/dft are the batches per second each role would do if never kept waiting (rol
 batch), so the smaller one is the bottleneck; tok/s is what went through end to end (D*B*S tokens per step);
 q_hs the batches ready and waiting per drafter when it asked for the next one (0: starved by the targets).
 
+Data: --data FILE (required with --model PATH): JSONL conversations / text, or .txt, tokenised with the target's
+chat template, loss on assistant tokens only, cached memory-mapped under --cache-dir (dflash_data.py). tiny and
+1b train on generated patterns unless given --data and --tokenizer. The log opens with provenance lines:
+  data: FILE sha256=<64 hex> samples=N (T train, E held out) tokens=N loss_tokens=N truncated=N cache=hit|built key=K
+  tokenizer: DIR sha256=<64 hex> class=NAME vocab=N eos=[ids] chat_template=yes|no mask_token_id=M
+  model: SPEC sha256=<64 hex> layers=L vocab=V
+--eval-every N: the lead drafter decodes --eval-samples held-out prompts with a full target copy and logs the
+acceptance length (tau, tokens per block: accepted drafts + 1, dflash_eval.py) in that step's line as
+`accept_len=X.XX` (before ` | ETA`), and in metrics.jsonl as "accept_len".
+Checkpoints (dflash_ckpt.py): a full one every --ckpt-every steps and at the end, RUN_DIR/checkpoints/step_N/
+(weights, optimizer, schedule, RNG states, data position; manifest.json of sha256s written last). --resume PATH
+(or env CTL_RESUME_FROM) continues one: `resumed from step N (PATH)`; a checkpoint without its manifest or with a
+wrong hash is refused (exit 2, one line).
+
 Exit: 0 after `done steps=S`; 1 an error in this process (`error: ...` one line on stderr); 3 a peer was
 lost or a collective timed out (--timeout-s); 2 bad arguments. torchrun stops the other ranks when one
 fails and then exits 1 itself.
@@ -53,6 +67,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dflash_ckpt as ck
+import dflash_data as dd
+import dflash_eval as de
 import dflash_model as dm
 
 EXIT_ERROR, EXIT_USAGE, EXIT_PEER = 1, 2, 3
@@ -92,9 +109,21 @@ def build_parser() -> argparse.ArgumentParser:
     a("--compile-target", action=argparse.BooleanOptionalAction, default=None,
       help="compile the target's decoder layers too (CUDA; default: as --compile)")
     a("--compile-cache", default=None, help="portable compile cache file: loaded when present, else written")
-    a("--data", default=None, help="jsonl with prompt/response or text fields; default: generated patterns")
+    a("--data", default=None, help="JSONL of messages / text / prompt+response records, or .txt; required with "
+      "--model PATH (tiny and 1b default to generated patterns)")
+    a("--tokenizer", default=None, help="tokenizer directory (default: the --model directory)")
+    a("--cache-dir", default=None, help="tokenised-data cache (default RUN_DIR/cache)")
     a("--seed", type=int, default=0)
-    a("--checkpoint-every", type=int, default=0, help="0: only at the end")
+    a("--ckpt-every", "--checkpoint-every", dest="ckpt_every", type=int, default=0,
+      help="full checkpoint every N steps (0: only at the end)")
+    a("--resume", default=None, help="continue from a full checkpoint: checkpoints/step_N, or a run or checkpoints "
+      "directory (its newest); default: env CTL_RESUME_FROM")
+    a("--stop-at-step", type=int, default=None,
+      help="stop cleanly after this step (checkpoint written), as if preempted; the schedule still spans --steps")
+    a("--eval-every", type=int, default=0, help="acceptance length on held-out prompts every N steps (0: off); "
+      "the lead drafter loads a full copy of the target for it")
+    a("--eval-samples", type=int, default=8, help="held-out prompts per eval (at most a tenth of --data)")
+    a("--eval-tokens", type=int, default=64, help="tokens decoded per held-out prompt")
     a("--drafter-layers", type=int, default=5)
     a("--queue-size", type=int, default=4)
     a("--transport", choices=["auto", "ipc", "gloo"], default="auto")
@@ -126,8 +155,38 @@ def check_args(args) -> None:
         problems.append("--transport ipc needs --device cuda")
     if args.compile_target is None:
         args.compile_target = args.compile
+    synthetic = args.model in ("tiny", "1b")
+    if not synthetic and not args.data:
+        problems.append(f"--model {args.model} needs --data (JSONL conversations or text): only tiny and 1b "
+                        "train on generated patterns")
+    if synthetic and args.data and not args.tokenizer:
+        problems.append(f"--data with --model {args.model} needs --tokenizer DIR (a local tokenizer whose ids fit "
+                        "the model's vocabulary)")
+    if args.data and not Path(args.data).is_file():
+        problems.append(f"--data {args.data}: no such file")
+    for name in ("ckpt_every", "eval_every"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must be >= 0")
+    if args.eval_samples < 1 or args.eval_tokens < 1:
+        problems.append("--eval-samples and --eval-tokens must be >= 1")
+    if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.steps:
+        problems.append("--stop-at-step must be within 1..--steps")
     if problems:
         raise UsageError("; ".join(problems))
+    args.resume = args.resume or os.environ.get("CTL_RESUME_FROM") or None
+    args.start_step = 0
+    if args.resume:
+        try:
+            path = ck.resolve(args.resume)
+            if path.is_file():
+                raise ck.CheckpointError(f"checkpoint {path}: weights only (no optimizer, RNG or data state): it "
+                                         "cannot resume a run; refused")
+            args.start_step = ck.read_manifest_step(path)
+        except ck.CheckpointError as e:
+            raise UsageError(f"--resume: {e}") from None
+        args.resume_path = str(path)
+        if args.start_step >= args.steps:
+            raise UsageError(f"--resume: {path} is at step {args.start_step}, --steps is {args.steps}: nothing to do")
 
 
 class UsageError(Exception):
@@ -187,54 +246,39 @@ def compile_target_layers(model) -> int:
 
 
 class Data:
-    """Token rows for global batch g, the same whichever target builds it (seeded by g).
+    """Token rows for global batch g, the same whichever target builds it (a pure function of seed and g).
 
-    Default: generated patterns (a motif of 2..12 tokens out of 64 repeated): learnable, so the loss visibly goes
-    down within a minute on a CPU even with a random target (whose frozen random LM head caps how low it goes).
-    With --data: a jsonl of {"prompt", "response"} (loss on the response) or {"text"} records, tokenised,
-    packed into one stream, rows cut at random offsets.
+    Default (tiny/1b): generated patterns (a motif of 2..12 tokens out of 64 repeated): learnable, so the loss
+    visibly goes down within a minute on a CPU even with a random target (whose frozen random LM head caps how
+    low it goes). With a corpus (dflash_data): one sample per row, never packed, truncated to seq_len and padded
+    (pad carries no loss); rows walk through an epoch-wise shuffle of the training samples, so the data position
+    is the global batch index alone (a resumed run restarts at g = step * drafters).
     """
 
-    def __init__(self, path: str | None, vocab: int, seq_len: int, seed: int, tokenizer=None):
-        self.vocab, self.s, self.seed = vocab, seq_len, seed
-        self.stream = self.mask = None
-        if path:
-            self._load(path, tokenizer)
+    def __init__(self, vocab: int, seq_len: int, seed: int, corpus: dd.Corpus | None = None, pad_id: int = 0,
+                 eval_samples: int = 8):
+        self.vocab, self.s, self.seed, self.corpus, self.pad_id = vocab, seq_len, seed, corpus, pad_id
+        self.train_idx = self.heldout_idx = None
+        self._perm: tuple[int, object] | None = None
+        if corpus is not None:
+            self.train_idx, self.heldout_idx = dd.split_heldout(len(corpus), eval_samples)
 
-    def _encode(self, text: str, tokenizer) -> list[int]:
-        if tokenizer is not None:
-            return tokenizer.encode(text, add_special_tokens=False)
-        return [2 + b for b in text.encode("utf-8") if 2 + b < self.vocab - 1]  # bytes; 0 pad, vocab-1 MASK
+    def _order(self, epoch: int):
+        if self._perm is None or self._perm[0] != epoch:
+            import numpy as np
 
-    def _load(self, path: str, tokenizer) -> None:
-        ids: list[int] = []
-        mask: list[int] = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UsageError(f"--data {path}:{n}: not JSON ({e.msg})") from None
-                if "prompt" in rec and "response" in rec:
-                    p, r = self._encode(str(rec["prompt"]), tokenizer), self._encode(str(rec["response"]), tokenizer)
-                    ids += [*p, *r, 1]
-                    mask += [0] * len(p) + [1] * (len(r) + 1)
-                elif "text" in rec:
-                    t = self._encode(str(rec["text"]), tokenizer)
-                    ids += [*t, 1]
-                    mask += [1] * (len(t) + 1)
-                else:
-                    raise UsageError(f"--data {path}:{n}: needs prompt+response or text fields")
-        if len(ids) < self.s + 1:
-            reps = (self.s + 1) // max(1, len(ids)) + 1
-            ids, mask = ids * reps, mask * reps
-        self.stream, self.mask = torch.tensor(ids), torch.tensor(mask)
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.train_idx))
+        return self._perm[1]
+
+    def position(self, g: int, b: int) -> dict:
+        """Where global batch g starts in the sample stream (what a checkpoint records)."""
+        n = len(self.train_idx) if self.train_idx is not None else None
+        return {"global_batch": g, "samples_seen": g * b, "epoch": g * b // n if n else None,
+                "train_samples": n}
 
     def batch(self, g: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rng = random.Random(self.seed * 1_000_003 + g)
-        if self.stream is None:
+        if self.corpus is None:
+            rng = random.Random(self.seed * 1_000_003 + g)
             rows = []
             hi = min(self.vocab - 2, 66)
             for _ in range(b):
@@ -242,20 +286,104 @@ class Data:
                 rows.append((motif * (self.s // len(motif) + 1))[: self.s])
             ids = torch.tensor(rows)
             return ids, torch.ones_like(ids)
-        starts = [rng.randrange(0, len(self.stream) - self.s) for _ in range(b)]
-        return (torch.stack([self.stream[i:i + self.s] for i in starts]),
-                torch.stack([self.mask[i:i + self.s] for i in starts]))
+        ids = torch.full((b, self.s), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((b, self.s), dtype=torch.long)
+        n = len(self.train_idx)
+        for j in range(b):
+            pos = g * b + j
+            i = int(self._order(pos // n)[pos % n])
+            t, m = self.corpus.sample(i)
+            k = min(self.s, len(t))
+            ids[j, :k] = torch.from_numpy(t[:k].astype("int64"))
+            mask[j, :k] = torch.from_numpy(m[:k].astype("int64"))
+        return ids, mask
+
+    def heldout_prompts(self, n: int) -> list[torch.Tensor]:
+        """Prompts of held-out samples: everything before their last assistant turn (text: its first half)."""
+        if self.corpus is None:  # patterns of batches no training step uses (negative g)
+            return [self.batch(-1 - i, 1)[0][0, : max(2, self.s // 4)] for i in range(n)]
+        out = []
+        for i in self.heldout_idx[:n]:
+            t, m = self.corpus.sample(int(i))
+            out.append(torch.from_numpy(t[: dd.prompt_length(m)].astype("int64")))
+        return out
 
 
-def tokenizer_for(spec: str):
-    if spec in ("tiny", "1b"):
-        return None
+@dataclass
+class Source:
+    """What a run trains on, and the provenance lines that say so."""
+
+    data: Data
+    tokenizer: object | None
+    mask_token_id: int
+    stop_ids: list[int]
+    lines: list[str]
+    provenance: dict
+
+
+def load_tokenizer(args):
+    src = args.tokenizer or (None if args.model in ("tiny", "1b") else args.model)
+    if src is None:
+        return None, None
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(spec)
-    except Exception:  # a checkpoint without tokenizer files: bytes
-        return None
+        tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise UsageError(f"--tokenizer {src}: no tokenizer could be loaded ({type(e).__name__}: {first[:200]})"
+                         ) from None
+    return tok, src
+
+
+def load_source(args, cfg, cache_dir: Path, describe: bool = True) -> Source:
+    """Tokenizer, data (through the cache) and the provenance of data, tokenizer and model (the model's hash
+    only when `describe`: one rank hashes a large checkpoint, not every one)."""
+    vocab = cfg.vocab_size
+    tok, tok_src = load_tokenizer(args)
+    prov: dict = {"target": args.model, "target_num_layers": cfg.num_hidden_layers, "vocab_size": vocab,
+                  "target_max_position_embeddings": getattr(cfg, "max_position_embeddings", None)}
+    if args.model in ("tiny", "1b"):
+        prov["target_sha256"] = hashlib.sha256(json.dumps({"config": cfg.to_dict(), "seed": args.seed},
+                                                          sort_keys=True, default=str).encode()).hexdigest()
+        model_line = (f"model: {args.model} (random init, seed {args.seed}) sha256={prov['target_sha256']} "
+                      f"layers={cfg.num_hidden_layers} vocab={vocab}")
+    else:
+        prov["target_sha256"] = dd.model_sha256(args.model, cache_dir) if describe else None
+        model_line = f"model: {args.model} sha256={prov['target_sha256']} layers={cfg.num_hidden_layers} vocab={vocab}"
+    if tok is None:
+        mask_id = vocab - 1
+        lines = [f"data: synthetic patterns (seed {args.seed})",
+                 f"tokenizer: none (synthetic token ids) mask_token_id={mask_id}", model_line]
+        prov.update(mask_token_id=mask_id, data="synthetic")
+        return Source(Data(vocab, args.seq_len, args.seed), None, mask_id, [], lines, prov)
+    if len(tok) >= vocab:
+        raise UsageError(f"--tokenizer {tok_src}: {len(tok)} tokens do not fit the model's vocabulary of {vocab} "
+                         "(no free id for the MASK token)")
+    mask_id = len(tok)  # the first id the tokenizer never produces (Qwen3: 151669, as z-lab's drafters use)
+    try:
+        corpus, info = dd.load_corpus(args.data, tok, args.seq_len, cache_dir / "data",
+                                      model_dir=args.model if args.model not in ("tiny", "1b") else None)
+    except dd.DataError as e:
+        raise UsageError(str(e)) from None
+    if info["max_id"] >= vocab:
+        raise UsageError(f"--data {args.data}: token id {info['max_id']} >= the model's vocabulary {vocab}")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (info["stop_ids"] or [0])[0]
+    data = Data(vocab, args.seq_len, args.seed, corpus, pad, args.eval_samples)
+    tok_sha = info["tokenizer_sha256"]
+    lines = [f"data: {args.data} sha256={info['data_sha256']} samples={len(corpus)} ({len(data.train_idx)} train, "
+             f"{len(data.heldout_idx)} held out) tokens={info['tokens']} loss_tokens={info['loss_tokens']} "
+             f"truncated={info['truncated']} cache={info['cache']} key={info['key']}",
+             f"tokenizer: {tok_src} sha256={tok_sha} class={type(tok).__name__} vocab={len(tok)} "
+             f"eos={info['stop_ids']} chat_template={'yes' if getattr(tok, 'chat_template', None) else 'no'} "
+             f"mask_token_id={mask_id}", model_line]
+    prov.update(mask_token_id=mask_id, data=args.data, data_sha256=info["data_sha256"], data_key=info["key"],
+                tokenizer=tok_src, tokenizer_sha256=tok_sha, eos_token_ids=info["stop_ids"])
+    return Source(data, tok, mask_id, list(info["stop_ids"]), lines, prov)
+
+
+def cache_dir_of(args) -> Path:
+    return Path(args.cache_dir) if args.cache_dir else Path(args.out) / "cache"
 
 
 # ------------------------------------------------------------------------------------------- transport
@@ -350,8 +478,8 @@ class Inbox:
     """Drafter side. A receiver thread (communication only, never compiled code) takes the batches of the next
     steps in order into `queue-size` slots; `depth` = batches received and not yet taken by the training loop."""
 
-    def __init__(self, args, topo: Topo, shapes, mode: str, steps: int):
-        self.args, self.topo, self.mode, self.steps = args, topo, mode, steps
+    def __init__(self, args, topo: Topo, shapes, mode: str, start: int, steps: int):
+        self.args, self.topo, self.mode, self.start, self.steps = args, topo, mode, start, steps
         self.d = topo.rank - topo.targets
         self.q = args.queue_size
         pin = topo.device.type == "cuda"
@@ -379,7 +507,7 @@ class Inbox:
 
     def _receive(self) -> None:
         try:
-            for step in range(self.steps):
+            for step in range(self.start, self.steps):
                 self.free.acquire()
                 if self.stopping.is_set():
                     return
@@ -450,14 +578,15 @@ def hs_layers(cfg, drafter_layers: int) -> list[int]:
     return dm.target_layer_ids(cfg.num_hidden_layers, drafter_layers)
 
 
-def share_frozen(topo: Topo, group, model=None):
-    """Target rank 0 sends the target config and its embedding / LM head weights to every drafter."""
+def share_frozen(topo: Topo, group, model=None, extra: dict | None = None):
+    """Target rank 0 sends the target config, `extra` (MASK id, provenance) and its embedding / LM head weights
+    to every drafter; a drafter gets (config, embedding, LM head, extra)."""
     if topo.rank == 0:
         cfg = model.config
         emb = model.get_input_embeddings().weight
         head = model.get_output_embeddings().weight
         tied = head.data_ptr() == emb.data_ptr()
-        info = [{"config": cfg.to_dict(), "tied": tied, "dtype": str(emb.dtype).split(".")[-1]}]
+        info = [{"config": cfg.to_dict(), "tied": tied, "dtype": str(emb.dtype).split(".")[-1], "extra": extra}]
         dist.broadcast_object_list(info, src=0, group=group)
         for w in [emb] if tied else [emb, head]:
             dist.broadcast(w.detach().to("cpu").contiguous(), src=0, group=group)
@@ -477,20 +606,25 @@ def share_frozen(topo: Topo, group, model=None):
     embed = torch.nn.Embedding.from_pretrained(weights[0], freeze=True)
     head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=topo.device, dtype=dtype)
     head.weight = torch.nn.Parameter(weights[-1], requires_grad=False)
-    return cfg, embed, head
+    return cfg, embed, head, meta.get("extra") or {}
 
 
 def run_target(args, topo: Topo, groups) -> None:
     t0 = time.time()
+    # Data, tokenizer and model are named (with hashes) before the model loads: the log's first lines.
+    src = load_source(args, target_config(args.model), cache_dir_of(args), describe=topo.rank == 0)
+    if topo.rank == 0:
+        for line in src.lines:
+            print(line, flush=True)
+    data = src.data
     model = build_target(args.model, topo.device, args.seed)
     if topo.rank == 0:
-        share_frozen(topo, groups["share"], model)
+        share_frozen(topo, groups["share"], model, {"mask_token_id": src.mask_token_id, "stop_ids": src.stop_ids,
+                                                     "provenance": src.provenance})
     cfg = model.config
     layers = hs_layers(cfg, args.drafter_layers)
     truncate_target(model, max(layers))
     compiled_layers = compile_target_layers(model) if args.compile_target and topo.device.type == "cuda" else 0
-    tok = tokenizer_for(args.model)
-    data = Data(args.data, cfg.vocab_size, args.seq_len, args.seed, tok)
     hs_dtype = torch.bfloat16 if topo.device.type == "cuda" else torch.float32
     shapes = payload_shapes(args, len(layers) * cfg.hidden_size, hs_dtype)
     mode = transport(args)
@@ -504,7 +638,8 @@ def run_target(args, topo: Topo, groups) -> None:
               flush=True)
     gen = torch.Generator().manual_seed(args.seed)
     stopped = False
-    for g in range(topo.rank, args.steps * topo.drafters, topo.targets):
+    g0 = args.start_step * topo.drafters  # resuming: the data position is the global batch index
+    for g in range(g0 + (topo.rank - g0) % topo.targets, args.steps * topo.drafters, topo.targets):
         d = g % topo.drafters
         slot = out[d].acquire()
         if slot is None:
@@ -573,32 +708,6 @@ def fmt_eta(s: float) -> str:
     return "-"
 
 
-class Checkpoints:
-    """RUN_DIR/checkpoints/step_N.pt (drafter state only) and manifest.json with each file's sha256."""
-
-    def __init__(self, out: Path):
-        self.dir = out / "checkpoints"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.manifest = self.dir / "manifest.json"
-
-    def save(self, step: int, drafter: dm.DFlashDrafter, extra: dict) -> Path:
-        path = self.dir / f"step_{step}.pt"
-        tmp = path.with_suffix(".tmp")
-        torch.save({"step": step, "drafter": drafter.state_dict(), "config": drafter.c.to_dict(), **extra}, tmp)
-        digest = hashlib.sha256()
-        with open(tmp, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-        os.replace(tmp, path)
-        entries = json.loads(self.manifest.read_text())["checkpoints"] if self.manifest.exists() else []
-        entries = [e for e in entries if e["step"] != step]
-        entries.append({"step": step, "file": path.name, "sha256": digest.hexdigest(), "bytes": path.stat().st_size})
-        mtmp = self.manifest.with_suffix(".tmp")
-        mtmp.write_text(json.dumps({"checkpoints": sorted(entries, key=lambda e: e["step"])}, indent=1) + "\n")
-        os.replace(mtmp, self.manifest)
-        return path
-
-
 def load_compile_cache(path: str | None) -> str:
     if not path or not os.path.exists(path):
         return "none"
@@ -622,10 +731,36 @@ def save_compile_cache(path: str) -> int:
     return len(blob)
 
 
+class Evaluator:
+    """Acceptance length on held-out prompts, on the lead drafter: a full (untruncated) copy of the target
+    verifies the drafter's blocks greedily (dflash_eval). Built before the drafter: building a tiny/1b target
+    reseeds torch, as the target ranks do."""
+
+    def __init__(self, args, device: torch.device, stop_ids: list[int]):
+        t0 = time.time()
+        self.target = build_target(args.model, device, args.seed)
+        src = load_source(args, self.target.config, cache_dir_of(args), describe=False)
+        self.prompts = [p.to(device) for p in src.data.heldout_prompts(args.eval_samples)]
+        self.args, self.stop_ids, self.device = args, stop_ids, device
+        self.ready_s = time.time() - t0
+
+    def __call__(self, drafter) -> de.EvalResult:
+        drafter.eval()
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+                return de.acceptance_length(self.target, de.drafter_proposer(drafter), self.prompts,
+                                            drafter.c.target_layers, drafter.c.block_size, self.args.eval_tokens,
+                                            self.stop_ids)
+        finally:
+            drafter.train()
+
+
 def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
     lead = topo.rank == topo.targets
-    cfg, embed, head = share_frozen(topo, groups["share"])
-    dc = dm.DrafterConfig.from_target(cfg, args.drafter_layers, args.block_size)
+    cfg, embed, head, shared = share_frozen(topo, groups["share"])
+    prov = shared.get("provenance") or {}
+    dc = dm.DrafterConfig.from_target(cfg, args.drafter_layers, args.block_size, shared.get("mask_token_id"))
+    evaluator = Evaluator(args, topo.device, shared.get("stop_ids") or []) if lead and args.eval_every else None
     torch.manual_seed(args.seed + 1)  # identical initial drafters
     drafter = dm.DFlashDrafter(dc, embed, head, compiled=args.compile and topo.device.type == "cuda",
                                compile_mode=args.compile_mode)
@@ -634,12 +769,27 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
     # fused: one kernel over all 273M parameters on CUDA instead of a foreach chain (the default elsewhere).
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0,
                             fused=topo.device.type == "cuda")
+    start = args.start_step
+    if args.resume:
+        # Rank 0 verified every sha256 before the process group formed; here the files are only read.
+        weights, state = ck.load_full(Path(args.resume_path), map_location=topo.device, verified=True)
+        if weights["config"] != dc.to_dict():
+            raise UsageError(f"--resume {args.resume_path}: its drafter config differs from this run's "
+                             f"({weights['config']} vs {dc.to_dict()})")
+        drafter.load_state_dict(weights["drafter"])
+        opt.load_state_dict(state["optimizer"])
+        ck.set_rng_state(state["rng"])
+        start = int(state["step"])
+        if lead:
+            sched = state.get("scheduler") or {}
+            note = (f"; --steps {args.steps} replaces the checkpoint's {sched['total_steps']} in the lr schedule"
+                    if sched.get("total_steps") not in (None, args.steps) else "")
+            print(f"resumed from step {start} ({args.resume_path}){note}", flush=True)
     params = [p for p in drafter.parameters()]
     hs_dtype = torch.bfloat16 if topo.device.type == "cuda" else torch.float32
     shapes = payload_shapes(args, len(dc.target_layers) * dc.hidden_size, hs_dtype)
-    inbox = Inbox(args, topo, shapes, transport(args), args.steps)
+    inbox = Inbox(args, topo, shapes, transport(args), start, args.steps)
     out = Path(args.out)
-    ckpt = Checkpoints(out) if lead else None
     metrics = open(out / "metrics.jsonl", "a", encoding="utf-8") if lead else None  # noqa: SIM115 (closed below)
     if lead:
         compile_note = "off" if not args.compile else (
@@ -647,8 +797,12 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
             f"cache {cache_state}" if drafter.compiled
             else "skipped on cpu (flex_attention has no CPU backward; SDPA with a dense mask)")
         print(f"drafter: {dm.param_count(drafter) / 1e6:.1f}M params, {dc.num_layers} layers, target layers "
-              f"{list(dc.target_layers)}, block {dc.block_size}, {args.drafters} drafter(s) on {topo.device}, "
-              f"compile {compile_note}", flush=True)
+              f"{list(dc.target_layers)}, block {dc.block_size}, mask token {dc.mask_token_id}, {args.drafters} "
+              f"drafter(s) on {topo.device}, compile {compile_note}", flush=True)
+        if evaluator:
+            print(f"eval: accept_len every {args.eval_every} steps on {len(evaluator.prompts)} held-out prompts, "
+                  f"{args.eval_tokens} tokens each, block {dc.block_size} (target copy ready in "
+                  f"{evaluator.ready_s:.1f}s)", flush=True)
     cuda = topo.device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
     s_len, n, nd = args.seq_len, args.num_anchors, args.drafters
@@ -658,9 +812,19 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
            "loss": torch.zeros((), device=topo.device)}
     first_step = True
     prev_end = None
-    done = 0
+    done = start
+    saved = -1
     stop_all = False
-    for step in range(args.steps):
+
+    def save(step: int) -> None:
+        sched = {"kind": "dflash_model.lr_at (linear warm-up, cosine to 10%)", "total_steps": args.steps,
+                 "peak_lr": args.lr, "warmup_ratio": args.warmup_ratio, "next_step": step}
+        position = {"next_global_batch": step * nd, "batch_size": args.batch_size, "drafters": nd,
+                    "samples_seen": step * nd * args.batch_size, "data_key": prov.get("data_key")}
+        ck.save_full(out / "checkpoints", step, drafter, opt, scheduler=sched, data=position,
+                     args={k: v for k, v in vars(args).items() if k != "gpu_list"}, provenance=prov)
+
+    for step in range(start, args.steps):
         depth = inbox.depth()
         batch, header = inbox.get(step)
         t_busy = time.perf_counter()
@@ -671,7 +835,8 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
         with autocast:
             loss = drafter.loss(batch["hs"], ids, loss_mask, anchors, keep)
         loss.backward()
-        over_time = lead and args.max_minutes is not None and time.time() - t_start >= args.max_minutes * 60
+        over_time = lead and ((args.max_minutes is not None and time.time() - t_start >= args.max_minutes * 60)
+                              or (args.stop_at_step is not None and step + 1 >= args.stop_at_step))
         # [loss, stop, target busy us, depth per drafter]: summed over drafters with the gradients.
         stats = torch.zeros(3 + nd)
         stats[1:3] = torch.tensor([float(over_time), float(header[2])])
@@ -712,16 +877,23 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
                 if drafter.compiled and args.compile_cache and not os.path.exists(args.compile_cache):
                     print(f"compile cache: wrote {save_compile_cache(args.compile_cache) / 1e6:.1f} MB to "
                           f"{args.compile_cache}", flush=True)
-        if lead and (done % args.log_every == 0 or done == args.steps or stop_all):
+        result = None
+        if evaluator and done % args.eval_every == 0:
+            t_eval = time.perf_counter()
+            result = evaluator(drafter)
+            win["t"] += time.perf_counter() - t_eval  # the window's rates leave the eval out
+        if lead and (done % args.log_every == 0 or done == args.steps or stop_all or result is not None):
             loss_v = float(win["loss"]) / win["steps"]
             if win["gpu"]:
                 win["gpu"][-1][1].synchronize()
                 win["busy"] += sum(a.elapsed_time(b) for a, b in win["gpu"]) / 1e3
-            log_step(args, metrics, win, done, lr, loss_v, [int(x) for x in stats[3:]], t_start, topo, stop_all)
+            log_step(args, metrics, win, done, lr, loss_v, [int(x) for x in stats[3:]], t_start, topo, stop_all,
+                     result)
             win.update(t=time.perf_counter(), steps=0, busy=0.0, tgt_us=0.0, gpu=[],
                        loss=torch.zeros((), device=topo.device))
-        if lead and args.checkpoint_every and done % args.checkpoint_every == 0:
-            ckpt.save(done, drafter, {"args": vars(args)})
+        if lead and args.ckpt_every and done % args.ckpt_every == 0:
+            save(done)
+            saved = done
         if stop_all:
             break
     if done < args.steps:
@@ -729,14 +901,17 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
     else:
         inbox.flush()  # every ack has its target's receive posted (one per batch): none may be left behind
     if lead:
-        if not (args.checkpoint_every and done % args.checkpoint_every == 0):
-            ckpt.save(done, drafter, {"args": vars(args)})
+        if saved != done:
+            save(done)
         metrics.close()
-        why = f" (--max-minutes {args.max_minutes:g} reached)" if stop_all and done < args.steps else ""
+        why = ""
+        if stop_all and done < args.steps:
+            why = (f" (--stop-at-step {args.stop_at_step} reached)" if args.stop_at_step == done
+                   else f" (--max-minutes {args.max_minutes:g} reached)")
         print(f"done steps={done}{why}", flush=True)
 
 
-def log_step(args, metrics, win, step, lr, loss, depths, t_start, topo, stopping) -> None:
+def log_step(args, metrics, win, step, lr, loss, depths, t_start, topo, stopping, result=None) -> None:
     dt = max(1e-9, time.perf_counter() - win["t"])
     n = max(1, win["steps"])
     tok_s = win["steps"] * topo.drafters * args.batch_size * args.seq_len / dt
@@ -748,11 +923,14 @@ def log_step(args, metrics, win, step, lr, loss, depths, t_start, topo, stopping
         eta = min(eta, max(0.0, args.max_minutes * 60 - elapsed))
     if stopping:
         eta = 0.0
+    acc = f" accept_len={result.tau:.2f}" if result is not None else ""
     print(f"[{fmt_elapsed(elapsed)}] step={step} loss={loss:.4f} lr={lr:.1e} tgt={tgt_bps:.2f}b/s "
-          f"dft={dft_bps:.2f}b/s ({fmt_rate(tok_s)}tok/s) q_hs={depths} | ETA={fmt_eta(eta)}", flush=True)
+          f"dft={dft_bps:.2f}b/s ({fmt_rate(tok_s)}tok/s) q_hs={depths}{acc} | ETA={fmt_eta(eta)}", flush=True)
     rec = {"step": step, "loss": round(loss, 5), "lr": lr, "tgt_bps": round(tgt_bps, 4), "dft_bps": round(dft_bps, 4),
            "tok_s": round(tok_s, 1), "q_hs": depths, "eta_s": round(eta, 1), "elapsed_s": round(elapsed, 2),
            "time": round(time.time(), 3)}
+    if result is not None:
+        rec.update(accept_len=round(result.tau, 4), eval_blocks=result.blocks)
     metrics.write(json.dumps(rec) + "\n")
     metrics.flush()
 
@@ -795,9 +973,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     role = "target" if rank < args.targets else "drafter"
+    everywhere = True  # until the process group forms, every rank finds the same problems: rank 0 says them
     try:
         check_args(args)
+        if args.resume and rank == 0:
+            try:
+                ck.verify(Path(args.resume_path))
+            except ck.CheckpointError as e:
+                raise UsageError(f"--resume: {e}") from None
         Path(args.out).mkdir(parents=True, exist_ok=True)
+        everywhere = False
         topo, groups = setup(args)
         if topo.is_target:
             run_target(args, topo, groups)
@@ -808,7 +993,10 @@ def main(argv=None) -> int:
         dist.all_reduce(torch.zeros(1), group=groups["exit"])
         code = 0
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if rank == 0 or not everywhere:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # exiting first would have torchrun stop rank 0 before it says why
+            time.sleep(5)
         code = EXIT_USAGE
     except Exception as e:  # one line for the controller; the traceback with DFLASH_TRACEBACK=1
         peer = isinstance(e, (PeerLost, dist.DistError)) or any(

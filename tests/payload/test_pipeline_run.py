@@ -69,17 +69,24 @@ def test_loss_goes_down_on_patterns(learned):
 
 
 def test_checkpoint_manifest_hashes_match(learned):
+    """--checkpoint-every (the old name of --ckpt-every) still works; each step_N/ has its own manifest."""
     _, out = learned
     manifest = json.loads((out / "checkpoints" / "manifest.json").read_text())
     assert [e["step"] for e in manifest["checkpoints"]] == [40, 80]
     for e in manifest["checkpoints"]:
-        data = (out / "checkpoints" / e["file"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == e["sha256"] and len(data) == e["bytes"]
+        own = json.loads((out / "checkpoints" / e["dir"] / "manifest.json").read_text())
+        assert own["step"] == e["step"] and own["files"] == e["files"]
+        for name, f in e["files"].items():
+            data = (out / "checkpoints" / e["dir"] / name).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == f["sha256"] and len(data) == f["bytes"]
     import torch
 
-    state = torch.load(out / "checkpoints" / "step_80.pt", weights_only=False)
+    state = torch.load(out / "checkpoints" / "step_80" / "drafter.pt", weights_only=False)
     assert state["step"] == 80 and "fc.weight" in state["drafter"]
     assert not any(k.startswith(("embed", "lm_head")) for k in state["drafter"])
+    train = torch.load(out / "checkpoints" / "step_80" / "train_state.pt", weights_only=False)
+    assert {"optimizer", "scheduler", "rng", "data", "args"} <= train.keys()
+    assert train["data"]["next_global_batch"] == 80 and "torch" in train["rng"] and "python" in train["rng"]
 
 
 def test_two_targets_two_drafters(tmp_path):
@@ -140,3 +147,72 @@ def test_compiled_target_layers_give_the_eager_hidden_states():
     eager = hidden()
     assert tp.compile_target_layers(m) == len(m.model.layers)
     assert torch.allclose(hidden(), eager, atol=1e-5)
+
+
+CHAT = ["--steps", "8", "--seq-len", "96", "--batch-size", "2", "--num-anchors", "4", "--drafter-layers", "2",
+        "--lr", "3e-3", "--log-every", "1", "--eval-every", "4", "--eval-samples", "2", "--eval-tokens", "16",
+        "--seed", "0", "--data", str(ROOT / "remote_payload" / "data" / "demo_chat.jsonl")]
+
+
+def test_chat_data_eval_and_resume_give_the_uninterrupted_run(tmp_path):
+    """Real chat data through a real tokenizer (tiny target): provenance lines first, accept_len in the metric
+    line, and 4 steps + stop + resume 4 steps == 8 steps straight: same loss at every step, same weights."""
+    import torch
+
+    from tests.payload.chat_tokenizer import make_chat_tokenizer
+
+    make_chat_tokenizer(tmp_path / "tok")
+    chat = [*CHAT, "--tokenizer", str(tmp_path / "tok")]
+    straight = torchrun(tmp_path / "straight", *chat)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    lines = straight.stdout.splitlines()
+    assert lines[0].startswith(f"data: {ROOT / 'remote_payload' / 'data' / 'demo_chat.jsonl'} sha256=")
+    assert "cache=built" in lines[0] and lines[1].startswith("tokenizer: ") and "mask_token_id=400" in lines[1]
+    assert lines[2].startswith("model: tiny (random init, seed 0) sha256=")
+    points = [p for p in map(parse_line, lines) if isinstance(p, MetricPoint)]
+    assert [p.step for p in points] == list(range(1, 9))
+    taus = {p.step: float(p.extra["accept_len"]) for p in points if "accept_len" in p.extra}
+    assert taus.keys() == {4, 8} and all(1.0 <= t <= 16.0 for t in taus.values())
+
+    first = torchrun(tmp_path / "split", *chat, "--stop-at-step", "4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.splitlines()[-1] == "done steps=4 (--stop-at-step 4 reached)"
+    second = torchrun(tmp_path / "split", *chat, env={"CTL_RESUME_FROM": str(tmp_path / "split")})
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "cache=hit" in second.stdout.splitlines()[0]
+    assert f"resumed from step 4 ({tmp_path / 'split' / 'checkpoints' / 'step_4'})" in second.stdout
+
+    def losses(run):
+        return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+    assert losses(tmp_path / "split") == losses(tmp_path / "straight")
+
+    def weights(run):
+        return torch.load(run / "checkpoints" / "step_8" / "drafter.pt", weights_only=False)["drafter"]
+
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "split")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_a_damaged_checkpoint_in_one_line(tmp_path):
+    import torch
+
+    from remote_payload import dflash_ckpt as ck
+
+    layer = torch.nn.Linear(2, 2)
+    layer.c = type("C", (), {"to_dict": lambda self: {}})()
+    ckpt = ck.save_full(tmp_path, 40, layer, torch.optim.AdamW(layer.parameters()), scheduler={}, data={},
+                        args={}, provenance={})
+    with open(ckpt / "train_state.pt", "ab") as f:
+        f.write(b"x")
+    proc = torchrun(tmp_path / "run", *LEARN, "--resume", str(ckpt), timeout=90)
+    assert proc.returncode != 0
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: --resume: checkpoint {ckpt}: train_state.pt sha256 ")
+    assert errors[0].endswith("does not match the manifest's " + errors[0].split("manifest's ")[1])
+    assert errors[0].endswith("; refused")
+    (ckpt / "manifest.json").unlink()
+    proc = torchrun(tmp_path / "run", *LEARN, "--resume", str(ckpt), timeout=90)
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert proc.returncode != 0 and errors == [
+        f"error: --resume: checkpoint {ckpt}: no manifest.json (incomplete or not a full checkpoint); refused"]
