@@ -24,7 +24,7 @@ TIMEOUT = "CTL_TIMEOUT"  # deadline in seconds of every request that is not a fo
 FOLLOW_RECONNECT = "CTL_FOLLOW_RECONNECT"  # seconds `tail -f` keeps trying to reconnect to a silent host
 
 DEFAULT_INVENTORY = "inventory.yaml"
-DEFAULT_CHECKPOINT_GLOB = "checkpoints/*.pt"
+DEFAULT_CHECKPOINT_GLOB = "checkpoints/**/*.pt"  # step_N/drafter.pt, train_state.pt (and older step_N.pt)
 DEFAULT_KEEPALIVE_INTERVAL = 15.0  # OpenSSH's ServerAliveInterval, as commonly set
 DEFAULT_KEEPALIVE_COUNT = 3  # OpenSSH's ServerAliveCountMax default
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -83,7 +83,7 @@ def persist_seconds() -> int | None:
 
 
 def checkpoint_glob(flag: str | None = None) -> str:
-    """--checkpoints > CTL_CHECKPOINT_GLOB > checkpoints/*.pt; a relative pattern inside the run directory."""
+    """--checkpoints > CTL_CHECKPOINT_GLOB > checkpoints/**/*.pt; a relative pattern inside the run directory."""
     g = flag or os.environ.get(CHECKPOINT_GLOB) or DEFAULT_CHECKPOINT_GLOB
     if g.startswith("/") or ".." in g.split("/") or "\0" in g or not g.strip():
         raise InputError(f"checkpoint glob {g!r} must be a relative pattern inside the run directory")

@@ -348,3 +348,12 @@ def test_format_rate_and_eta() -> None:
         "4.6K", "12.8K", "21.5K", "950", "1.0K", "123K", "100K", "1.2M", "-", "-"]
     assert [format_eta(v) for v in (45, 59.7, 750, 3 * 3600, 36.9 * 86400, -1, None)] == [
         "45s", "1.0m", "12.5m", "3.0h", "36.9d", "-", "-"]
+
+
+def test_acceptance_length_is_a_metric_of_its_own() -> None:
+    """The payload's eval steps log accept_len (DFlash's tau) between q_hs and the ETA."""
+    p = parse_line("[3m] step=40 loss=6.1234 lr=3.0e-04 tgt=2.10b/s dft=1.05b/s (4.6Ktok/s) q_hs=[0] "
+                   "accept_len=3.21 | ETA=12.3m")
+    assert isinstance(p, MetricPoint)
+    assert p.accept_len == 3.21 and p.tok_s == 4600 and "accept_len" not in p.extra
+    assert parse_line(json.dumps(p.record())) == p

@@ -31,7 +31,7 @@ metrics_app = typer.Typer(help="Pull a run's metrics (only new log bytes travel)
 app.add_typer(metrics_app, name="metrics")
 
 _CHECKPOINTS_HELP = "Checkpoint files to hash, a glob under the run directory (env CTL_CHECKPOINT_GLOB; " \
-                    "default checkpoints/*.pt)."
+                    "default checkpoints/**/*.pt)."
 
 
 def _duration(text: str, what: str) -> float:

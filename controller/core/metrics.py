@@ -44,6 +44,7 @@ class MetricPoint:
     eta_s: float | None = None
     q_hs: tuple[int, ...] | None = None
     time: float | None = None
+    accept_len: float | None = None  # acceptance length tau of the drafter (draft tokens accepted per block + 1)
     extra: dict[str, str] = field(default_factory=dict, hash=False)
     raw: str = field(default="", compare=False, repr=False)
 
@@ -152,7 +153,7 @@ def _parse_text(line: str) -> MetricPoint | None:
         low = key.lower()
         parsed: object = None
         target: str | None = None
-        if low in ("loss", "lr"):
+        if low in ("loss", "lr", "accept_len"):
             target, parsed = low, parse_float(value)
         elif low in _RATE_ROLES:
             target, parsed = _RATE_ROLES[low], parse_rate(value, "b/s")
@@ -195,7 +196,7 @@ def _parse_queue(value: str) -> tuple[int, ...] | None:
 # --------------------------------------------------------------------------------------------
 # JSON-lines metrics: {"step": 14, "loss": 10.69, "tok_s": 4600, ...}
 
-_JSON_FLOATS = ("loss", "lr", "elapsed_s", "tgt_bps", "dft_bps", "tok_s", "eta_s", "time")
+_JSON_FLOATS = ("loss", "lr", "elapsed_s", "tgt_bps", "dft_bps", "tok_s", "eta_s", "time", "accept_len")
 
 
 def _parse_json(line: str) -> MetricPoint | None:

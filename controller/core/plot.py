@@ -20,7 +20,8 @@ from controller.core.metrics import MetricPoint, format_rate
 from controller.errors import ClobberError, InputError
 
 _FORMATS = {".png", ".svg", ".pdf"}
-CSV_COLUMNS = ("step", "elapsed_s", "time", "loss", "lr", "tgt_bps", "dft_bps", "tok_s", "eta_s", "q_hs", "extra")
+CSV_COLUMNS = ("step", "elapsed_s", "time", "loss", "lr", "tgt_bps", "dft_bps", "tok_s", "eta_s", "accept_len", "q_hs",
+               "extra")
 
 
 def plot_runs(
