@@ -41,6 +41,8 @@ from controller.transport.base import Transport, limit
 from controller.transport.pool import Pool
 
 START_SCRIPT = "start_training.sh"
+UNKNOWN_OUTCOME = "launch outcome unknown"  # note of a `starting` run whose launch got no answer
+LAUNCH_GRACE_S = 120.0  # a `starting` run with no trace in its container after this long was never started
 MIN_FREE_BYTES = 1 << 30  # free space the log directory needs before a launch
 
 
@@ -241,6 +243,8 @@ def launcher_script(t: Transport, rp: RunPaths, start_script: str, env: dict[str
         f"exec 3>{log} || {{ echo 'ctl: refusing to overwrite '{log} >&2; exit 97; }}",
         f"bash {start} >&3 2>&1 3>&- &",
         "pid=$!",
+        # The training's start time beside its pid: `ctl stop` signals the pid only if it is still that process.
+        f's=$(cat /proc/$pid/stat 2>/dev/null) && s=${{s##*) }} && set -- $s && echo "${{20}}" > {log}.pid.start',
         f"echo $pid > {log}.pid",
         "exec 3>&-",
         f"tail -n +1 -F --pid=$pid {log} 2>/dev/null &",
@@ -289,12 +293,25 @@ def launch(
             "command": command, "log": rp.log, "run_dir": rp.run_dir, "session": rp.session,
             "env_fingerprint": (env or {}).get("fingerprint"),
         }
-        doc = agent.call("launch", {"log": rp.log, "session": rp.session, "script": script, "env": run_env,
-                                    "record": record, "follow": list(ct.spec.follow_symlinks)})
-        agent.need(doc, "started", (float, int))
     except BaseException:
-        reg.release_run(rec.id)
+        reg.release_run(rec.id)  # nothing was started: the preflight or the environment check refused
         raise
+    try:
+        doc = agent.call("launch", {"log": rp.log, "session": rp.session, "script": script, "env": run_env,
+                                    "record": record, "follow": list(ct.spec.follow_symlinks)}, check=False)
+    except BaseException as e:
+        # No answer (connection dropped, Ctrl-C, unreadable reply): tmux may have started the run. The claim
+        # stays, in state `starting`; the next command that refreshes this container reconciles it.
+        why = str(e) or type(e).__name__
+        reg.update_run(rec.id, command=command, note=f"{UNKNOWN_OUTCOME}: {why}"[:500])
+        if isinstance(e, CtlError) and e.hint is None:
+            e.hint = (f"run {name} may have started: `ctl runs {ct.name}` asks the container; the name stays "
+                      "claimed")
+        raise
+    if not doc.get("ok"):
+        reg.release_run(rec.id)  # the agent answered that it started nothing (log, record or session taken)
+        raise agent.error(doc)
+    agent.need(doc, "started", (float, int))
     rec = reg.update_run(
         rec.id, state=Lifecycle.RUNNING, started=doc.get("started"), command=command, commit_sha=manifest.commit,
         dirty=manifest.dirty, files=manifest.hashes(), vars=redact_vars(manifest.vars),
@@ -315,20 +332,60 @@ def _state_from(st: dict[str, Any]) -> tuple[Lifecycle, int | None]:
 
 
 def refresh(inv: Inventory, ct: Container, t: Transport, reg: Registry, runs: list[RunRecord]) -> list[RunRecord]:
-    """Ask the container about live runs (one round trip) and record what ended."""
+    """Ask the container about live runs (one round trip) and record what ended; a `starting` run (a launch
+    in progress, or one whose answer was lost) is reconciled from the container's facts."""
     live = [r for r in runs if r.state.live]
     if not live:
         return runs
     agent = Agent(t)
-    doc = agent.call("runstate", {"runs": [{"name": r.name, "log": r.log_path, "session": r.session} for r in live]})
+    doc = agent.call("runstate", {"runs": [{"name": r.name, "log": r.log_path, "session": r.session,
+                                            "record": r.state == Lifecycle.STARTING} for r in live]})
     states = _states(ct.name, agent.need(doc, "runs", list), len(live))
     updated = {}
     for r, st in zip(live, states, strict=True):
+        if r.state == Lifecycle.STARTING:
+            new = _reconcile(reg, r, st)
+            if new is not None:
+                updated[r.id] = new
+            continue
+        if st.get("impostor") and st.get("exit") is None:
+            continue  # its pid file names another process: whether the run lives cannot be told, keep its state
         state, code = _state_from(st)
         if state != r.state:
             updated[r.id] = reg.update_run(r.id, state=state, exit_status=code,
                                            ended=st.get("log_mtime") if state != Lifecycle.RUNNING else None)
     return [updated.get(r.id, r) for r in runs]
+
+
+def _reconcile(reg: Registry, r: RunRecord, st: dict[str, Any]) -> RunRecord | None:
+    """A `starting` run, from what its container shows (log, pid file, tmux session, LOG.ctl.json): the record
+    a launch would have written when the run is there; lost when it is not and never will be; None: leave it."""
+    record = st.get("record") if isinstance(st.get("record"), dict) else None
+    ours = record is not None and record.get("created") == r.created and record.get("run") == r.name
+    seen = ours or st.get("pid") is not None or st.get("exit") is not None or st.get("log_size") is not None
+    was = f" ({r.note})" if r.note else ""
+    if record is not None and not ours:
+        return reg.update_run(r.id, state=Lifecycle.LOST, ended=time.time(),
+                              note=f"{r.log_path}.ctl.json belongs to another launch: this one started nothing{was}")
+    if not seen:
+        if st.get("session") or time.time() - r.created < LAUNCH_GRACE_S:
+            return None  # tmux is starting it, or a launch is still in its preflight
+        return reg.update_run(r.id, state=Lifecycle.LOST, ended=time.time(),
+                              note=f"never started: nothing of it in the container{was}")
+    if st.get("impostor") and st.get("exit") is None:
+        return None  # its pid file names another process: nothing can be told yet
+    state, code = _state_from(st)
+    if state == Lifecycle.LOST and st.get("pid") is None and (
+            st.get("session") or time.time() - r.created < LAUNCH_GRACE_S):
+        return None  # the record is written, tmux or the launcher has not started the training yet
+    fields: dict[str, Any] = {}
+    if ours and record is not None:
+        fields = {"command": record.get("command"), "commit_sha": record.get("commit"),
+                  "dirty": bool(record.get("dirty")), "files": record.get("files") or {},
+                  "vars": record.get("vars") or {}, "env_fingerprint": record.get("env_fingerprint")}
+    return reg.update_run(r.id, state=state, exit_status=code, started=r.started or r.created,
+                          ended=st.get("log_mtime") if state != Lifecycle.RUNNING else None,
+                          note=f"reconciled from the container{was}", **fields)
 
 
 def live(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> list[RunRecord]:
@@ -343,7 +400,7 @@ def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRec
     if not run.state.live:
         raise InputError(f"run {run.name} on {ct.name} is not running (state: {run.state})")
     deadline = limit(None, t.request_timeout)  # the agent waits up to `grace` after SIGINT and after SIGTERM
-    doc = Agent(t).call("stop", {"log": run.log_path, "session": run.session, "grace": grace},
+    doc = Agent(t).call("stop", {"log": run.log_path, "session": run.session, "grace": grace, "run": run.name},
                         timeout=None if deadline is None else deadline + 3 * grace)
     if doc.get("alive"):
         raise CtlError(f"{ct.name}: run {run.name} survived SIGINT, SIGTERM and SIGKILL")

@@ -598,21 +598,78 @@ def _tmux_has(session):
     return subprocess.run([tmux, "has-session", "-t", "=" + session], capture_output=True).returncode == 0
 
 
+def _proc_start(pid):
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _proc_env(pid):
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    env = {}
+    for item in data.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep:
+            env[k.decode("utf-8", "replace")] = v.decode("utf-8", "replace")
+    return env
+
+
+def _proc_cmd(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return " ".join(a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a)[:120]
+    except OSError:
+        return "?"
+
+
+def _not_the_run(pid, run, log):
+    """None when live pid is run's training (its environment's CTL_RUN is the run's name and its start time
+    the one the launcher recorded beside the pid, LOG.pid.start); else why not. LOG.pid is writable in the
+    container: ctl never signals what it names without this check."""
+    want = _read_int(log + ".pid.start")
+    start = _proc_start(pid)
+    if want is not None and start is not None and start != want:
+        return "it started at tick %d, the run's training at tick %d (the pid was reused)" % (start, want)
+    env = _proc_env(pid)
+    if env is None:
+        return "its environment cannot be read"
+    if env.get("CTL_RUN") != run:
+        return "its CTL_RUN is %s" % ("unset" if "CTL_RUN" not in env else repr(env["CTL_RUN"]))
+    return None
+
+
 def runstate(args):
-    """State of runs: exit status if written, whether the training's process group lives, log size."""
+    """State of runs: exit status if written, whether the training's process group lives, log size. A pid
+    that is alive but not the run's training (see _not_the_run) is not the run being alive: "alive" is false
+    and "impostor" says what it is. With "record", the run record beside the log (LOG.ctl.json) too."""
     root = args.get("root", "/")
     out = []
     for r in args["runs"]:
         log = _under(root, r["log"])
         pid = _read_int(log + ".pid")
-        st = {"name": r["name"], "exit": _read_int(log + ".exit"), "pid": pid,
-              "alive": _pid_alive(pid) if pid else False, "session": _tmux_has(r["session"])}
+        alive = _pid_alive(pid) if pid else False
+        st = {"name": r["name"], "exit": _read_int(log + ".exit"), "pid": pid, "alive": alive,
+              "session": _tmux_has(r["session"])}
+        if alive:
+            why = _not_the_run(pid, r["name"], log)
+            if why is not None:
+                st["alive"] = False
+                st["impostor"] = "pid %d (%s): %s" % (pid, _proc_cmd(pid), why)
         try:
             s = os.stat(log)
             st["log_size"] = s.st_size
             st["log_mtime"] = s.st_mtime
         except OSError:
             st["log_size"] = None
+        if r.get("record"):
+            st["record"] = _read_json(log + ".ctl.json")
         out.append(st)
     return {"ok": True, "runs": out, "now": time.time()}
 
@@ -660,7 +717,7 @@ def launch(args):
         if pid:
             break
         time.sleep(0.02)
-    return {"ok": True, "pid": pid, "started": time.time()}
+    return {"ok": True, "pid": pid, "pid_start": _proc_start(pid) if pid else None, "started": time.time()}
 
 
 def stop(args):
@@ -670,6 +727,12 @@ def stop(args):
     log = _under(root, args["log"])
     pid = _read_int(log + ".pid")
     steps = []
+    if pid and _pid_alive(pid) and args.get("run"):
+        why = _not_the_run(pid, args["run"], log)
+        if why is not None:
+            return {"ok": False, "code": "identity", "pid": pid,
+                    "error": "%s.pid names pid %d (%s), which is not run %s's training: %s; refusing to signal it"
+                    % (args["log"], pid, _proc_cmd(pid), args["run"], why)}
     if pid and _pid_alive(pid):
         for sig, wait in ((signal.SIGINT, args.get("grace", 30)), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
             try:

@@ -10,7 +10,9 @@ same as over a direct exec, while the host's login shell and the SSH channel are
 Frame: 7-byte header (kind: 1 byte, stream id: 2 bytes, length: 4 bytes, big-endian), then the data.
   controller -> relay  S start (data: JSON argv)   I stdin data   C close that stdin
   relay -> controller  H hello (stream 0, JSON)    O stdout data  E stderr data  X exit status (ASCII)
-A child that cannot be started answers E (the reason) and X 127, as a shell would. End of the
+A child that cannot be started answers E (the reason) and X 127, as a shell would. A stream id is
+forgotten before its X frame goes out, so the controller may reuse it as soon as it has read that X (ids
+are 16 bits: a long-lived session wraps around them). End of the
 relay's stdin (ctl is done, or the connection dropped) closes every child's stdin; the relay waits
 for the children (an agent that sees its stdin end leaves every old file whole) and exits.
 """
@@ -27,6 +29,9 @@ HEADER = struct.Struct(">cHI")
 _CHUNK = 1 << 16
 _out_lock = threading.Lock()
 _broken = []  # set once our stdout is gone: keep draining children, stop writing
+_children = {}  # stream id -> Child, while its process runs (until just before its X frame)
+_live = set()  # every Child whose X frame is not out yet: the relay waits for them before it exits
+_children_lock = threading.Lock()
 
 
 def _emit(kind, sid, data=b""):
@@ -57,6 +62,7 @@ class Child:
         self.inbox = queue.Queue(maxsize=256)  # bounded: a slow reader holds the relay back, not its memory
         self.threads = []
         self.closed = False
+        self._close_lock = threading.Lock()
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, close_fds=True)
@@ -66,6 +72,9 @@ class Child:
                   .encode())
             _emit(b"X", sid, b"127")
             return
+        with _children_lock:
+            _children[sid] = self  # before any thread runs: _finish forgets it
+            _live.add(self)
         err = threading.Thread(target=self._pump, args=(self.proc.stderr, b"E"))
         out = threading.Thread(target=self._finish, args=(err,))
         writer = threading.Thread(target=self._write)
@@ -90,7 +99,12 @@ class Child:
         self._pump(self.proc.stdout, b"O")
         err_thread.join()
         rc = self.proc.wait()
+        self.close_stdin()  # the writer thread ends even when the controller never closes this stdin
+        with _children_lock:
+            _children.pop(self.sid, None)  # forgotten BEFORE X: the controller may reuse the id once it reads X
         _emit(b"X", self.sid, str(128 - rc if rc < 0 else rc).encode())
+        with _children_lock:
+            _live.discard(self)
 
     def _write(self):
         stdin = self.proc.stdin
@@ -116,9 +130,11 @@ class Child:
             self.inbox.put(data)
 
     def close_stdin(self):
-        if self.proc is not None and not self.closed:
+        with self._close_lock:
+            if self.proc is None or self.closed:
+                return
             self.closed = True
-            self.inbox.put(None)
+        self.inbox.put(None)
 
     def join(self):
         for t in self.threads:
@@ -127,7 +143,6 @@ class Child:
 
 def main():
     stdin = sys.stdin.buffer
-    children = {}
     _emit(b"H", 0, json.dumps({"relay": 1, "pid": os.getpid(), "python": sys.version.split()[0]}).encode())
     while True:
         head = _read_exact(stdin, HEADER.size)
@@ -137,18 +152,22 @@ def main():
         data = _read_exact(stdin, n) if n else b""
         if data is None:
             break
+        with _children_lock:
+            child = _children.get(sid)
         if kind == b"S":
-            if sid in children:
+            if child is not None:
                 _emit(b"E", sid, b"ctl relay: stream id reused\n")
                 continue
-            children[sid] = Child(sid, [str(a) for a in json.loads(data.decode())])
-        elif kind == b"I" and sid in children:
-            children[sid].send(data)
-        elif kind == b"C" and sid in children:
-            children[sid].close_stdin()
-    for c in children.values():
+            Child(sid, [str(a) for a in json.loads(data.decode())])
+        elif kind == b"I" and child is not None:
+            child.send(data)
+        elif kind == b"C" and child is not None:
+            child.close_stdin()
+    with _children_lock:
+        left = list(_live)
+    for c in left:
         c.close_stdin()
-    for c in children.values():
+    for c in left:
         c.join()
     return 0
 

@@ -34,6 +34,7 @@ from controller.transport.base import Duplex, Result, limit
 from controller.transport.ssh import SshEndpoint
 
 HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/remote/hostrelay.py)
+MAX_SID = 0xFFFF  # stream ids are 1..MAX_SID (0 is the hello's)
 BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-relay','exec'))"
 # The host's own python3 first: a PATH python3 may be a shim or a venv of the login shell's rc files.
 _START = 'p=/usr/bin/python3; [ -x "$p" ] || p=python3; exec "$p" -I -S -c "$0" "$@"'
@@ -253,12 +254,24 @@ class HostRelay:
     def open(self, argv: Sequence[str]) -> Duplex:
         """Start argv on the host (no shell) through the relay; a conversation like a direct exec's."""
         with self._cond:
-            sid = self._next
-            self._next += 1
+            sid = self._free_sid()
             self._streams[sid] = _Stream(tuple(argv))
         self.streams_opened += 1
         self._send(b"S", sid, json.dumps(list(argv)).encode())
         return _RelayDuplex(self, sid)
+
+    def _free_sid(self) -> int:
+        """The next stream id (1..MAX_SID, round robin) that no open stream holds; under self._cond.
+
+        Ids are 16 bits on the wire: a long-lived relay wraps around them. A stream's id is free again once its
+        X frame was read (finish); the relay forgets it before sending that X, so a reuse never meets a stale
+        child. Round robin keeps a just-freed id unused for as long as possible."""
+        for _ in range(MAX_SID):
+            sid = self._next
+            self._next = sid % MAX_SID + 1
+            if sid not in self._streams:
+                return sid
+        raise ConnectionFailed(f"{self.host.name}: {MAX_SID} streams open on ctl's relay: no free stream id")
 
     def close(self) -> None:
         """End of our input: the relay closes every child's stdin, waits for them and exits."""

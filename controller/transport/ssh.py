@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded, HostKeyError
@@ -76,11 +77,91 @@ class _UnknownHostKey(Exception):
     """A host key not in known_hosts (paramiko's RejectPolicy says so only in its message text)."""
 
 
+class _RevokedHostKey(Exception):
+    """The host offered a key that an `@revoked` line of known_hosts names."""
+
+    def __init__(self, key: Any, line: int) -> None:
+        super().__init__(line)
+        self.key = key
+        self.line = line
+
+
 class _RejectUnknown:
-    """paramiko's missing-host-key policy (RejectPolicy) whose refusal is a type of its own."""
+    """paramiko's missing-host-key policy (RejectPolicy) whose refusal is a type of its own; a revoked key
+    (never loaded as known, so it always arrives here) is refused as revoked."""
+
+    def __init__(self, revoked: dict[tuple[str, bytes], int] | None = None) -> None:
+        self.revoked = revoked or {}
 
     def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+        line = self.revoked.get((key.get_name(), key.asbytes()))
+        if line is not None:
+            raise _RevokedHostKey(key, line)
         raise _UnknownHostKey(hostname)
+
+
+@dataclass
+class KnownHosts:
+    """What ctl takes from a known_hosts file. paramiko's own loader crashes on marker lines and ignores
+    `@revoked`; here `@revoked` keys are never trusted (not even when a plain line lists them too) and
+    `@cert-authority` lines are kept aside: ctl (paramiko) cannot verify host certificates."""
+
+    revoked: dict[tuple[str, bytes], int] = field(default_factory=dict)  # (key type, key blob) -> line
+    cert_authorities: list[tuple[list[str], int]] = field(default_factory=list)  # (host patterns, line)
+
+
+def load_known_hosts(path: str, host_keys: Any) -> KnownHosts:
+    """Read known_hosts into paramiko's HostKeys `host_keys` (plain lines), and its marker lines. A line that
+    cannot be parsed is skipped, as OpenSSH skips it."""
+    import base64
+    import binascii
+
+    paramiko = _paramiko()
+    out = KnownHosts()
+    plain = []
+    with open(path) as f:
+        for lineno, raw in enumerate(f, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            if line.startswith("@"):
+                fields = line.split()
+                marker = fields[0]
+                if marker == "@revoked" and len(fields) >= 4:
+                    try:
+                        out.revoked[(fields[2], base64.b64decode(fields[3], validate=True))] = lineno
+                    except (binascii.Error, ValueError):
+                        continue
+                elif marker == "@cert-authority" and len(fields) >= 2:
+                    out.cert_authorities.append((fields[1].split(","), lineno))
+                continue
+            plain.append((lineno, line))
+    for lineno, line in plain:
+        try:
+            entry = paramiko.hostkeys.HostKeyEntry.from_line(line, lineno)
+        except (paramiko.SSHException, paramiko.hostkeys.InvalidHostKey, ValueError):
+            continue
+        if entry is None or (entry.key.get_name(), entry.key.asbytes()) in out.revoked:
+            continue
+        for name in entry.hostnames:
+            have = host_keys.lookup(name)
+            if have is None or entry.key.get_name() not in have:  # the first line wins, as with paramiko's load
+                host_keys.add(name, entry.key.get_name(), entry.key)
+    return out
+
+
+def _matches(patterns: list[str], label: str) -> bool:
+    """Whether a known_hosts host pattern list (wildcards, `!` negation) names `label`."""
+    import fnmatch
+
+    hit = False
+    for p in patterns:
+        neg = p.startswith("!")
+        if fnmatch.fnmatchcase(label, p[1:] if neg else p):
+            if neg:
+                return False
+            hit = True
+    return hit
 
 
 def _active(client: SSHClient) -> bool:
@@ -203,13 +284,14 @@ class SshEndpoint(Transport):
         keys = [self.identity_file] if self.identity_file else []
         keys += [os.path.expanduser(k) for k in cfg.get("identityfile", [])]
         client: SSHClient = paramiko.SSHClient()
-        policy: Any = _RejectUnknown()
-        client.set_missing_host_key_policy(policy)
+        known = KnownHosts()
         if os.path.exists(self.known_hosts):
             try:
-                client.get_host_keys().load(self.known_hosts)
-            except (OSError, paramiko.SSHException) as e:
+                known = load_known_hosts(self.known_hosts, client.get_host_keys())
+            except (OSError, UnicodeDecodeError) as e:
                 raise HostKeyError(f"{self.name}: cannot read known_hosts {self.known_hosts}: {e}") from None
+        policy: Any = _RejectUnknown(known.revoked)
+        client.set_missing_host_key_policy(policy)
         accept = (
             f"check the key out of band, then add it: ssh-keyscan -p {self.port} {self.address} "
             f">> {self.known_hosts}"
@@ -222,8 +304,20 @@ class SshEndpoint(Transport):
                 allow_agent=True, look_for_keys=self.identity_file is None, banner_timeout=self.connect_timeout,
                 auth_timeout=self.connect_timeout, channel_timeout=self.connect_timeout, **kwargs,
             )
+        except _RevokedHostKey as e:
+            client.close()
+            raise HostKeyError(
+                f"{self.name}: host key for {self._host_key_label()} ({e.key.get_name()} {e.key.fingerprint}) is "
+                f"REVOKED ({self.known_hosts}:{e.line} @revoked); refusing to connect") from None
         except _UnknownHostKey:
             client.close()
+            label = self._host_key_label()
+            ca = [n for pats, n in known.cert_authorities if _matches(pats, label) or _matches(pats, self.address)]
+            if ca:
+                raise HostKeyError(
+                    f"{self.name}: host certificates are not supported: {self.known_hosts}:{ca[0]} "
+                    f"(@cert-authority) is the only trust for {label}; refusing to connect",
+                    hint=f"add the host's plain key: {accept}") from None
             raise HostKeyError(
                 f"{self.name}: host key for {self._host_key_label()} is unknown "
                 f"(not in {self.known_hosts}); refusing to connect",
@@ -231,6 +325,11 @@ class SshEndpoint(Transport):
             ) from None
         except paramiko.BadHostKeyException as e:
             client.close()
+            line = known.revoked.get((e.key.get_name(), e.key.asbytes()))
+            if line is not None:
+                raise HostKeyError(
+                    f"{self.name}: host key for {self._host_key_label()} ({e.key.get_name()} {e.key.fingerprint}) "
+                    f"is REVOKED ({self.known_hosts}:{line} @revoked); refusing to connect") from None
             raise HostKeyError(
                 f"{self.name}: host key for {self._host_key_label()} CHANGED "
                 f"(got {e.key.get_name()} {e.key.fingerprint}); refusing to connect",

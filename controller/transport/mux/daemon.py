@@ -37,7 +37,7 @@ from controller.transport.mux.sock import (
     recv_frames,
     send_frame,
 )
-from controller.transport.relay import HostRelay
+from controller.transport.relay import MAX_SID, HostRelay
 from controller.transport.ssh import SshEndpoint
 
 
@@ -95,9 +95,9 @@ class _Mux(HostRelay):
 
     def _alloc(self, client: _Client, csid: int) -> int:
         with self.map_lock:
-            for _ in range(65535):
+            for _ in range(MAX_SID):
                 gsid = self.next_gsid
-                self.next_gsid = gsid % 65535 + 1
+                self.next_gsid = gsid % MAX_SID + 1
                 if gsid not in self.owner:
                     self.owner[gsid] = (client, csid)
                     client.streams[csid] = gsid

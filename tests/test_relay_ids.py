@@ -1,0 +1,166 @@
+"""Stream ids of ctl's host relay are 16 bits: a long-lived relay (a persistent session) wraps around them.
+
+Both ends run here, over a local socket pair instead of SSH: controller/transport/relay.py's HostRelay and
+controller/remote/hostrelay.py, started with the very argv ctl sends a host. 70,000 tiny commands through
+one relay must all finish: the relay forgets an id when its stream ends, and HostRelay reuses free ids.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from controller.transport.relay import MAX_SID, HostRelay
+
+
+class _LocalChan:
+    """The few methods of a paramiko channel HostRelay uses, over a socket whose other end is the relay's
+    stdin and stdout."""
+
+    def __init__(self, argv: list[str]) -> None:
+        ours, theirs = socket.socketpair()
+        self.sock = ours
+        self.proc = subprocess.Popen(argv, stdin=theirs, stdout=theirs, stderr=subprocess.PIPE, close_fds=True)
+        theirs.close()
+
+    def send(self, data: Any) -> int:
+        return self.sock.send(data)
+
+    def recv(self, n: int) -> bytes:
+        return self.sock.recv(n)
+
+    def settimeout(self, t: float | None) -> None:
+        self.sock.settimeout(t)
+
+    def shutdown_write(self) -> None:
+        self.sock.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def exit_status_ready(self) -> bool:
+        return self.proc.poll() is not None
+
+    def recv_exit_status(self) -> int:
+        return self.proc.wait()
+
+    def recv_stderr_ready(self) -> bool:
+        return False
+
+    def recv_stderr(self, n: int) -> bytes:
+        return b""
+
+
+class _LocalHost:
+    """What HostRelay needs of an SshEndpoint: a name and an exec channel (here: a local process)."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self.chans: list[_LocalChan] = []
+
+    def exec_channel(self, argv: list[str]) -> _LocalChan:
+        chan = _LocalChan(argv)
+        self.chans.append(chan)
+        return chan
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def relay() -> Iterator[tuple[HostRelay, _LocalHost]]:
+    host = _LocalHost()
+    r = HostRelay(host)  # type: ignore[arg-type]
+    assert r.available(), r.why_unavailable
+    yield r, host
+    r.close()
+    for c in host.chans:
+        if c.proc.poll() is None:
+            c.proc.kill()
+        c.proc.wait()
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_seventy_thousand_commands_through_one_relay(relay: tuple[HostRelay, _LocalHost]) -> None:
+    """Every 100th command is a real process; the others are commands that cannot start (the relay answers
+    E and X 127 without a process, as a shell would), so 70,000 of them take seconds, not minutes."""
+    r, host = relay
+    relay_pid = host.chans[0].proc.pid
+    n = 70_000
+    assert n > MAX_SID  # the ids wrap at least once
+
+    def one(i: int) -> tuple[int, bytes, str]:
+        argv = ["echo", str(i)] if i % 100 == 0 else [f"/nonexistent/ctl-test-{i}"]
+        res = r.open(argv).finish(timeout=60)
+        return res.returncode, res.stdout, res.err
+
+    early = 0
+    with ThreadPoolExecutor(4) as pool:  # a few in flight at once, as fan-out commands do
+        for i, (code, out, err) in enumerate(pool.map(one, range(n))):
+            if i % 100 == 0:
+                assert (code, out, err) == (0, f"{i}\n".encode(), ""), i
+            else:
+                assert code == 127 and f"cannot start /nonexistent/ctl-test-{i}" in err, (i, code, err)
+            if i == 1000:
+                early = _threads(relay_pid)
+    assert r.streams_opened == n
+    assert not r._streams  # every finished stream freed its id on this side
+    # ...and on the relay's: no thread (nor child) is kept per finished stream.
+    assert _threads(relay_pid) <= early + 8
+
+
+def test_ids_in_use_are_never_handed_out_twice(relay: tuple[HostRelay, _LocalHost]) -> None:
+    r, _host = relay
+    r._next = MAX_SID - 2  # close to the wrap
+    held = [r.open(["cat"]) for _ in range(5)]  # open streams straddling the wrap: MAX_SID-2 .. 2
+    sids = [d.sid for d in held]  # type: ignore[attr-defined]
+    assert sids == [MAX_SID - 2, MAX_SID - 1, MAX_SID, 1, 2]
+    r._next = MAX_SID - 2  # wrap again while they are still open: the allocator skips them
+    quick = r.open(["echo", "x"])
+    assert quick.sid == 3  # type: ignore[attr-defined]
+    assert quick.finish(timeout=30).stdout == b"x\n"
+    for i, d in enumerate(held):
+        d.send(f"stream {i}\n".encode())
+    for i, d in enumerate(held):
+        assert d.finish(timeout=30).stdout == f"stream {i}\n".encode()
+
+
+def test_a_wrapped_id_meets_no_stale_child_on_the_relay(relay: tuple[HostRelay, _LocalHost]) -> None:
+    """The relay side alone: the same id, started again right after its X frame, runs the new command."""
+    r, _host = relay
+    for i in range(200):
+        r._next = 7
+        d = r.open(["echo", str(i)])
+        assert d.sid == 7  # type: ignore[attr-defined]
+        res = d.finish(timeout=30)
+        assert (res.returncode, res.stdout, res.err) == (0, f"{i}\n".encode(), ""), i
+
+
+def test_relay_exits_after_its_input_ends_with_streams_open(relay: tuple[HostRelay, _LocalHost]) -> None:
+    r, host = relay
+    d = r.open(["cat"])
+    d.send(b"last words\n")
+    done = threading.Event()
+
+    def finish() -> None:
+        res = d.finish(timeout=30)
+        assert res.stdout == b"last words\n"
+        done.set()
+
+    t = threading.Thread(target=finish)
+    t.start()
+    t.join(30)
+    assert done.is_set()
+    r.close()
+    assert host.chans[0].proc.wait(timeout=30) == 0
