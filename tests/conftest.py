@@ -4,10 +4,12 @@ only one module uses stay in that module."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -315,4 +317,8 @@ def env(tmp_path: Path) -> Iterator[Env]:
         yield e
     finally:
         subprocess.run(["tmux", "kill-server"], env=e.env, capture_output=True)
+        # A run's training has its own process group, which outlives its tmux session: end what a test left.
+        for pid_file in (e.root / "workspace").glob("*.log.pid"):
+            with contextlib.suppress(ValueError, OSError):
+                os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
 

@@ -17,33 +17,19 @@ from typing import Any
 
 import pytest
 
+from controller.transport.mux.client import _SockChan
 from controller.transport.relay import MAX_SID, HostRelay
 
 
-class _LocalChan:
-    """The few methods of a paramiko channel HostRelay uses, over a socket whose other end is the relay's
-    stdin and stdout."""
+class _LocalChan(_SockChan):
+    """The session socket's channel (the few paramiko channel methods HostRelay uses) over a socket pair whose
+    other end is the relay's stdin and stdout, and the relay process's exit status."""
 
     def __init__(self, argv: list[str]) -> None:
         ours, theirs = socket.socketpair()
-        self.sock = ours
+        super().__init__(ours)
         self.proc = subprocess.Popen(argv, stdin=theirs, stdout=theirs, stderr=subprocess.PIPE, close_fds=True)
         theirs.close()
-
-    def send(self, data: Any) -> int:
-        return self.sock.send(data)
-
-    def recv(self, n: int) -> bytes:
-        return self.sock.recv(n)
-
-    def settimeout(self, t: float | None) -> None:
-        self.sock.settimeout(t)
-
-    def shutdown_write(self) -> None:
-        self.sock.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self.sock.close()
 
     def exit_status_ready(self) -> bool:
         return self.proc.poll() is not None
@@ -62,6 +48,7 @@ class _LocalHost:
     """What HostRelay needs of an SshEndpoint: a name and an exec channel (here: a local process)."""
 
     name = "local"
+    request_timeout: float | None = 60.0  # the deadline an SshEndpoint would give each request
 
     def __init__(self) -> None:
         self.chans: list[_LocalChan] = []

@@ -82,6 +82,21 @@ def _console() -> Any:
     return _SafeConsole(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
+def _outcomes(results: list[Any], ok: Any) -> None:
+    """One line per container of a fan-out: --json prints each value's to_json() (or the error); otherwise a
+    FAILED line naming the container, or `ok(console, container, value)` for the ones that worked."""
+    if OPTS.json:
+        _out([r.value.to_json() if r.value is not None else {"ct": r.ct, "ok": False, "error": r.error}
+              for r in results])
+        return
+    con = _console()
+    for r in results:
+        if not r.ok or r.value is None:
+            con.print(f"{r.ct:<12} [red]FAILED[/red] {_esc(r.error)}")
+        else:
+            ok(con, r.ct, r.value)
+
+
 def _esc(text: Any) -> str:
     """Text that may come from a container, for a string printed with markup on: no control bytes, no newline,
     its `[` escaped so that `[link=...]` or `[conceal]` stay literal."""

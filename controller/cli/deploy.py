@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from controller.cli.app import OPTS, _console, _esc, _inv, _out, _registry, app, session
+from controller.cli.app import OPTS, _console, _esc, _inv, _out, _outcomes, _registry, app, session
 from controller.errors import CtlError, ExitCode, InputError
 
 
@@ -50,25 +50,20 @@ def deploy_cmd(
             with _TransferProgress(enabled=not OPTS.json and sys.stderr.isatty()) as progress:
                 results = deploy.deploy_all(inv, pool, cts, reg, dry_run=dry_run, allow_dirty=allow_dirty,
                                             progress=progress)
-    if OPTS.json:
-        _out([r.value.to_json() if r.value else {"ct": r.ct, "ok": False, "error": r.error} for r in results])
-    else:
-        con = _console()
-        for r in results:
-            if not r.ok or r.value is None:
-                con.print(f"{r.ct:<12} [red]FAILED[/red] {_esc(r.error)}")
-                continue
-            res = r.value
-            con.print(f"{r.ct:<12} {res.summary()}")
-            if dry_run or len(cts) == 1:
-                for p in res.plan:
-                    if p.action != "same" or dry_run:
-                        con.print(f"  {p.action:<7} {p.dest}  {p.want[:12]}" + (f" (was {p.have[:12]})" if p.have
-                                                                               and p.have != p.want else ""))
-            if dry_run:
-                con.print("  commands (run on the operator's machine; stdin is the agent source + bundle):")
-                for c in res.commands:
-                    con.print(f"    {c}", soft_wrap=True, markup=False)
+
+    def show(con: Any, ct: str, res: Any) -> None:
+        con.print(f"{ct:<12} {res.summary()}")
+        if dry_run or len(cts) == 1:
+            for p in res.plan:
+                if p.action != "same" or dry_run:
+                    con.print(f"  {p.action:<7} {p.dest}  {p.want[:12]}" + (f" (was {p.have[:12]})" if p.have
+                                                                           and p.have != p.want else ""))
+        if dry_run:
+            con.print("  commands (run on the operator's machine; stdin is the agent source + bundle):")
+            for c in res.commands:
+                con.print(f"    {c}", soft_wrap=True, markup=False)
+
+    _outcomes(results, show)
     raise typer.Exit(worst(results))
 
 

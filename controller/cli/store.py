@@ -3,6 +3,8 @@ files, what `ctl deploy --rollback` restores from). Nothing is deleted except by
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 from controller.cli import app as _cli
@@ -66,17 +68,11 @@ def prune_cmd(
     reg = _cli._registry()
     with _cli.session(inv) as pool:
         results = store.prune_all(pool, cts, reg, dry_run=dry_run)
-    if OPTS.json:
-        _cli._out([r.value.to_json() if r.value else {"ct": r.ct, "ok": False, "error": r.error} for r in results])
-        raise typer.Exit(worst(results))
-    con = _cli._console()
-    for r in results:
-        if r.value is None:
-            con.print(f"{r.ct:<12} [red]FAILED[/red] {r.error}")
-            continue
-        v = r.value
+    def show(con: Any, ct: str, v: Any) -> None:
         verb = "would delete" if dry_run else "deleted"
         n = len(v.delete) if dry_run else len(v.deleted)
-        con.print(f"{r.ct:<12} {verb} {n} of {v.objects} objects ({_mib(v.delete_bytes)}), kept {v.keep}",
+        con.print(f"{ct:<12} {verb} {n} of {v.objects} objects ({_mib(v.delete_bytes)}), kept {v.keep}",
                   markup=False)
+
+    _cli._outcomes(results, show)
     raise typer.Exit(worst(results))
