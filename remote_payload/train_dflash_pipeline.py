@@ -186,11 +186,17 @@ def check_args(args) -> None:
             raise UsageError(f"--resume: {e}") from None
         args.resume_path = str(path)
         if args.start_step >= args.steps:
-            raise UsageError(f"--resume: {path} is at step {args.start_step}, --steps is {args.steps}: nothing to do")
+            raise AlreadyDone(f"the checkpoint {path} is at step {args.start_step}, --steps is {args.steps}: nothing "
+                              "left to train")
 
 
 class UsageError(Exception):
     pass
+
+
+class AlreadyDone(Exception):
+    """Resumed from a checkpoint at the last step: the run is complete (a relaunch after a crash at the very end
+    must finish, not fail and be relaunched again)."""
 
 
 class PeerLost(Exception):
@@ -991,6 +997,10 @@ def main(argv=None) -> int:
         # Nobody exits (freeing IPC-shared memory) while a peer may still read it. Its own group: the default
         # one still holds receives nobody will answer after an early stop.
         dist.all_reduce(torch.zeros(1), group=groups["exit"])
+        code = 0
+    except AlreadyDone as e:
+        if rank == 0:
+            print(f"done steps={args.steps} ({e})", flush=True)
         code = 0
     except UsageError as e:
         if rank == 0 or not everywhere:

@@ -72,3 +72,19 @@ def test_rng_states_round_trip():
     ck.set_rng_state(state)
     got = (random.random(), np.random.rand(), torch.rand(2))
     assert got[0] == expect[0] and got[1] == expect[1] and torch.equal(got[2], expect[2])
+
+
+def test_resuming_from_the_last_step_is_a_finished_run(tmp_path, monkeypatch):
+    """A relaunch after a crash at the very end must finish (exit 0), not fail and be relaunched again."""
+    from remote_payload import train_dflash_pipeline as tp
+
+    step = tmp_path / "checkpoints" / "step_20"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"format": ck.FORMAT, "step": 20, "files": {}}))
+    monkeypatch.setenv("CTL_RESUME_FROM", str(tmp_path))
+    args = tp.build_parser().parse_args(["--steps", "20"])
+    with pytest.raises(tp.AlreadyDone, match="at step 20, --steps is 20: nothing left to train"):
+        tp.check_args(args)
+    args = tp.build_parser().parse_args(["--steps", "30"])
+    tp.check_args(args)
+    assert args.start_step == 20 and args.resume_path == str(step)

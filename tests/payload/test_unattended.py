@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 90
+STEPS = 300
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
 
