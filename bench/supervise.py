@@ -11,7 +11,6 @@ CRASHED event. Goal (issue "unattended runs"): median <= interval + 2 s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -21,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import yaml
 
@@ -50,12 +51,22 @@ def main() -> int:
         return subprocess.run([sys.executable, "-m", "controller", "-i", str(d / "inventory.yaml"), *a], env=env,
                               capture_output=True, text=True, check=True, cwd=d).stdout
 
+    def verdicts(run: str) -> list[str]:
+        """Read in-process from the registry (a `ctl events` per check would add its own start-up to the latency)."""
+        from controller.registry import Registry
+
+        reg = Registry(d / "state" / "registry.sqlite3")
+        try:
+            rid = reg.find_run(f"loc/{run}").id
+            return [e.get("to") or "" for e in reg.events(rid) if e["kind"] == "verdict"]
+        finally:
+            reg.close()
+
     def crashed(run: str) -> bool:
-        evs = json.loads(ctl("--json", "events", run))
-        return any(e["kind"] == "verdict" and e.get("to") == "crashed" for e in evs)
+        return "crashed" in verdicts(run)
 
     def seen(run: str) -> bool:
-        return any(e["kind"] == "verdict" for e in json.loads(ctl("--json", "events", run)))
+        return bool(verdicts(run))
 
     ctl("deploy", "--allow-dirty")
     sup = subprocess.Popen([sys.executable, "-m", "controller", "-i", str(d / "inventory.yaml"), "supervise",

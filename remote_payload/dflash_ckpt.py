@@ -59,14 +59,16 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore what rng_state() saved. RNG states are CPU byte tensors whatever map_location the checkpoint was
+    loaded with (a drafter on cuda:N loads it onto its GPU, and torch refuses a CUDA tensor as a state)."""
     random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     if "numpy" in state:
         import numpy as np
 
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
-        states = state["cuda"][: torch.cuda.device_count()]
+        states = [s.cpu() for s in state["cuda"][: torch.cuda.device_count()]]
         torch.cuda.set_rng_state_all(states)
 
 

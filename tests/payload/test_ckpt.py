@@ -88,3 +88,4 @@ def test_resuming_from_the_last_step_is_a_finished_run(tmp_path, monkeypatch):
     args = tp.build_parser().parse_args(["--steps", "30"])
     tp.check_args(args)
     assert args.start_step == 20 and args.resume_path == str(step)
+
