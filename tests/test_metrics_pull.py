@@ -132,6 +132,50 @@ def test_export_plot_and_pull_through_the_cli(env: Env) -> None:
     assert env.ctl("metrics", "pull", "nosuch").returncode == ExitCode.INPUT
 
 
+def test_export_several_runs_to_tensorboard_and_files(env: Env) -> None:
+    pytest.importorskip("tensorboardX")
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    env.launch("tb1", "--tok-s 12800 --steps 6 --interval 0.01 --json", follow=True)  # JSON lines carry `time`
+    env.launch("tb2", "--tok-s 4600 --steps 4 --interval 0.01", follow=True)  # text lines: time of receipt
+    tb = env.dir / "tb"
+    doc = json.loads(env.ok("--json", "metrics", "export", "tb1", "tb2", "--format", "tensorboard", "-o", str(tb)))
+    assert [(r["run"], r["points"]) for r in doc["runs"]] == [("loc/tb1", 6), ("loc/tb2", 4)]
+    assert sorted(p.name for p in tb.iterdir()) == ["loc_tb1", "loc_tb2"]
+    for run, n in (("tb1", 6), ("tb2", 4)):
+        want = [parse_line(line) for line in env.ok("metrics", "export", run, "--no-pull", "--format",
+                                                    "jsonl").splitlines()]
+        acc = event_accumulator.EventAccumulator(str(tb / f"loc_{run}"))
+        acc.Reload()
+        assert {"loss", "tok_s", "lr", "tgt_bps", "dft_bps"} <= set(acc.Tags()["scalars"])
+        tok = acc.Scalars("tok_s")
+        assert [e.step for e in tok] == list(range(1, n + 1)) == [p.step for p in want]  # type: ignore[union-attr]
+        assert [e.value for e in tok] == pytest.approx([p.tok_s for p in want])  # type: ignore[union-attr]
+        assert [e.value for e in acc.Scalars("loss")] == pytest.approx([p.loss for p in want])  # type: ignore
+        assert [e.wall_time for e in tok] == pytest.approx([p.time for p in want])  # type: ignore[union-attr]
+        assert all(abs(e.wall_time - time.time()) < 600 for e in tok)
+    r = env.ctl("metrics", "export", "tb1", "tb2", "--format", "tensorboard", "-o", str(tb))
+    assert r.returncode == ExitCode.CLOBBER and "loc_tb1 exists" in r.stderr
+    assert "view: tensorboard --logdir" in env.ok("metrics", "export", "tb1", "tb2", "--format", "tensorboard",
+                                                  "-o", str(tb), "--force", "--no-pull")
+
+    out = env.dir / "csv"
+    text = env.ok("metrics", "export", "tb1", "tb2", "-o", str(out), "--no-pull")
+    assert "loc/tb2: 4 point(s) written to" in text
+    assert [int(r["step"]) for r in csv.DictReader((out / "loc_tb1.csv").open())] == list(range(1, 7))
+    assert env.ctl("metrics", "export", "tb1", "tb2", "-o", str(out)).returncode == ExitCode.CLOBBER
+    r = env.ctl("metrics", "export", "tb1", "tb2", "--no-pull")
+    assert r.returncode == ExitCode.INPUT and "-o DIR" in r.stderr
+
+    # Without the library: one line that says how to install it, exit 4, before contacting anything.
+    shadow = env.dir / "shadow"
+    shadow.mkdir()
+    (shadow / "tensorboardX.py").write_text("raise ImportError('not installed')\n")
+    env.env["PYTHONPATH"] = f"{shadow}:{env.env['PYTHONPATH']}"
+    r = env.ctl("metrics", "export", "tb1", "--format", "tensorboard", "-o", str(env.dir / "tb3"))
+    assert r.returncode == ExitCode.INPUT and r.stderr.count("\n") == 1
+    assert "pip install 'ctl[tensorboard]'" in r.stderr and not (env.dir / "tb3").exists()
+
+
 # --- the pull itself: bytes on the wire, cursor, truncation, rotation, hashes -----------------------
 
 

@@ -91,41 +91,63 @@ def pull_cmd(
 
 @metrics_app.command("export")
 def export_cmd(
-    run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID."),
-    fmt: str = typer.Option("csv", "--format", help="csv or jsonl."),
-    output: Path | None = typer.Option(None, "-o", "--output", help="File to write (default: stdout)."),
-    no_pull: bool = typer.Option(False, "--no-pull", help="Only what the registry has; do not contact the run."),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing output file."),
+    run_refs: list[str] = typer.Argument(..., help="Runs as NAME, CT/NAME or #ID."),
+    fmt: str = typer.Option("csv", "--format", help="tensorboard, csv or jsonl."),
+    output: Path | None = typer.Option(
+        None, "-o", "--output",
+        help="csv/jsonl: a file for one run (default: stdout), a directory for several (one CT_NAME.csv each); "
+             "tensorboard: a directory, one CT_NAME subdirectory per run."),
+    no_pull: bool = typer.Option(False, "--no-pull", help="Only what the registry has; do not contact the runs."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing output files or run directories."),
 ) -> None:
-    """Write the run's metric points as CSV or JSON lines."""
+    """Write runs' metric points as CSV or JSON lines, or as TensorBoard event files (loss, tok_s, lr,
+    accept_len, tgt_bps, dft_bps by step, at the points' wall times) to compare the runs side by side."""
     from controller.commands import monitor
-    from controller.core import plot
-    from controller.errors import ClobberError
+    from controller.core import export, plot
 
-    if fmt not in ("csv", "jsonl"):
-        raise InputError(f"unknown export format {fmt!r}: use csv or jsonl")
+    if fmt not in export.FORMATS:
+        raise InputError(f"unknown export format {fmt!r}: use tensorboard, csv or jsonl")
+    if fmt == "tensorboard":
+        export.require_tensorboard()  # before pulling: say at once that the library is missing
+        if output is None:
+            raise InputError("--format tensorboard needs -o DIR (one subdirectory per run)")
     reg = _registry()
-    rec = reg.find_run(run)
+    recs = list({r.id: r for r in (reg.find_run(ref) for ref in run_refs)}.values())
+    to_dir = fmt == "tensorboard" or len(recs) > 1 or (output is not None and output.is_dir())
+    if to_dir and output is None:
+        raise InputError(f"{len(recs)} runs need -o DIR (one file per run)")
     if not no_pull:
         inv = _inv()
         with session(inv) as pool:
-            got = monitor.pull_many(inv, reg, pool, [rec], None).get(rec.id)
-        if isinstance(got, str):
-            _warn([f"{rec.ct}/{rec.name}: not pulled, exporting stored points: {got}"])
-    points = monitor.stored_points(reg, rec)
+            pulled = monitor.pull_many(inv, reg, pool, recs, None)
+        for rid, got in pulled.items():
+            if isinstance(got, str):
+                r = reg.run_by_id(rid)
+                _warn([f"{r.ct}/{r.name}: not pulled, exporting stored points: {got}"])
+    runs = [export.RunPoints(r.ct, r.name, monitor.stored_points(reg, r), r.started) for r in recs]
     if output is None:
-        plot.export_points(points, fmt, sys.stdout)
+        plot.export_points(runs[0].points, fmt, sys.stdout)
         return
-    if output.exists() and not force:
-        raise ClobberError(f"{output} exists; refusing to overwrite it", hint="choose another name or --force")
-    tmp = output.with_name(f".{output.name}.ctl-tmp")
-    with tmp.open("w", encoding="utf-8", newline="") as f:
-        n = plot.export_points(points, fmt, f)
-    tmp.replace(output)
-    if OPTS.json:
-        _out({"run": f"{rec.ct}/{rec.name}", "points": n, "format": fmt, "output": str(output)})
+    if not to_dir:
+        n = export.write_file(runs[0].points, fmt, output, overwrite=force)
+        if OPTS.json:
+            _out({"run": runs[0].label, "points": n, "format": fmt, "output": str(output)})
+        else:
+            _console().print(f"{runs[0].label}: {n} point(s) written to {output} ({fmt})", markup=False)
+        return
+    if fmt == "tensorboard":
+        done = export.write_tensorboard(runs, output, overwrite=force)
     else:
-        _console().print(f"{rec.ct}/{rec.name}: {n} point(s) written to {output} ({fmt})")
+        done = export.write_files(runs, fmt, output, overwrite=force)
+    if OPTS.json:
+        _out({"format": fmt, "output": str(output),
+              "runs": [{"run": w.run, "points": w.points, "output": str(w.output)} for w in done]})
+        return
+    con = _console()
+    for w in done:
+        con.print(f"{w.run}: {w.points} point(s) written to {w.output} ({fmt})", markup=False)
+    if fmt == "tensorboard":
+        con.print(f"view: tensorboard --logdir {output}", markup=False)
 
 
 # --- ctl mark-good -------------------------------------------------------------------------------
