@@ -8,6 +8,9 @@ functions of pct.py. Shapes and messages follow shared/pve-facts.md:
 
 - envelope `{"data": ...}`; parameter errors: 400 `Parameter verification failed.` with `errors`;
   other errors: 500 whose reason phrase is the message's first line; unknown paths: 501.
+- `GET /cluster/status` (a `cluster` entry, then `node` entries with `ip`) and `GET /cluster/resources
+  [?type=vm|node|storage|sdn]` (type=vm: `lxc/VMID` entries with node, status, name, template; no addresses),
+  read from every node's config directory: moving a `<vmid>.conf` to another node's directory migrates it.
 - bad or missing token: 401 after a deliberate delay (default 3 s; `<D>/api/auth_delay` overrides it
   at run time, see `PveHost.set_api_auth_delay`).
 - POST start/stop/shutdown/snapshot/rollback and DELETE snapshot answer a UPID at once; a failure
