@@ -179,6 +179,7 @@ class ContainerSpec(_Model):
     known_hosts: str | None = None
     root: str | None = None  # local transport: directory that stands for the container's /
     gpus: GpuSplit = Field(default_factory=GpuSplit)
+    gpus_seen: list[int] | None = None  # GPUs the CT's config passes through, as `ctl inventory discover` saw them
     vars: dict[str, Any] = Field(default_factory=dict)
     lock: str | None = None
     baseline: str | None = None
@@ -186,6 +187,13 @@ class ContainerSpec(_Model):
     # Container paths under which the agent may follow a symlink while resolving a destination (default: none)
     follow_symlinks: list[str] = Field(default_factory=list)
     store_keep: int = Field(5, ge=1)  # versions per destination `ctl store prune` keeps
+
+    @field_validator("gpus_seen")
+    @classmethod
+    def _seen(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(i < 0 for i in v):
+            raise ValueError("GPU indices must be >= 0")
+        return v
 
     @field_validator("follow_symlinks")
     @classmethod

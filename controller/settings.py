@@ -1,17 +1,25 @@
-"""Every CTL_* environment variable ctl reads, with its default, in one place.
+"""Every CTL_* environment variable ctl reads, the user config file, and their defaults, in one place.
 
-Precedence everywhere: a command-line flag > the CTL_* variable > the inventory > the default below.
-A malformed value is an InputError naming the variable, never a traceback.
+Precedence everywhere: a command-line flag > the CTL_* variable > the user config file > the inventory > the
+default below. The config file (`ctl config path`; CTL_CONFIG moves it) is YAML with the keys of CONFIG_KEYS, a
+standing set of CTL_* values: `inventory`, `output` (json | text), `persist` (seconds), `notify` (sinks).
+A malformed value is an InputError naming the variable or the file and key, never a traceback.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from controller.errors import InputError
 
+CONFIG = "CTL_CONFIG"  # the user config file (default: platformdirs' user config dir for "ctl", config.yaml)
 INVENTORY = "CTL_INVENTORY"  # the inventory file (default ./inventory.yaml); -i/--inventory wins
+OUTPUT = "CTL_OUTPUT"  # json | text: what commands print by default (--json / --text win)
+NOTIFY = "CTL_NOTIFY"  # comma-separated sinks of `ctl supervise` (--notify wins; the inventory's runs.supervise.notify
+#                        applies when neither this nor the config file names any)
 STATE_DIR = "CTL_STATE_DIR"  # registry, dry-run stdin files, session sockets (default: platformdirs' user state dir)
 PERSIST = "CTL_PERSIST"  # idle seconds of persistent host sessions; wins over each host's `persist:`
 CHECKPOINT_GLOB = "CTL_CHECKPOINT_GLOB"  # checkpoints to hash, relative to a run's directory
@@ -33,9 +41,151 @@ DEFAULT_FOLLOW_RECONNECT = 300.0
 LONG_TIMEOUT = 6 * 3600.0  # verbs whose work is legitimately long (cache save/restore/warm, env sync build)
 
 
+DEFAULT_OUTPUT = "text"
+
+# --- the user config file ------------------------------------------------------------------------
+
+# config key -> (the variable it stands in for, what the value must be)
+CONFIG_KEYS: dict[str, tuple[str, str]] = {
+    "inventory": (INVENTORY, "a path"),
+    "output": (OUTPUT, "json or text"),
+    "persist": ("CTL_PERSIST", "whole seconds >= 0"),
+    "notify": (NOTIFY, "a list of sinks (https://..., slack:https://..., cmd:PROGRAM)"),
+}
+
+
+def config_path() -> Path:
+    """CTL_CONFIG, else platformdirs' user_config_dir("ctl")/config.yaml (~/.config/ctl/config.yaml on Linux)."""
+    env = os.environ.get(CONFIG)
+    if env:
+        return Path(os.path.expanduser(env))
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("ctl")) / "config.yaml"
+
+
+_cache: dict[tuple[str, int, int], dict[str, Any]] = {}
+
+
+def config_file(path: Path | None = None) -> dict[str, Any]:
+    """The config file's values, checked ({} when there is none); read again only when it changed."""
+    p = path or config_path()
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise InputError(f"config file {p}: cannot read: {e.strerror}") from None
+    key = (str(p), st.st_mtime_ns, st.st_size)
+    if key in _cache:
+        return _cache[key]
+    import yaml
+
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InputError(f"config file {p}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise InputError(f"config file {p}{where}: not valid YAML") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise InputError(f"config file {p}: expected a mapping of {', '.join(CONFIG_KEYS)}")
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if k not in CONFIG_KEYS:
+            raise InputError(f"config file {p}: unknown key {k!r} (known: {', '.join(CONFIG_KEYS)})")
+        try:
+            out[k] = _check(k, v)
+        except ValueError:
+            raise InputError(f"config file {p}: {k}: expected {CONFIG_KEYS[k][1]}, got {v!r}") from None
+    _cache.clear()
+    _cache[key] = out
+    return out
+
+
+def _check(key: str, v: Any) -> Any:
+    if v is None:
+        raise ValueError(key)
+    if key == "inventory":
+        if not isinstance(v, str) or not v.strip():
+            raise ValueError(key)
+        return os.path.expanduser(v)
+    if key == "output":
+        if v not in ("json", "text"):
+            raise ValueError(key)
+        return v
+    if key == "persist":
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(key)
+        return v
+    if not isinstance(v, list) or not all(isinstance(x, str) and x.strip() for x in v):
+        raise ValueError(key)
+    return [x.strip() for x in v]
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    value: Any
+    source: str  # flag | env CTL_X | config FILE | default
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "value": self.value, "source": self.source}
+
+
+def _env_value(key: str) -> Any:
+    var = CONFIG_KEYS[key][0]
+    raw = os.environ.get(var, "").strip()
+    if not raw:
+        return None
+    if key == "persist":
+        return persist_env()
+    if key == "notify":
+        return [x.strip() for x in raw.split(",") if x.strip()]
+    if key == "output" and raw not in ("json", "text"):
+        raise InputError(f"{var}: expected json or text, got {raw!r}")
+    return raw
+
+
+_DEFAULTS: dict[str, Any] = {"inventory": DEFAULT_INVENTORY, "output": DEFAULT_OUTPUT, "persist": None,
+                             "notify": None}
+
+
+def resolve(key: str, flag: Any = None) -> Setting:
+    """One setting with where it came from: flag > CTL_* > config file > default (None: the inventory decides)."""
+    if flag is not None and flag != []:
+        return Setting(key, flag, "flag")
+    env = _env_value(key)
+    if env is not None:
+        return Setting(key, env, f"env {CONFIG_KEYS[key][0]}")
+    conf = config_file()
+    if key in conf:
+        return Setting(key, conf[key], f"config {config_path()}")
+    return Setting(key, _DEFAULTS[key], "default")
+
+
+def effective(flags: dict[str, Any] | None = None) -> list[Setting]:
+    """Every config setting, resolved (what `ctl config show` prints)."""
+    return [resolve(k, (flags or {}).get(k)) for k in CONFIG_KEYS]
+
+
 def inventory_path(flag: str | None = None) -> Path:
-    """-i PATH > CTL_INVENTORY > ./inventory.yaml."""
-    return Path(flag or os.environ.get(INVENTORY) or DEFAULT_INVENTORY)
+    """-i PATH > CTL_INVENTORY > the config file's `inventory` > ./inventory.yaml."""
+    return Path(resolve("inventory", flag or None).value)
+
+
+def output_format(flag: str | None = None) -> str:
+    """--json / --text > CTL_OUTPUT > the config file's `output` > text."""
+    return str(resolve("output", flag).value)
+
+
+def notify_sinks(flag: list[str] | None = None) -> list[str] | None:
+    """--notify > CTL_NOTIFY > the config file's `notify`; None: the inventory's runs.supervise.notify decides."""
+    value = resolve("notify", flag or None).value
+    return list(value) if value is not None else None
 
 
 def state_dir() -> Path:
@@ -68,8 +218,14 @@ def private_file(path: Path) -> Path:
 
 
 def persist_seconds() -> int | None:
-    """CTL_PERSIST: idle seconds a host session outlives its last client (0: no session); None when unset
-    (then each host's inventory `persist:` decides)."""
+    """CTL_PERSIST > the config file's `persist`: idle seconds a host session outlives its last client (0: no
+    session); None when neither is set (then each host's inventory `persist:` decides)."""
+    value = resolve("persist").value
+    return None if value is None else int(value)
+
+
+def persist_env() -> int | None:
+    """CTL_PERSIST alone (None when unset)."""
     raw = os.environ.get(PERSIST, "").strip()
     if not raw:
         return None
@@ -152,3 +308,37 @@ def follow_reconnect() -> float:
     """CTL_FOLLOW_RECONNECT: how long a follow keeps reconnecting after its connection dropped."""
     value = _seconds(FOLLOW_RECONNECT, allow_zero=True)
     return DEFAULT_FOLLOW_RECONNECT if value is None else value
+
+
+# --- what ctl is ---------------------------------------------------------------------------------
+
+
+def version() -> str:
+    """ctl's version as installed (importlib.metadata); "unknown" when it is not installed (a bare checkout)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("ctl")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_commit() -> str:
+    """The git commit ctl runs from when its package directory sits in a checkout (`git rev-parse HEAD`, with
+    "-dirty" when tracked files under it changed), else "unknown". Never fails, and gives up after 2 s."""
+    import subprocess
+
+    pkg = Path(__file__).resolve().parent
+    if not any((d / ".git").exists() for d in (pkg.parent, pkg.parent.parent)):
+        return "unknown"  # installed into site-packages: no checkout around it
+    try:
+        env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "LC_ALL": "C"}
+        head = subprocess.run(["git", "-C", str(pkg), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=2, env=env)
+        if head.returncode != 0 or not head.stdout.strip():
+            return "unknown"
+        dirty = subprocess.run(["git", "-C", str(pkg), "status", "--porcelain", "--untracked-files=no", "--", "."],
+                               capture_output=True, text=True, timeout=2, env=env)
+        return head.stdout.strip() + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -25,6 +25,8 @@ import yaml
 from tests.pvehost import DEFAULT_NODES, PveHost, down, find_free_port, missing_prerequisites, owner_alive
 
 REPO = Path(__file__).resolve().parents[1]
+# The developer's own ~/.config/ctl/config.yaml must not steer the tests (nor their ctl subprocesses).
+os.environ.setdefault("CTL_CONFIG", str(Path(tempfile.gettempdir()) / "ctl-tests-no-config" / "config.yaml"))
 
 
 def make_venv(path: Path) -> Path:

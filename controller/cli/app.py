@@ -32,23 +32,47 @@ app = typer.Typer(
 class Opts:
     inventory: str | None = None
     json: bool = False
+    output: str | None = None  # --json / --text as given (None: CTL_OUTPUT, the config file or the default)
     debug: bool = False
 
 
 OPTS = Opts()
 
 
+def _version(value: bool) -> None:
+    if value:
+        from controller import settings
+
+        sys.stdout.write(f"ctl {settings.version()} (commit {settings.build_commit()})\n")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _global(
+    ctx: typer.Context,
     inventory: str | None = typer.Option(
-        None, "-i", "--inventory", help="Inventory file (env CTL_INVENTORY; default ./inventory.yaml)."
+        None, "-i", "--inventory", help="Inventory file (env CTL_INVENTORY, config `inventory`; default "
+        "./inventory.yaml)."
     ),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    as_json: bool | None = typer.Option(None, "--json/--text", help="Machine-readable output, or text (env "
+                                        "CTL_OUTPUT, config `output`; default text).", show_default=False),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print ctl's version and the commit it was built from."),
 ) -> None:
+    from controller import settings
+    from controller.errors import InputError
+
     OPTS.inventory = inventory
-    OPTS.json = as_json
     OPTS.debug = debug
+    flag = None if as_json is None else ("json" if as_json else "text")
+    OPTS.output = flag
+    try:
+        OPTS.json = settings.output_format(flag) == "json"
+    except InputError:
+        if ctx.invoked_subcommand != "config":  # `ctl config path|show` must work to repair a bad config file
+            raise
+        OPTS.json = flag == "json"
 
 
 # --- helpers -------------------------------------------------------------------------------------

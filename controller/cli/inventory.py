@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import typer
 
-from controller.cli.app import OPTS, _console, _esc, _inv, _out, _table, app, session
+from controller.cli.app import OPTS, _console, _esc, _inv, _out, _registry, _table, _warn, app, session
+
+inventory_app = typer.Typer(help="List hosts and containers of the inventory; `discover` reads them from PVE.",
+                            invoke_without_command=True)
+app.add_typer(inventory_app, name="inventory")
 
 
-@app.command("inventory")
-def inventory_cmd() -> None:
-    """List hosts and containers of the inventory."""
+@inventory_app.callback()
+def inventory_cmd(ctx: typer.Context) -> None:
+    """List hosts and containers of the inventory (`ctl inventory discover --help`: read them from PVE)."""
+    if ctx.invoked_subcommand is not None:
+        return
     inv = _inv()
     m = inv.model
     if OPTS.json:
@@ -44,3 +50,80 @@ def ping_cmd(containers: list[str] = typer.Argument(None, help="Containers or gr
             else:
                 con.print(f"{r.ct:<12} [red]FAIL[/red]  {_esc(r.error)}")
     raise typer.Exit(worst(results))
+
+
+@inventory_app.command("discover")
+def discover_cmd(
+    api: str = typer.Option(None, "--api", help="https://HOST:8006 of any node of the cluster."),
+    token_id: str = typer.Option(None, "--token-id", help="USER@REALM!TOKENID (the secret: --token-env)."),
+    token_env: str = typer.Option("PVE_TOKEN", "--token-env", help="Variable holding the token's secret."),
+    ca: str = typer.Option(None, "--ca", help="CA bundle that signed the API's certificate (default: system CAs)."),
+    host: str = typer.Option(None, "--host", help="Use the `api:` of this inventory host instead of --api."),
+    diff: bool = typer.Option(False, "--diff", help="Show what differs from the inventory: added, removed, "
+                              "moved to another node, GPUs changed."),
+    write: bool = typer.Option(False, "--write", help="Merge into the inventory file (comments, order and "
+                               "hand-written keys kept)."),
+    prune: bool = typer.Option(False, "--prune", help="With --write: also drop containers gone from the cluster "
+                               "that have runs in the registry."),
+) -> None:
+    """Read nodes, containers and GPU passthrough from the PVE API; print the inventory it would write."""
+    from pathlib import Path
+
+    from controller import settings
+    from controller.commands.discover import discover, plan
+    from controller.commands.discover import write as write_plan
+    from controller.errors import InputError
+    from controller.inventory import ApiSpec
+    from controller.transport.pveapi import PveApi
+
+    path = Path(settings.inventory_path(OPTS.inventory))
+    base_dir = path.parent
+    if host is not None:
+        if api or token_id:
+            raise InputError("give either --host or --api/--token-id, not both")
+        h = _inv().model.hosts.get(host)
+        if h is None or h.api is None:
+            raise InputError(f"host {host!r} has no `api:` section in {path}")
+        spec = h.api
+    else:
+        if not api or not token_id:
+            raise InputError("give --api URL and --token-id USER@REALM!TOKENID (or --host NAME)")
+        try:
+            spec = ApiSpec(url=api, node="", token_id=token_id, token_secret_env=token_env, ca_file=ca)
+        except Exception as e:  # pydantic's message, one line
+            raise InputError(f"--api/--token-id: {str(e).splitlines()[-1].strip()}") from None
+        base_dir = Path.cwd()
+    client = PveApi(spec, base_dir=base_dir)
+    found = discover(client)
+    new_api = {"url": spec.url, "token_id": spec.token_id, "token_secret_env": spec.token_secret_env,
+               "ca_file": spec.ca_file if host is not None else client.ca_file}
+    if not spec.verify:
+        new_api["verify"] = False
+
+    def has_runs(ct: str) -> bool:
+        return bool(_registry().runs(ct, limit=1))
+
+    p = plan(path, found, api_spec=new_api, prune=prune, has_runs=has_runs)
+    if write:
+        write_plan(p)
+    _warn(found.errors)
+    if p.kept:
+        _warn([f"{ct} is no longer in the cluster but has runs in the registry: kept (--prune drops it)"
+               for ct in p.kept])
+    if OPTS.json:
+        _out({**found.to_json(), **p.to_json(), "written": write})
+        return
+    con = _console()
+    if diff or write:
+        if not p.changes:
+            con.print(f"{path}: up to date with {spec.url}", markup=False)
+        for ch in p.changes:
+            con.print(ch.describe(), markup=False)
+        if write:
+            con.print(f"wrote {path}" + (f" (dropped: {', '.join(p.dropped)})" if p.dropped else ""), markup=False)
+        return
+    _table(f"containers ({spec.url}, {found.requests} requests)", ["vmid", "node", "name", "status", "gpus_seen"],
+           [[c.vmid, c.node, c.name + (" (template)" if c.template else ""), c.status,
+             ",".join(map(str, c.gpus_seen)) or "-"] for c in found.containers])
+    con.print(f"# {path} as --write would leave it", markup=False)
+    con.print(p.text, markup=False, end="")

@@ -13,6 +13,7 @@ import sys
 
 import typer
 
+from controller.cli import config as _config  # noqa: F401
 from controller.cli import deploy as _deploy  # noqa: F401
 from controller.cli import env as _env  # noqa: F401
 from controller.cli import inventory as _inventory  # noqa: F401
@@ -35,7 +36,7 @@ def main() -> None:
     argv = sys.argv[1:]
     head, sep, tail = (argv[: argv.index("--")], ["--"], argv[argv.index("--") + 1:]) if "--" in argv else (
         argv, [], [])
-    for flag in ("--json", "--debug"):
+    for flag in ("--json", "--text", "--debug"):
         if flag in head[1:]:
             head = [a for a in head if a != flag]
             head.insert(0, flag)

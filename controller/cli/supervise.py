@@ -13,6 +13,7 @@ from typing import Any
 
 import typer
 
+from controller import settings as ctl_settings
 from controller.cli.app import OPTS, _console, _inv, _out, _registry, app, session
 from controller.errors import InputError
 
@@ -54,7 +55,8 @@ def supervise_cmd(
 
     inv = _inv()
     spec = inv.model.runs.supervise
-    sinks = tuple(Sink.parse(s) for s in (notify or spec.notify))
+    configured = ctl_settings.notify_sinks(notify)  # --notify > CTL_NOTIFY > config `notify`; else the inventory's
+    sinks = tuple(Sink.parse(s) for s in (spec.notify if configured is None else configured))
     secret_env = spec.notify_secret_env
     secret = os.environ.get(secret_env)
     if any(s.kind == "webhook" for s in sinks) and not secret:

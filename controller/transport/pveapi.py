@@ -230,6 +230,25 @@ class PveApi:
             result: dict[str, Any] = self._api().version.get()
         return result
 
+    def cluster_status(self) -> list[dict[str, Any]]:
+        """GET /cluster/status: the `cluster` entry (if clustered) and one `node` entry per member with `ip`."""
+        with self._errors("GET /cluster/status"):
+            items = self._api().cluster.status.get()
+        return [dict(i) for i in items or []]
+
+    def cluster_resources(self, kind: str | None = "vm") -> list[dict[str, Any]]:
+        """GET /cluster/resources?type=KIND: every guest of every node in one request (type=vm)."""
+        with self._errors(f"GET /cluster/resources?type={kind}"):
+            items = self._api().cluster.resources.get(**({"type": kind} if kind else {}))
+        return [dict(i) for i in items or []]
+
+    def lxc_config(self, node: str, vmid: int) -> dict[str, Any]:
+        """GET /nodes/NODE/lxc/VMID/config: keys as PVE stores them; raw `lxc.*` lines under `lxc` as
+        [key, value] pairs."""
+        with self._errors(f"config of CT {vmid} on {node}"):
+            doc = self._api().nodes(node).lxc(vmid).config.get()
+        return dict(doc or {})
+
     def status(self, vmid: int) -> str:
         """running | stopped."""
         with self._errors(f"status of CT {vmid}"):

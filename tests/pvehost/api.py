@@ -8,6 +8,9 @@ functions of pct.py. Shapes and messages follow shared/pve-facts.md:
 
 - envelope `{"data": ...}`; parameter errors: 400 `Parameter verification failed.` with `errors`;
   other errors: 500 whose reason phrase is the message's first line; unknown paths: 501.
+- `GET /cluster/status` (a `cluster` entry, then `node` entries with `ip`) and `GET /cluster/resources
+  [?type=vm|node|storage|sdn]` (type=vm: `lxc/VMID` entries with node, status, name, template; no addresses),
+  read from every node's config directory: moving a `<vmid>.conf` to another node's directory migrates it.
 - bad or missing token: 401 after a deliberate delay (default 3 s; `<D>/api/auth_delay` overrides it
   at run time, see `PveHost.set_api_auth_delay`).
 - POST start/stop/shutdown/snapshot/rollback and DELETE snapshot answer a UPID at once; a failure
@@ -152,6 +155,7 @@ class NodeInfo:
     pct: Path
     etc_pve: Path
     lxcpath: Path
+    address: str = ""  # the node's cluster address (`ip` in /cluster/status)
 
     def conf_rel(self, vmid: int) -> str:
         return f"nodes/{self.name}/lxc/{vmid}.conf"
@@ -174,7 +178,7 @@ class PveApi:
         for nj in sorted(base.glob("*/node.json")):
             info = json.loads(nj.read_text())
             self.nodes[info["node"]] = NodeInfo(info["node"], nj.parent / "bin" / "pct", Path(info["etc_pve"]),
-                                                Path(info["lxcpath"]))
+                                                Path(info["lxcpath"]), info.get("address", ""))
 
     # --- auth
 
@@ -219,6 +223,12 @@ class PveApi:
             return {"version": "8.2.4", "release": "8.2", "repoid": "faa83925c9641325"}
         if p == ["nodes"] and method == "GET":
             return [{"node": n, "status": "online", "type": "node", "id": f"node/{n}"} for n in self.nodes]
+        if p == ["cluster", "status"] and method == "GET":
+            self._allow(params, set())
+            return self._cluster_status()
+        if p == ["cluster", "resources"] and method == "GET":
+            self._allow(params, {"type"})
+            return self._cluster_resources(params.get("type"))
         if len(p) >= 2 and p[0] == "nodes":
             node = self._node(p[1])
             rest = p[2:]
@@ -230,6 +240,49 @@ class PveApi:
             if len(rest) >= 3 and rest[0] == "lxc":
                 return self._lxc(node, method, rest[1], rest[2:], params, user)
         raise HttpError(501, f"Method '{method} /{'/'.join(p)}' not implemented")
+
+    def _cluster_status(self) -> list[dict[str, Any]]:
+        """As PVE: a `cluster` entry (only when the nodes form a cluster), then one `node` entry per member with
+        its `ip` (the address corosync uses); /cluster/resources carries no addresses."""
+        out: list[dict[str, Any]] = []
+        if len(self.nodes) > 1:
+            out.append({"type": "cluster", "id": "cluster", "name": "ctl-test", "nodes": len(self.nodes),
+                        "quorate": 1, "version": len(self.nodes)})
+        for i, n in enumerate(self.nodes.values()):
+            out.append({"type": "node", "id": f"node/{n.name}", "name": n.name, "ip": n.address,
+                        "online": 1, "local": 1 if i == 0 else 0, "nodeid": i + 1, "level": ""})
+        return out
+
+    def _cluster_resources(self, kind: str | None) -> list[dict[str, Any]]:
+        """GET /cluster/resources[?type=vm|node|storage|sdn]: type=vm gives guests only (qemu and lxc), each
+        with `id` (`lxc/200`), `node`, `status`, `name`, `template`; type=node the nodes; none: everything."""
+        if kind is not None and kind not in ("vm", "node", "storage", "sdn"):
+            raise param_error({"type": f"value '{kind}' does not have a value in the enumeration "
+                                       "'vm, storage, node, sdn'"})
+        out: list[dict[str, Any]] = []
+        if kind in (None, "node"):
+            for n in self.nodes.values():
+                out.append({"id": f"node/{n.name}", "type": "node", "node": n.name, "status": "online",
+                            "level": "", "cgroup-mode": 2, "maxcpu": 16, "cpu": 0.01,
+                            "maxmem": 128 * 1024**3, "mem": 4 * 1024**3, "maxdisk": 100 * 1024**3,
+                            "disk": 10 * 1024**3, "uptime": 3600})
+        if kind in (None, "vm"):
+            for n in self.nodes.values():
+                for vmid in self._vmids(n):
+                    st = self._status(n, vmid)
+                    current, _, _, _ = self._conf(n, vmid)
+                    entry = {"id": f"lxc/{vmid}", "type": "lxc", "vmid": vmid, "node": n.name,
+                             "status": st["status"], "name": st["name"], "maxcpu": st["cpus"],
+                             "maxmem": st["maxmem"], "maxdisk": st["maxdisk"], "mem": st["mem"],
+                             "disk": st["disk"], "uptime": st["uptime"], "netin": 0, "netout": 0,
+                             "diskread": 0, "diskwrite": 0, "cpu": 0,
+                             "template": 1 if current.get("template") == "1" else 0}
+                    if "tags" in current:
+                        entry["tags"] = current["tags"]
+                    if "lock" in current:
+                        entry["lock"] = current["lock"]
+                    out.append(entry)
+        return out
 
     def _node(self, name: str) -> NodeInfo:
         node = self.nodes.get(name)

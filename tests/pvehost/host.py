@@ -477,8 +477,8 @@ class PveHost:
         (d / "snapshots").mkdir()
         self.lxcpath(n.name).mkdir()
         (d / "node.json").write_text(json.dumps({
-            "node": n.name, "lxcpath": str(self.lxcpath(n.name)), "etc_pve": str(d / "etc-pve"),
-            "snapdir": str(d / "snapshots")}))
+            "node": n.name, "address": n.address, "lxcpath": str(self.lxcpath(n.name)),
+            "etc_pve": str(d / "etc-pve"), "snapdir": str(d / "snapshots")}))
         self._host_pub[n.name] = self._host_key(d / "ssh_host_ed25519_key", n.name)
         path = f"{d / 'bin'}:{HOST_PATH_TAIL}"
         (d / "sshd_config").write_text(f"""\
