@@ -45,7 +45,8 @@ def sup(env: Env) -> Env:
 
 
 def supervise(env: Env, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "controller", "-i", str(env.inventory), "supervise", "--once", *args]
+    interval = [] if "--interval" in args else ["--interval", "1s"]  # a lease lasts 3 intervals (>= 10 s)
+    cmd = [sys.executable, "-m", "controller", "-i", str(env.inventory), "supervise", "--once", *interval, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=env.dir,
                           env={**env.env, "CTL_NOTIFY_RETRIES": "0.1", **(extra_env or {})})
 

@@ -87,7 +87,8 @@ class Supervisor:
     # --- the lease -------------------------------------------------------------------------------------
 
     def lease_ttl(self) -> float:
-        return max(3 * self.s.interval_s, 30.0)
+        """Three missed polls (at least 10 s) before a standby may take over."""
+        return max(3 * self.s.interval_s, 10.0)
 
     def acquire(self, *, standby: bool = False, stop: threading.Event | None = None) -> None:
         while True:

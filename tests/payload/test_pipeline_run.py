@@ -171,7 +171,7 @@ def test_chat_data_eval_and_resume_give_the_uninterrupted_run(tmp_path):
     assert lines[2].startswith("model: tiny (random init, seed 0) sha256=")
     points = [p for p in map(parse_line, lines) if isinstance(p, MetricPoint)]
     assert [p.step for p in points] == list(range(1, 9))
-    taus = {p.step: float(p.extra["accept_len"]) for p in points if "accept_len" in p.extra}
+    taus = {p.step: p.accept_len for p in points if p.accept_len is not None}
     assert taus.keys() == {4, 8} and all(1.0 <= t <= 16.0 for t in taus.values())
 
     first = torchrun(tmp_path / "split", *chat, "--stop-at-step", "4")
