@@ -33,9 +33,9 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV" >&2
-VPY="$VENV/bin/python"
+VENV_PY="$VENV/bin/python"
 # torch first and pinned: 2.13.0 is the CPU wheel this machine kind carries; an unpinned torch would
 # pull a multi-GB CUDA build. The payload itself runs on torch 2.11 (the GPU boxes) through 2.13+.
-"$VPY" -m pip install -q --disable-pip-version-check "torch==2.13.0" >&2
-"$VPY" -m pip install -q --disable-pip-version-check -e '.[dev,payload]' >&2
-echo "$VPY"
+"$VENV_PY" -m pip install -q --disable-pip-version-check "torch==2.13.0" >&2
+"$VENV_PY" -m pip install -q --disable-pip-version-check -e '.[dev,payload]' >&2
+echo "$VENV_PY"
