@@ -49,6 +49,19 @@ def _ratio(value: float) -> float:
     return value
 
 
+def _pull_first(inv: Any, reg: Any, recs: list[Any], doing: str) -> None:
+    """Pull the runs' new log bytes before using their stored points; a run that cannot be reached is a warning
+    (its stored points are used as they are)."""
+    from controller.commands import monitor
+
+    with session(inv) as pool:
+        pulled = monitor.pull_many(inv, reg, pool, recs, None)
+    for rid, got in pulled.items():
+        if isinstance(got, str):
+            r = reg.run_by_id(rid)
+            _warn([f"{r.ct}/{r.name}: not pulled, {doing} stored points: {got}"])
+
+
 # --- ctl metrics pull / export -------------------------------------------------------------------
 
 
@@ -117,13 +130,7 @@ def export_cmd(
     if to_dir and output is None:
         raise InputError(f"{len(recs)} runs need -o DIR (one file per run)")
     if not no_pull:
-        inv = _inv()
-        with session(inv) as pool:
-            pulled = monitor.pull_many(inv, reg, pool, recs, None)
-        for rid, got in pulled.items():
-            if isinstance(got, str):
-                r = reg.run_by_id(rid)
-                _warn([f"{r.ct}/{r.name}: not pulled, exporting stored points: {got}"])
+        _pull_first(_inv(), reg, recs, "exporting")
     runs = [export.RunPoints(r.ct, r.name, monitor.stored_points(reg, r), r.started) for r in recs]
     if output is None:
         plot.export_points(runs[0].points, fmt, sys.stdout)
@@ -327,12 +334,7 @@ def plot_cmd(
             if not no_pull:
                 raise
     if not no_pull and inv is not None:
-        with session(inv) as pool:
-            pulled = monitor.pull_many(inv, reg, pool, recs, None)
-        for rid, got in pulled.items():
-            if isinstance(got, str):
-                r = reg.run_by_id(rid)
-                _warn([f"{r.ct}/{r.name}: not pulled, plotting stored points: {got}"])
+        _pull_first(inv, reg, recs, "plotting")
     series = {f"{r.ct}/{r.name}" if len({x.name for x in recs}) < len(recs) else r.name:
               monitor.stored_points(reg, r) for r in recs}
     base = None if no_baseline else monitor.baseline_rate(reg, monitor.resolve_baseline(inv, reg, recs[-1]))
