@@ -273,6 +273,16 @@ class Inventory:
                     out.append(m)
         return [self.container(n) for n in out]
 
+    def targets(self, names: list[str] | None, *, all_: bool, purpose: str) -> list[Container]:
+        """The containers a verb that changes them acts on: those named (or groups), or, with none named, the
+        inventory's only container; several need an explicit --all, so a bare command never touches a fleet."""
+        cts = self.select(names or [])
+        if not names and len(cts) > 1 and not all_:
+            shown = ", ".join(ct.name for ct in cts[:8]) + (" ..." if len(cts) > 8 else "")
+            raise InputError(f"name the containers or groups {purpose} ({self.path} has {len(cts)}: {shown}), "
+                             "or pass --all")
+        return cts
+
     def one(self, name: str) -> Container:
         """The one container `name` stands for; a group of several is refused (a one-container verb)."""
         cts = self.select([name])

@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from controller.cli.app import OPTS, _console, _esc, _inv, _out, _outcomes, _registry, app, session
-from controller.errors import CtlError, ExitCode, InputError
+from controller.errors import CtlError, ExitCode
 
 
 @app.command("deploy")
@@ -29,11 +29,7 @@ def deploy_cmd(
     if sum([dry_run, check, rollback]) > 1:
         raise CtlError("choose one of --dry-run, --check, --rollback")
     inv = _inv()
-    cts = inv.select(containers or [])
-    if not containers and len(cts) > 1 and not all_:
-        names = ", ".join(ct.name for ct in cts[:8]) + (" ..." if len(cts) > 8 else "")
-        raise InputError(f"name the containers or groups to deploy to ({inv.path} has {len(cts)}: {names}), "
-                         "or pass --all")
+    cts = inv.targets(containers, all_=all_, purpose="to deploy to")
     if all_ and not OPTS.json:
         _console().print(f"deploying to all {len(cts)} containers of {inv.path}: {', '.join(c.name for c in cts)}",
                          markup=False)

@@ -8,7 +8,6 @@ from typing import Any
 import typer
 
 from controller.cli import app as _cli
-from controller.errors import InputError
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
@@ -61,10 +60,7 @@ def prune_cmd(
     from controller.commands.fanout import worst
 
     inv = _cli._inv()
-    cts = inv.select(containers or [])
-    if not containers and len(cts) > 1 and not all_:
-        raise InputError(f"name the containers or groups whose store to prune ({inv.path} has {len(cts)}), "
-                         "or pass --all")
+    cts = inv.targets(containers, all_=all_, purpose="whose store to prune")
     reg = _cli._registry()
     with _cli.session(inv) as pool:
         results = store.prune_all(pool, cts, reg, dry_run=dry_run)
