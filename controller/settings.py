@@ -226,16 +226,7 @@ def persist_seconds() -> int | None:
 
 def persist_env() -> int | None:
     """CTL_PERSIST alone (None when unset)."""
-    raw = os.environ.get(PERSIST, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise InputError(f"{PERSIST}: expected whole seconds >= 0 (0 turns persistent host sessions off), got {raw!r}")
-    return value
+    return _whole(PERSIST, 0, "whole seconds >= 0 (0 turns persistent host sessions off)")
 
 
 def checkpoint_glob(flag: str | None = None) -> str:
@@ -260,6 +251,20 @@ def notify_retries() -> tuple[float, ...]:
     return waits
 
 
+def _whole(name: str, minimum: int, need: str) -> int | None:
+    """A CTL_* variable holding a whole number >= minimum (None when unset); else an InputError naming it."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise InputError(f"{name}: expected {need}, got {raw!r}")
+    return value
+
+
 def _seconds(name: str, *, allow_zero: bool) -> float | None:
     """A CTL_* variable holding seconds (None when unset); malformed or out of range: InputError naming it."""
     raw = os.environ.get(name, "").strip()
@@ -282,16 +287,7 @@ def keepalive_interval() -> float | None:
 
 def keepalive_count() -> int | None:
     """CTL_KEEPALIVE_COUNT: unanswered probes before the connection counts as dropped; None when unset."""
-    raw = os.environ.get(KEEPALIVE_COUNT, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise InputError(f"{KEEPALIVE_COUNT}: expected a whole number >= 1, got {raw!r}")
-    return value
+    return _whole(KEEPALIVE_COUNT, 1, "a whole number >= 1")
 
 
 def connect_timeout() -> float | None:
