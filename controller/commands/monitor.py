@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.commands.fanout import fanout
-from controller.commands.runs import refresh, refresh_all
+from controller.commands.runs import checked_states, record_states, refresh, state_request
 from controller.core.metrics import (
     LogCursor,
     MetricPoint,
@@ -30,7 +30,7 @@ from controller.core.metrics import (
     steady_state,
     verdict,
 )
-from controller.errors import BusyError, CtlError, InputError
+from controller.errors import BusyError, CtlError, ExitCode, InputError
 from controller.inventory import Container, Inventory
 from controller.lifecycle import Lifecycle
 from controller.registry import Registry, RunRecord
@@ -70,72 +70,98 @@ class PullResult:
         return d
 
 
+class _Pull:
+    """One run's pull in steps, so that its first read can travel in a batched `poll` call with the other runs
+    of its container: `args()` for the next read, `take()` for what it brought, `result()` at the end."""
+
+    def __init__(self, reg: Registry, run: RunRecord, *, chunk: int, checkpoints: str | None, hashes: bool) -> None:
+        if run.log_path is None:
+            raise InputError(f"run {run.ct}/{run.name} has no log path recorded")
+        if chunk < 1:
+            raise InputError(f"chunk must be at least 1 byte, got {chunk}")
+        self.reg, self.run, self.chunk, self.checkpoints, self.hashes = reg, run, chunk, checkpoints, hashes
+        self.offset, self.ident, self.partial = reg.cursor(run.id)
+        self.start = self.offset
+        self.cursor: LogCursor | None = None
+        self.reset: str | None = None
+        self.fetched = self.wire_in = self.wire_out = self.calls = self.new_points = 0
+        self.last: MetricPoint | None = None
+        self.crash = run.crash
+        self.header: dict[str, Any] = {}
+        self.found: dict[str, Any] = {}
+
+    def args(self) -> dict[str, Any]:
+        """logread's arguments for the next read (the hashes of files and checkpoints with the first)."""
+        args: dict[str, Any] = {"offset": self.offset, "ident": self.ident, "max_bytes": self.chunk}
+        if self.calls == 0 and self.hashes:
+            args.update(_hash_args(self.reg, self.run, self.checkpoints))
+        return args
+
+    def take(self, agent: Agent, header: dict[str, Any], data: bytes, wire_in: int, wire_out: int) -> bool:
+        """Store what one read brought (points and cursor in one transaction); True when the pull is done:
+        caught up with the log's size, or nothing came."""
+        run = self.run
+        self.calls += 1
+        self.wire_in += wire_in
+        self.wire_out += wire_out
+        if not header.get("ok"):
+            if header.get("code") == "missing":
+                raise InputError(f"{run.ct}: log {run.log_path} of run {run.name} does not exist")
+            raise CtlError(f"{run.ct}: cannot read {run.log_path}: {header.get('error')}")
+        _check_header(agent, header)
+        self.header = header
+        if self.calls == 1:
+            self.found = header
+        if header.get("reset"):
+            self.reset, self.partial, self.start, self.cursor = header["reset"], b"", 0, None
+        if self.cursor is None:
+            self.cursor = LogCursor(offset=int(header["offset"]) - len(self.partial))
+            self.cursor.feed(self.partial)
+        cursor = self.cursor
+        entries = cursor.feed_lines(data, now=header.get("now"))
+        self.fetched += len(data)
+        new_offset = int(header["offset"]) + len(data)
+        keep = new_offset - cursor.offset  # bytes of the unfinished last line
+        pending = self.partial + data
+        new_partial = pending[len(pending) - keep:] if keep else b""
+        points = [e for e in entries if isinstance(e, MetricPoint)]
+        if not self.reg.advance_cursor(run.id, (self.offset, self.ident), new_offset, header["ident"], new_partial,
+                                       [p.record() for p in points]):
+            raise BusyError(f"another `ctl` is pulling run {run.ct}/{run.name} right now; try again")
+        self.offset, self.ident, self.partial = new_offset, header["ident"], new_partial
+        self.new_points += len(points)
+        self.last = points[-1] if points else self.last
+        if cursor.crash and self.crash is None:
+            self.crash = cursor.crash
+            self.reg.update_run(run.id, crash=self.crash)
+        return not data or self.offset >= int(header["size"])
+
+    def finish(self, agent: Agent) -> PullResult:
+        """Read on, `chunk` bytes per logread call, until caught up; then the result."""
+        while True:
+            header, data, n_in, n_out = agent.read("logread", {"log": self.run.log_path, **self.args()})
+            if self.take(agent, header, data, n_in, n_out):
+                return self.result()
+
+    def result(self) -> PullResult:
+        run, header = self.run, self.header
+        files_changed, ckpts = _store_hashes(self.reg, run, self.found) if self.hashes else ((), {})
+        return PullResult(
+            run=f"{run.ct}/{run.name}", start=self.start, offset=self.offset, size=int(header["size"]),
+            fetched=self.fetched, wire_in=self.wire_in, wire_out=self.wire_out, calls=self.calls,
+            new_points=self.new_points, reset=self.reset, crash=self.crash, last=self.last,
+            log_mtime=header.get("mtime"), remote_now=header.get("now"), files_changed=files_changed,
+            checkpoints=ckpts,
+        )
+
+
 def pull(
     t: Transport, reg: Registry, run: RunRecord, *, chunk: int = DEFAULT_CHUNK,
     checkpoints: str | None = DEFAULT_CHECKPOINT_GLOB, hashes: bool = True,
 ) -> PullResult:
     """Fetch the log bytes after the run's cursor (looping `chunk` bytes per call until caught up),
     store the new metric points and the cursor after each call, and note crash signatures."""
-    if run.log_path is None:
-        raise InputError(f"run {run.ct}/{run.name} has no log path recorded")
-    if chunk < 1:
-        raise InputError(f"chunk must be at least 1 byte, got {chunk}")
-    offset, ident, partial = reg.cursor(run.id)
-    start = offset
-    cursor: LogCursor | None = None
-    reset: str | None = None
-    fetched = wire_in = wire_out = calls = new_points = 0
-    last: MetricPoint | None = None
-    crash = run.crash
-    header: dict[str, Any] = {}
-    found: dict[str, Any] = {}
-    agent = Agent(t)
-    while True:
-        args: dict[str, Any] = {"log": run.log_path, "offset": offset, "ident": ident,
-                                "max_bytes": chunk}
-        if calls == 0 and hashes:
-            args.update(_hash_args(reg, run, checkpoints))
-        header, data, n_in, n_out = agent.read("logread", args)  # the request deadline (CTL_TIMEOUT)
-        calls += 1
-        wire_in += n_in
-        wire_out += n_out
-        if not header.get("ok"):
-            if header.get("code") == "missing":
-                raise InputError(f"{run.ct}: log {run.log_path} of run {run.name} does not exist")
-            raise CtlError(f"{run.ct}: cannot read {run.log_path}: {header.get('error')}")
-        _check_header(agent, header)
-        if calls == 1:
-            found = header
-        if header.get("reset"):
-            reset, partial, start, cursor = header["reset"], b"", 0, None
-        if cursor is None:
-            cursor = LogCursor(offset=int(header["offset"]) - len(partial))
-            cursor.feed(partial)
-        entries = cursor.feed_lines(data, now=header.get("now"))
-        fetched += len(data)
-        new_offset = int(header["offset"]) + len(data)
-        keep = new_offset - cursor.offset  # bytes of the unfinished last line
-        pending = partial + data
-        new_partial = pending[len(pending) - keep:] if keep else b""
-        points = [e for e in entries if isinstance(e, MetricPoint)]
-        if not reg.advance_cursor(run.id, (offset, ident), new_offset, header["ident"], new_partial,
-                                  [p.record() for p in points]):
-            raise BusyError(f"another `ctl` is pulling run {run.ct}/{run.name} right now; try again")
-        offset, ident, partial = new_offset, header["ident"], new_partial
-        new_points += len(points)
-        last = points[-1] if points else last
-        if cursor.crash and crash is None:
-            crash = cursor.crash
-            reg.update_run(run.id, crash=crash)
-        if not data or offset >= int(header["size"]):
-            break
-    files_changed, ckpts = _store_hashes(reg, run, found) if hashes else ((), {})
-    return PullResult(
-        run=f"{run.ct}/{run.name}", start=start, offset=offset, size=int(header["size"]), fetched=fetched,
-        wire_in=wire_in, wire_out=wire_out, calls=calls, new_points=new_points, reset=reset, crash=crash,
-        last=last, log_mtime=header.get("mtime"), remote_now=header.get("now"), files_changed=files_changed,
-        checkpoints=ckpts,
-    )
+    return _Pull(reg, run, chunk=chunk, checkpoints=checkpoints, hashes=hashes).finish(Agent(t))
 
 
 def _check_header(agent: Agent, header: dict[str, Any]) -> None:
@@ -304,37 +330,93 @@ def status_of(
                      pull, error)
 
 
-# --- several runs, one connection pool -----------------------------------------------------------
+# --- several runs, one connection pool, one agent call per container ------------------------------
+
+
+@dataclass(frozen=True)
+class Polled:
+    """What one poll of several runs found: each run as recorded after its container answered, each pull
+    (or why there is none), and the containers that did not answer."""
+
+    runs: dict[int, RunRecord]
+    pulls: dict[int, PullResult | str]
+    #: containers whose host did not answer (connection refused, dropped, past its deadline: exit 5), with why
+    unreachable: dict[str, str]
+    warnings: tuple[str, ...]
+
+
+def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], checkpoints: str | None, *,
+              states: bool = True, budget: int = DEFAULT_CHUNK) -> Polled:
+    """Refresh the live runs' states (with `states`) and pull every run's new log bytes, with ONE agent call
+    (`poll`) per container for all of its runs, the containers of a host sharing one exec (fanout), so a poll
+    of many runs costs one SSH connection per host and one round trip per container. The log bytes of one
+    container's call stay within `budget`; a run with more to read (a first pull of a long log) reads on with
+    logread calls of its own."""
+    by_ct: dict[str, list[RunRecord]] = {}
+    for r in recs:
+        if r.ct in inv.model.containers and (r.log_path or (states and r.state.live)):
+            by_ct.setdefault(r.ct, []).append(r)
+    pulls: dict[int, PullResult | str] = {r.id: f"container {r.ct} is not in the inventory" for r in recs
+                                          if r.ct not in inv.model.containers}
+    runs = {r.id: r for r in recs}
+    if not by_ct:
+        return Polled(runs, pulls, {}, ())
+
+    def one(ct: Container, t: Transport) -> tuple[list[RunRecord], dict[int, PullResult | str]]:
+        mine = by_ct[ct.name]
+        live = [r for r in mine if states and r.state.live]
+        got: dict[int, PullResult | str] = {}
+        pulling: dict[int, _Pull] = {}
+        for r in mine:
+            if r.log_path:
+                try:
+                    pulling[r.id] = _Pull(reg, r, chunk=budget, checkpoints=checkpoints, hashes=True)
+                except CtlError as e:
+                    got[r.id] = str(e)
+        asked = [{**state_request(r), "state": r in live,
+                  "read": pulling[r.id].args() if r.id in pulling else None} for r in mine]
+        agent = Agent(t)
+        answers, n_in, n_out = agent.poll(asked, max_bytes=budget)
+        fresh = mine
+        if live:
+            said = [st for r, (st, _) in zip(mine, answers, strict=True) if r in live]
+            fresh = record_states(reg, mine, live, checked_states(ct.name, said, len(live)))
+        reads = [(r, read) for r, (_, read) in zip(mine, answers, strict=True) if read is not None]
+        for r, (header, data) in reads:
+            p = pulling[r.id]
+            # the call's bytes, shared out: each run's own log bytes, and an equal part of the rest
+            share_in, share_out = n_in // len(reads), (n_out - sum(len(d) for _, (_, d) in reads)) // len(reads)
+            if header.get("code") == "missing" and r.state == Lifecycle.STARTING:
+                continue  # a launch still starting has no log yet: nothing to pull, nothing wrong
+            try:
+                done = p.take(agent, header, data, share_in, share_out + len(data))
+                got[r.id] = p.result() if done else p.finish(agent)
+            except CtlError as e:
+                got[r.id] = str(e)
+        return fresh, got
+
+    unreachable: dict[str, str] = {}
+    warnings: list[str] = []
+    for o in fanout(pool, [inv.container(c) for c in by_ct], one):
+        if o.value is not None:
+            runs.update({r.id: r for r in o.value[0]})
+            pulls.update(o.value[1])
+            continue
+        why = o.error or "failed"
+        if states:
+            warnings.append(f"{o.ct}: state not refreshed: {why}")
+        if o.exit_code == int(ExitCode.CONNECTION):
+            unreachable[o.ct] = why
+        pulls.update({r.id: why for r in by_ct[o.ct] if r.log_path})
+    return Polled(runs, pulls, unreachable, tuple(warnings))
 
 
 def pull_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], checkpoints: str | None
               ) -> dict[int, PullResult | str]:
     """Pull every run whose container is in the inventory: {run id: PullResult, or why it was not pulled}.
-    One agent call per run, the containers of a host sharing one exec (fanout)."""
-    by_ct: dict[str, list[RunRecord]] = {}
-    for r in recs:
-        if r.ct in inv.model.containers and r.log_path:
-            by_ct.setdefault(r.ct, []).append(r)
-    out: dict[int, PullResult | str] = {r.id: f"container {r.ct} is not in the inventory" for r in recs
-                                        if r.ct not in inv.model.containers}
-    if not by_ct:
-        return out
-
-    def one(ct: Container, t: Transport) -> dict[int, PullResult | str]:
-        got: dict[int, PullResult | str] = {}
-        for r in by_ct[ct.name]:
-            try:
-                got[r.id] = pull(t, reg, r, checkpoints=checkpoints)
-            except CtlError as e:
-                got[r.id] = str(e)
-        return got
-
-    for o in fanout(pool, [inv.container(c) for c in by_ct], one):
-        if o.value is not None:
-            out.update(o.value)
-        else:
-            out.update({r.id: o.error or "failed" for r in by_ct[o.ct]})
-    return out
+    One agent call per container (poll_many without the state refresh)."""
+    polled = poll_many(inv, reg, pool, recs, checkpoints, states=False)
+    return {r.id: polled.pulls[r.id] for r in recs if r.id in polled.pulls}
 
 
 def baseline_for(inv: Inventory, reg: Registry, pool: Pool, rec: RunRecord, checkpoints: str | None
@@ -359,24 +441,36 @@ class StatusReport:
 
 def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *, slow_ratio: float,
              stall_after_s: float, checkpoints: str | None) -> StatusReport:
-    """`ctl status`: refresh the runs' states, pull their new log bytes and judge each against its baseline,
-    over one connection per host."""
-    refreshed = refresh_all(inv, reg, pool, recs)
-    warnings = list(refreshed.warnings)
-    # A container that did not answer is not asked again in this command (a second deadline to wait out).
-    reachable = [r for r in refreshed.runs if r.ct not in refreshed.unreachable]
-    pulled = pull_many(inv, reg, pool, reachable, checkpoints)
+    """`ctl status` and each poll of `ctl supervise`: refresh the runs' states, pull their new log bytes (and
+    those of any baseline with no points stored yet) and judge each run against its baseline, in one agent call
+    per container over one connection per host.
+
+    A live run whose container did not answer, or whose log could not be read, is UNREACHABLE: judged on stale
+    points it would look stalled, and nothing is known of it but that."""
+    bases = {r.id: resolve_baseline(inv, reg, r) for r in recs}
+    asked = {r.id: r for r in recs}
+    for b in bases.values():  # a baseline with no points is read in the same calls
+        if b is not None and b.run.id not in asked and not reg.points(b.run.id):
+            asked[b.run.id] = b.run
+    polled = poll_many(inv, reg, pool, list(asked.values()), checkpoints)
+    warnings = list(polled.warnings)
+    rates: dict[int, tuple[str, float] | None] = {}
+    for b in {b.run.id: b for b in bases.values() if b is not None}.values():
+        got = polled.pulls.get(b.run.id)
+        if isinstance(got, str) and not reg.points(b.run.id):
+            warnings.append(f"baseline {b.label}: no points stored and pull failed: {got}")
+        rates[b.run.id] = baseline_rate(reg, b)
     out = []
-    for r in (reg.run_by_id(r.id) for r in refreshed.runs):  # crash signatures found by the pull
-        res = pulled.get(r.id)
-        base, warning = baseline_for(inv, reg, pool, r, checkpoints)
-        if warning:
-            warnings.append(warning)
-        silent = refreshed.unreachable_run(r)
-        st = status_of(r, reg, base, pull=None if isinstance(res, str) else res, slow_ratio=slow_ratio,
+    for r in (reg.run_by_id(r.id) for r in recs):  # re-read: states and crash signatures the poll recorded
+        res = polled.pulls.get(r.id)
+        base = bases[r.id]
+        silent = polled.unreachable.get(r.ct) if r.state.live else None
+        if silent is None and isinstance(res, str) and r.state.live:
+            silent = f"its log could not be read: {res}"
+            warnings.append(f"{r.ct}/{r.name}: metrics not pulled: {res}")
+        st = status_of(r, reg, rates[base.run.id] if base is not None else None,
+                       pull=None if isinstance(res, str) else res, slow_ratio=slow_ratio,
                        stall_after_s=stall_after_s, error=res if isinstance(res, str) else silent, unreachable=silent)
-        if st.error and r.state.live and silent is None:  # an unreachable one is already warned about
-            warnings.append(f"{r.ct}/{r.name}: metrics not pulled: {st.error}")
         out.append(st)
     return StatusReport(tuple(out), tuple(warnings))
 
