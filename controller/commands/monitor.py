@@ -90,16 +90,17 @@ class _Pull:
         self.header: dict[str, Any] = {}
         self.found: dict[str, Any] = {}
 
-    def args(self) -> dict[str, Any]:
-        """logread's arguments for the next read (the hashes of files and checkpoints with the first)."""
-        args: dict[str, Any] = {"offset": self.offset, "ident": self.ident, "max_bytes": self.chunk}
+    def args(self, max_bytes: int | None = None) -> dict[str, Any]:
+        """logread's arguments for the next read, of at most `max_bytes` (default: the chunk) log bytes; the
+        hashes of files and checkpoints travel with the first."""
+        args: dict[str, Any] = {"offset": self.offset, "ident": self.ident, "max_bytes": max_bytes or self.chunk}
         if self.calls == 0 and self.hashes:
             args.update(_hash_args(self.reg, self.run, self.checkpoints))
         return args
 
     def take(self, agent: Agent, header: dict[str, Any], data: bytes, wire_in: int, wire_out: int) -> bool:
-        """Store what one read brought (points and cursor in one transaction); True when the pull is done:
-        caught up with the log's size, or nothing came."""
+        """Store what one read brought (points and cursor in one transaction); True while more of the log is
+        waiting (its size is past what was read)."""
         run = self.run
         self.calls += 1
         self.wire_in += wire_in
@@ -134,13 +135,13 @@ class _Pull:
         if cursor.crash and self.crash is None:
             self.crash = cursor.crash
             self.reg.update_run(run.id, crash=self.crash)
-        return not data or self.offset >= int(header["size"])
+        return self.offset < int(header["size"])
 
     def finish(self, agent: Agent) -> PullResult:
         """Read on, `chunk` bytes per logread call, until caught up; then the result."""
         while True:
             header, data, n_in, n_out = agent.read("logread", {"log": self.run.log_path, **self.args()})
-            if self.take(agent, header, data, n_in, n_out):
+            if not self.take(agent, header, data, n_in, n_out) or not data:
                 return self.result()
 
     def result(self) -> PullResult:
@@ -350,8 +351,8 @@ def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], 
     """Refresh the live runs' states (with `states`) and pull every run's new log bytes, with ONE agent call
     (`poll`) per container for all of its runs, the containers of a host sharing one exec (fanout), so a poll
     of many runs costs one SSH connection per host and one round trip per container. The log bytes of one
-    container's call stay within `budget`; a run with more to read (a first pull of a long log) reads on with
-    logread calls of its own."""
+    container's call stay within `budget`, shared evenly; a run with more to read (a first pull of a long log)
+    reads on with logread calls of its own."""
     by_ct: dict[str, list[RunRecord]] = {}
     for r in recs:
         if r.ct in inv.model.containers and (r.log_path or (states and r.state.live)):
@@ -373,8 +374,9 @@ def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], 
                     pulling[r.id] = _Pull(reg, r, chunk=budget, checkpoints=checkpoints, hashes=True)
                 except CtlError as e:
                     got[r.id] = str(e)
+        share = max(1, budget // max(1, len(pulling)))  # an even share each: one long log starves no other run
         asked = [{**state_request(r), "state": r in live,
-                  "read": pulling[r.id].args() if r.id in pulling else None} for r in mine]
+                  "read": pulling[r.id].args(share) if r.id in pulling else None} for r in mine]
         agent = Agent(t)
         answers, n_in, n_out = agent.poll(asked, max_bytes=budget)
         fresh = mine
@@ -389,8 +391,8 @@ def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], 
             if header.get("code") == "missing" and r.state == Lifecycle.STARTING:
                 continue  # a launch still starting has no log yet: nothing to pull, nothing wrong
             try:
-                done = p.take(agent, header, data, share_in, share_out + len(data))
-                got[r.id] = p.result() if done else p.finish(agent)
+                more = p.take(agent, header, data, share_in, share_out + len(data))
+                got[r.id] = p.finish(agent) if more else p.result()  # more: past this call's budget
             except CtlError as e:
                 got[r.id] = str(e)
         return fresh, got
