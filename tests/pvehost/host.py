@@ -368,7 +368,8 @@ class PveHost:
             text = (self.node_dir(node) / "pct.journal").read_text()
         except FileNotFoundError:
             return []
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        calls: list[dict[str, Any]] = [json.loads(line) for line in text.splitlines() if line.strip()]
+        return calls
 
     # --- inventory -------------------------------------------------------------------------------
 
