@@ -302,6 +302,9 @@ class Registry:
         row = self._db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
         return _run(row)
 
+    def has_run(self, run_id: int) -> bool:
+        return self._db.execute("SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is not None
+
     def runs(self, ct: str | None = None, *, limit: int = 100) -> list[RunRecord]:
         if ct:
             rows = self._db.execute("SELECT * FROM runs WHERE ct=? ORDER BY created DESC LIMIT ?", (ct, limit))
@@ -440,6 +443,13 @@ class Registry:
                                     (after, run_id, limit))
         return [{**json.loads(r["doc"]), "id": r["id"], "kind": r["kind"], "summary": r["summary"]} for r in rows]
 
+    def latest_events(self, limit: int, *, run_id: int | None = None) -> list[dict[str, Any]]:
+        """The newest `limit` events (of one run or all), oldest first."""
+        where, args = ("WHERE run_id=?", (run_id, limit)) if run_id is not None else ("", (limit,))
+        rows = list(self._db.execute(f"SELECT * FROM events {where} ORDER BY id DESC LIMIT ?", args))  # noqa: S608
+        return [{**json.loads(r["doc"]), "id": r["id"], "kind": r["kind"], "summary": r["summary"]}
+                for r in reversed(rows)]
+
     def last_verdict(self, run_id: int) -> str | None:
         row = self._db.execute("SELECT to_verdict FROM events WHERE run_id=? AND kind='verdict' ORDER BY id DESC "
                                "LIMIT 1", (run_id,)).fetchone()
@@ -524,6 +534,19 @@ class Registry:
         return [RunbookRun(r["id"], r["name"], r["path"], r["sha256"], r["started"], r["ended"], r["outcome"],
                            r["exit_code"], r["message"], json.loads(r["vars"]), json.loads(r["steps"]))
                 for r in rows]
+
+
+def recent_names(path: Path | None = None, limit: int = 1000) -> list[tuple[str, str]]:
+    """(ct, name) of the newest runs, for shell completion: read-only (nothing created, nothing migrated), and
+    [] when there is no registry yet."""
+    p = path or state_dir() / "registry.sqlite3"
+    if not p.is_file():
+        return []
+    db = sqlite3.connect(p.resolve().as_uri() + "?mode=ro", uri=True, timeout=0.2)
+    try:
+        return [(r[0], r[1]) for r in db.execute("SELECT ct, name FROM runs ORDER BY created DESC LIMIT ?", (limit,))]
+    finally:
+        db.close()
 
 
 @dataclass(frozen=True)
