@@ -14,6 +14,7 @@ import sys
 import typer
 
 from controller.cli import config as _config  # noqa: F401
+from controller.cli import dashboard as _dashboard  # noqa: F401
 from controller.cli import deploy as _deploy  # noqa: F401
 from controller.cli import env as _env  # noqa: F401
 from controller.cli import inventory as _inventory  # noqa: F401
