@@ -536,19 +536,6 @@ class Registry:
                 for r in rows]
 
 
-def recent_names(path: Path | None = None, limit: int = 1000) -> list[tuple[str, str]]:
-    """(ct, name) of the newest runs, for shell completion: read-only (nothing created, nothing migrated), and
-    [] when there is no registry yet."""
-    p = path or state_dir() / "registry.sqlite3"
-    if not p.is_file():
-        return []
-    db = sqlite3.connect(p.resolve().as_uri() + "?mode=ro", uri=True, timeout=0.2)
-    try:
-        return [(r[0], r[1]) for r in db.execute("SELECT ct, name FROM runs ORDER BY created DESC LIMIT ?", (limit,))]
-    finally:
-        db.close()
-
-
 @dataclass(frozen=True)
 class RunbookRun:
     id: int

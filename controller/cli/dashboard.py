@@ -10,6 +10,7 @@ from typing import Any
 import typer
 
 from controller.cli.app import OPTS, _console, _inv, _out, _registry, app, session
+from controller.cli.complete import targets as _complete_targets
 from controller.errors import InputError
 
 
@@ -24,7 +25,8 @@ def _seconds(text: str, what: str) -> float:
 
 @app.command("dashboard")
 def dashboard_cmd(
-    targets: list[str] = typer.Argument(None, help="Containers or groups (default: all)."),
+    targets: list[str] = typer.Argument(None, help="Containers or groups (default: all).",
+                                        autocompletion=_complete_targets),
     port: int = typer.Option(8765, "--port", help="Port to serve on (0: any free one)."),
     bind: str = typer.Option("127.0.0.1", "--bind", help="Address to serve on (default: loopback only)."),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow --bind to a non-loopback address: anyone "
