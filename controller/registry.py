@@ -392,6 +392,11 @@ class Registry:
         rows = self._db.execute("SELECT data FROM metrics WHERE run_id=? ORDER BY seq", (run_id,))
         return [json.loads(r[0]) for r in rows]
 
+    def series(self, run_id: int) -> list[tuple[int | None, float | None, float | None]]:
+        """(step, tok/s, loss) of every point, in order: what a chart needs, without decoding each point."""
+        rows = self._db.execute("SELECT step, tok_s, loss FROM metrics WHERE run_id=? ORDER BY seq", (run_id,))
+        return [(r[0], r[1], r[2]) for r in rows]
+
     def cursor(self, run_id: int) -> tuple[int, str | None, bytes]:
         row = self._db.execute("SELECT offset, ident, partial FROM log_cursor WHERE run_id=?", (run_id,)).fetchone()
         if row is None:

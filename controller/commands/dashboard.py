@@ -33,6 +33,7 @@ from controller.transport.pool import Pool
 CHART_POINTS = 1500  # points of a run's chart (evenly thinned beyond that)
 RECENT_RUNS = 30
 RECENT_EVENTS = 20
+BASELINE_TTL_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,8 @@ class Board:
             key = f"host {ct.host_name}" if ct.spec.transport == "pct" and ct.host_name else ct.name
             self.hosts.setdefault(key, _Host(key, [])).cts.append(ct.name)
         self._lines: dict[int, list[str]] = {}  # run id -> its log's last lines, as last read
+        self._rates: dict[int, tuple[float, tuple[str, float] | None]] = {}  # baseline run id -> (when, rate)
+        self._stand_ins: dict[str, tuple[float, list[RunStatus]]] = {}  # host -> (poll start, rows judged without it)
         self._lock = threading.Condition()
         self.version = 0  # bumped whenever a poll starts or ends: what a live page waits on
 
@@ -204,15 +207,18 @@ class Board:
             late = since is not None and now - since >= self.s.deadline_s
             state = "ok"
             if late:
+                assert since is not None
                 state = "unreachable"
-                why = (f"no answer from {name} for {format_eta(now - since if since else None)} (the dashboard's "
-                       f"deadline is {self.s.deadline_s:g}s); still waiting")
-                shown = [self._unreachable(r, why) for r in (pending or [s.run for s in sts])]
-                rows += [self._row(name, st, polled_at).to_json() for st in shown]
-            elif polled_at is None:
+                why = (f"no answer from {name} for {format_eta(now - since)} (the dashboard's deadline is "
+                       f"{self.s.deadline_s:g}s); still waiting")
+                shown = self._stand_in(name, since, pending or [s.run for s in sts])
+                rows += [self._row(name, replace(st, verdict=replace(st.verdict, reason=f"{why}; recorded state "
+                                                                     f"{st.run.state} kept")) if st.run.state.live
+                                   else st, polled_at).to_json() for st in shown]
+            elif polled_at is None and since is not None:
                 state = "first poll"
-                rows += [self._row(name, self._unreachable(r, "first poll under way"), None, pending=True).to_json()
-                         for r in pending]
+                rows += [self._row(name, replace(st, verdict=replace(st.verdict, reason="first poll under way")),
+                                   None, pending=True).to_json() for st in self._stand_in(name, since, pending)]
             else:
                 rows += [self._row(name, st, polled_at).to_json() for st in sts]
                 if any(s.verdict.state == RunState.UNREACHABLE for s in sts):
@@ -229,6 +235,20 @@ class Board:
             "events": [_event(e) for e in self.reg.latest_events(RECENT_EVENTS)],
         }
 
+    def _baseline_rate(self, base: monitor.Baseline | None) -> tuple[str, float] | None:
+        """monitor.baseline_rate, remembered for a while: it reads all of the baseline's points."""
+        if base is None:
+            return None
+        now = self.clock()
+        with self._lock:
+            got = self._rates.get(base.run.id)
+        if got is not None and now - got[0] < BASELINE_TTL_S:
+            return got[1]
+        rate = monitor.baseline_rate(self.reg, base)
+        with self._lock:
+            self._rates[base.run.id] = (now, rate)
+        return rate
+
     def _row(self, host: str, st: RunStatus, polled_at: float | None, *, pending: bool = False) -> Row:
         parent = None
         if st.run.parent_id is not None:
@@ -236,15 +256,23 @@ class Board:
             parent = f"{p.ct}/{p.name}"
         return Row(st, host, parent, polled_at, pending)
 
-    def _unreachable(self, r: RunRecord, why: str) -> RunStatus:
-        """A run of a host that has not answered: judged on what the registry holds, its verdict UNREACHABLE."""
-        rec = self.reg.run_by_id(r.id)
-        base = monitor.baseline_rate(self.reg, monitor.resolve_baseline(self.inv, self.reg, rec))
-        st = monitor.status_of(rec, self.reg, base, pull=None, slow_ratio=self.s.slow_ratio,
-                               stall_after_s=self.s.stall_after_s, unreachable=why if rec.state.live else None)
-        if not rec.state.live:  # an ended run's verdict does not depend on its host
-            return st
-        return replace(st, verdict=replace(st.verdict, reason=f"{why}; recorded state {rec.state} kept"))
+    def _stand_in(self, host: str, since: float, recs: list[RunRecord]) -> list[RunStatus]:
+        """The runs of a host whose poll is under way, judged on what the registry holds (stored points), their
+        verdict UNREACHABLE while live; worked out once per poll, not for every page that asks."""
+        with self._lock:
+            got = self._stand_ins.get(host)
+        if got is not None and got[0] == since:
+            return got[1]
+        out = []
+        for r in recs:
+            rec = self.reg.run_by_id(r.id)
+            base = self._baseline_rate(monitor.resolve_baseline(self.inv, self.reg, rec))
+            out.append(monitor.status_of(rec, self.reg, base, pull=None, slow_ratio=self.s.slow_ratio,
+                                         stall_after_s=self.s.stall_after_s,
+                                         unreachable="no answer" if rec.state.live else None))
+        with self._lock:
+            self._stand_ins[host] = (since, out)
+        return out
 
     @staticmethod
     def _recent(r: RunRecord) -> dict[str, Any]:
@@ -258,12 +286,12 @@ class Board:
         if not self.reg.has_run(run_id):
             return None
         rec = self.reg.run_by_id(run_id)
-        points = monitor.stored_points(self.reg, rec)
+        points = self.reg.series(rec.id)  # a page asks every few seconds: the columns, not each point's JSON
         if len(points) > CHART_POINTS:
             every = len(points) / CHART_POINTS
             points = [points[int(i * every)] for i in range(CHART_POINTS)] + [points[-1]]
         base = monitor.resolve_baseline(self.inv, self.reg, rec)
-        rate = monitor.baseline_rate(self.reg, base)
+        rate = self._baseline_rate(base)
         other, against = None, None
         if rec.parent_id is not None:
             other, against = self.reg.run_by_id(rec.parent_id), "parent"
@@ -274,7 +302,7 @@ class Board:
             lines = list(self._lines.get(run_id, []))
         return {
             "id": rec.id, "ct": rec.ct, "run": rec.name,
-            "points": [{"step": p.step, "tok_s": p.tok_s, "loss": p.loss} for p in points],
+            "points": [{"step": step, "tok_s": tok_s, "loss": loss} for step, tok_s, loss in points],
             "baseline": {"run": rate[0], "tok_s": rate[1]} if rate else None,
             "lines": lines,
             "provenance": {k: doc.get(k) for k in (
