@@ -136,6 +136,7 @@ def runs(env: Env) -> Env:
     return env
 
 
+@pytest.mark.slow  # about a minute: two runs, a supervisor poll, a browser
 @needs_tmux
 @needs_chromium
 def test_the_page_shows_live_runs_their_verdicts_and_log_lines_as_text(runs: Env, tmp_path: Path) -> None:
