@@ -191,6 +191,17 @@ class DeployRecord:
     error: str | None
 
 
+class _Lease:
+    """A thread's use of one of the registry's connections; when the thread ends, its thread-local (and so this)
+    goes, and the connection returns to the registry's free list."""
+
+    def __init__(self, reg: Registry, db: sqlite3.Connection) -> None:
+        self.reg, self.db = reg, db
+
+    def __del__(self) -> None:
+        self.reg._give_back(self.db)
+
+
 class Registry:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or state_dir() / "registry.sqlite3"
@@ -202,30 +213,44 @@ class Registry:
                 private_file(p)
         # One connection per thread (fan-out commands record from worker threads): SQLite's own locking then
         # orders them exactly as it orders two ctl processes, and no transaction is ever nested in another.
+        # A thread that ends hands its connection back for the next thread to take: a long-lived process
+        # (supervise, dashboard) starts threads per poll and per request, and closing their connections would
+        # not free their file descriptors while another connection of the process is open (SQLite keeps them
+        # until the file's last POSIX lock goes), so it would run out of them within hours.
         self._local = threading.local()
         self._conns: list[sqlite3.Connection] = []
-        self._conns_lock = threading.Lock()
+        self._free: list[sqlite3.Connection] = []
+        self._conns_lock = threading.RLock()
         self._migrate()
 
     @property
     def _db(self) -> sqlite3.Connection:
-        db: sqlite3.Connection | None = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
-            db.row_factory = sqlite3.Row
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA busy_timeout=30000")
-            db.execute("PRAGMA foreign_keys=ON")
-            self._local.db = db
+        lease: _Lease | None = getattr(self._local, "lease", None)
+        if lease is None:
             with self._conns_lock:
-                self._conns.append(db)
-        return db
+                db = self._free.pop() if self._free else None
+            if db is None:
+                db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+                db.row_factory = sqlite3.Row
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA busy_timeout=30000")
+                db.execute("PRAGMA foreign_keys=ON")
+                with self._conns_lock:
+                    self._conns.append(db)
+            lease = self._local.lease = _Lease(self, db)
+        return lease.db
+
+    def _give_back(self, db: sqlite3.Connection) -> None:
+        with self._conns_lock:
+            if any(c is db for c in self._conns) and not db.in_transaction:
+                self._free.append(db)
 
     def close(self) -> None:
         with self._conns_lock:
             for db in self._conns:
                 db.close()
             self._conns.clear()
+            self._free.clear()
         self._local = threading.local()
 
     @contextmanager
@@ -302,6 +327,9 @@ class Registry:
         row = self._db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
         return _run(row)
 
+    def has_run(self, run_id: int) -> bool:
+        return self._db.execute("SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is not None
+
     def runs(self, ct: str | None = None, *, limit: int = 100) -> list[RunRecord]:
         if ct:
             rows = self._db.execute("SELECT * FROM runs WHERE ct=? ORDER BY created DESC LIMIT ?", (ct, limit))
@@ -363,6 +391,11 @@ class Registry:
     def points(self, run_id: int) -> list[dict[str, Any]]:
         rows = self._db.execute("SELECT data FROM metrics WHERE run_id=? ORDER BY seq", (run_id,))
         return [json.loads(r[0]) for r in rows]
+
+    def series(self, run_id: int) -> list[tuple[int | None, float | None, float | None]]:
+        """(step, tok/s, loss) of every point, in order: what a chart needs, without decoding each point."""
+        rows = self._db.execute("SELECT step, tok_s, loss FROM metrics WHERE run_id=? ORDER BY seq", (run_id,))
+        return [(r[0], r[1], r[2]) for r in rows]
 
     def cursor(self, run_id: int) -> tuple[int, str | None, bytes]:
         row = self._db.execute("SELECT offset, ident, partial FROM log_cursor WHERE run_id=?", (run_id,)).fetchone()
@@ -439,6 +472,13 @@ class Registry:
             rows = self._db.execute("SELECT * FROM events WHERE id>? AND run_id=? ORDER BY id LIMIT ?",
                                     (after, run_id, limit))
         return [{**json.loads(r["doc"]), "id": r["id"], "kind": r["kind"], "summary": r["summary"]} for r in rows]
+
+    def latest_events(self, limit: int, *, run_id: int | None = None) -> list[dict[str, Any]]:
+        """The newest `limit` events (of one run or all), oldest first."""
+        where, args = ("WHERE run_id=?", (run_id, limit)) if run_id is not None else ("", (limit,))
+        rows = list(self._db.execute(f"SELECT * FROM events {where} ORDER BY id DESC LIMIT ?", args))  # noqa: S608
+        return [{**json.loads(r["doc"]), "id": r["id"], "kind": r["kind"], "summary": r["summary"]}
+                for r in reversed(rows)]
 
     def last_verdict(self, run_id: int) -> str | None:
         row = self._db.execute("SELECT to_verdict FROM events WHERE run_id=? AND kind='verdict' ORDER BY id DESC "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from controller.cli import complete as _c
 from controller.cli.app import OPTS, _console, _esc, _inv, _out, _registry, _table, _warn, app, session
 
 inventory_app = typer.Typer(help="List hosts and containers of the inventory; `discover` reads them from PVE.",
@@ -33,7 +34,8 @@ def inventory_cmd(ctx: typer.Context) -> None:
 
 
 @app.command("ping")
-def ping_cmd(containers: list[str] = typer.Argument(None, help="Containers or groups (default: all).")) -> None:
+def ping_cmd(containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
+                                                    help="Containers or groups (default: all).")) -> None:
     """One exec of `cat` in each container: its first answer (connection and pct exec included) and the best
     round trip of a line through it."""
     from controller.commands.fanout import ping, worst
@@ -59,7 +61,8 @@ def discover_cmd(
     token_id: str = typer.Option(None, "--token-id", help="USER@REALM!TOKENID (the secret: --token-env)."),
     token_env: str = typer.Option("PVE_TOKEN", "--token-env", help="Variable holding the token's secret."),
     ca: str = typer.Option(None, "--ca", help="CA bundle that signed the API's certificate (default: system CAs)."),
-    host: str = typer.Option(None, "--host", help="Use the `api:` of this inventory host instead of --api."),
+    host: str = typer.Option(None, "--host", help="Use the `api:` of this inventory host instead of --api.",
+                             autocompletion=_c.hosts),
     diff: bool = typer.Option(False, "--diff", help="Show what differs from the inventory: added, removed, "
                               "moved to another node, GPUs changed."),
     write: bool = typer.Option(False, "--write", help="Merge into the inventory file (comments, order and "

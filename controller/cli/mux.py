@@ -11,6 +11,7 @@ import time
 import typer
 
 from controller.cli import app as _cli
+from controller.cli import complete as _c
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
@@ -37,7 +38,8 @@ def status_cmd() -> None:
 
 
 @mux_app.command("stop")
-def stop_cmd(host: str = typer.Argument(None, help="Only the session of this host (default: all).")) -> None:
+def stop_cmd(host: str = typer.Argument(None, autocompletion=_c.hosts,
+                                        help="Only the session of this host (default: all).")) -> None:
     """Stop sessions: each closes its relay (children see the end of their stdin) and its SSH connection."""
     from controller.transport import mux
 

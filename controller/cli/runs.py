@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 
+from controller.cli import complete as _c
 from controller.cli.app import (
     OPTS,
     _ago,
@@ -30,7 +31,7 @@ from controller.errors import CtlError, ExitCode, InputError
 
 @app.command("launch")
 def launch_cmd(
-    container: str = typer.Argument(..., help="The container to run in."),
+    container: str = typer.Argument(..., autocompletion=_c.containers, help="The container to run in."),
     run: str | None = typer.Option(None, "--run", help="Run name (default: next of the inventory's series)."),
     allow_drift: bool = typer.Option(False, "--allow-drift", help="Launch although deployed files differ from pins."),
     force: bool = typer.Option(False, "--force", help="Override GPU-busy and disk checks (never the log clobber)."),
@@ -97,8 +98,10 @@ def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool) -> int:
 
 @app.command("tail")
 def tail_cmd(
-    container: str = typer.Argument(..., help="Container (its latest run) or a run as CT/NAME."),
-    run: str | None = typer.Option(None, "--run", help="Run name (default: the container's latest run)."),
+    container: str = typer.Argument(..., autocompletion=_c.container_or_run,
+                                    help="Container (its latest run) or a run as CT/NAME."),
+    run: str | None = typer.Option(None, "--run", help="Run name (default: the container's latest run).",
+                                   autocompletion=_c.runs),
     lines: int = typer.Option(20, "-n", "--lines", help="Lines of history to show first."),
     follow: bool = typer.Option(False, "-f", "--follow", help="Follow until the run ends or crashes."),
 ) -> None:
@@ -122,7 +125,8 @@ def tail_cmd(
 
 @app.command("runs")
 def runs_cmd(
-    container: str | None = typer.Argument(None, help="Only runs of this container or group."),
+    container: str | None = typer.Argument(None, autocompletion=_c.targets,
+                                           help="Only runs of this container or group."),
     limit: int = typer.Option(30, "-n", "--limit"),
     no_refresh: bool = typer.Option(False, "--no-refresh", help="Do not ask containers about live runs."),
     tree: bool = typer.Option(False, "--tree", help="Lineages of restarted runs: fresh7 -> fresh8 -> fresh9, each "
@@ -184,7 +188,7 @@ def _redacted(rec: Any) -> dict[str, Any]:
 
 
 @app.command("show")
-def show_cmd(run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID.")) -> None:
+def show_cmd(run: str = typer.Argument(..., autocompletion=_c.runs, help="Run as NAME, CT/NAME or #ID.")) -> None:
     """Everything recorded about one run."""
     reg = _registry()
     rec = reg.find_run(run)
@@ -205,7 +209,7 @@ def show_cmd(run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID.")
 
 @app.command("stop")
 def stop_cmd(
-    run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID."),
+    run: str = typer.Argument(..., autocompletion=_c.runs, help="Run as NAME, CT/NAME or #ID."),
     grace: float = typer.Option(30, "--grace", help="Seconds to wait after SIGINT before SIGTERM."),
 ) -> None:
     """SIGINT the training, wait, escalate, end its tmux session; the record says stopped."""
@@ -225,7 +229,7 @@ def stop_cmd(
 
 
 @app.command("attach")
-def attach_cmd(run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID.")) -> None:
+def attach_cmd(run: str = typer.Argument(..., autocompletion=_c.runs, help="Run as NAME, CT/NAME or #ID.")) -> None:
     """Attach to the run's tmux session interactively (ssh -t + pct exec; detach with C-b d). A run that has
     ended has no session left: ctl says how it ended and points to `ctl tail`."""
     from controller.commands import runs
@@ -252,8 +256,8 @@ def attach_cmd(run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID.
 
 @app.command("diff")
 def diff_cmd(
-    run_a: str = typer.Argument(..., help="The run that worked (NAME, CT/NAME or #ID)."),
-    run_b: str = typer.Argument(..., help="The run to compare with it."),
+    run_a: str = typer.Argument(..., autocompletion=_c.runs, help="The run that worked (NAME, CT/NAME or #ID)."),
+    run_b: str = typer.Argument(..., autocompletion=_c.runs, help="The run to compare with it."),
 ) -> None:
     """What changed between two runs: payload hashes, rendered scripts, template variables, environment."""
     from controller.core import rundiff

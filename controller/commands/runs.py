@@ -522,6 +522,17 @@ def _named(crash: str | None, found: str | None) -> str | None:
     return found
 
 
+def last_lines(t: Transport, run: RunRecord, lines: int, *, timeout: float | None = None) -> list[str]:
+    """The last `lines` lines of the run's log (one round trip; the agent reads at most its last 1 MiB and cuts
+    lines at 4 KiB). Raw text from the container: clean it before showing it."""
+    if not run.log_path or lines <= 0:
+        return []
+    info = Agent(t).call("tailinfo", {"log": run.log_path, "lines": lines}, check=False, timeout=timeout)
+    if not info.get("ok"):
+        return []
+    return str(info.get("text") or "").splitlines()[-lines:]
+
+
 def state_of(t: Transport, run: RunRecord) -> tuple[Lifecycle, int | None]:
     """What the container says of one run now (one round trip), without recording it."""
     return _state_from(_runstate(t, run))

@@ -177,9 +177,7 @@ class Supervisor:
         if not run.log_path:
             return []
         try:
-            t = pool.container(self.inv.container(run.ct))
-            info = Agent(t).call("tailinfo", {"log": run.log_path, "lines": 20}, check=False, timeout=30)
-            return str(info.get("text") or "").splitlines()[-20:]
+            return runs.last_lines(pool.container(self.inv.container(run.ct)), run, 20, timeout=30)
         except CtlError:
             return []
 
