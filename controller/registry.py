@@ -392,6 +392,37 @@ class Registry:
         rows = self._db.execute("SELECT data FROM metrics WHERE run_id=? ORDER BY seq", (run_id,))
         return [json.loads(r[0]) for r in rows]
 
+    # A long run holds tens of thousands of points; judging it reads a few of them (monitor.point_window).
+    # "steady" rows: in step order (ties in log order), past the first `skip`, with a finite positive tok/s.
+    _STEADY = ("FROM (SELECT data, step, seq, tok_s FROM metrics WHERE run_id=? ORDER BY step, seq LIMIT -1 OFFSET ?)"
+               " WHERE tok_s > 0 AND tok_s <= 1.7976931348623157e308")
+
+    def point_count(self, run_id: int) -> tuple[int, float | None]:
+        """(how many points the run has, the newest `time` among them)."""
+        row = self._db.execute("SELECT COUNT(*), MAX(time) FROM metrics WHERE run_id=?", (run_id,)).fetchone()
+        return int(row[0]), row[1]
+
+    def steady_points(self, run_id: int, *, skip: int, last: int) -> list[dict[str, Any]]:
+        """The last `last` steady points (see _STEADY), in step order."""
+        rows = self._db.execute(f"SELECT data {self._STEADY} ORDER BY step DESC, seq DESC LIMIT ?",
+                                (run_id, skip, last))
+        return [json.loads(r[0]) for r in rows][::-1]
+
+    def steady_rates(self, run_id: int, *, skip: int) -> list[float]:
+        """tok/s of every steady point (see _STEADY), in step order."""
+        return [r[0] for r in self._db.execute(f"SELECT tok_s {self._STEADY}", (run_id, skip))]
+
+    def top_point(self, run_id: int) -> dict[str, Any] | None:
+        """The point of the highest step (the first logged of equals)."""
+        row = self._db.execute("SELECT data FROM metrics WHERE run_id=? ORDER BY step DESC, seq LIMIT 1",
+                               (run_id,)).fetchone()
+        return json.loads(row[0]) if row is not None else None
+
+    def recent_points(self, run_id: int, n: int) -> list[dict[str, Any]]:
+        """The last `n` points in log order."""
+        rows = self._db.execute("SELECT data FROM metrics WHERE run_id=? ORDER BY seq DESC LIMIT ?", (run_id, n))
+        return [json.loads(r[0]) for r in rows][::-1]
+
     def series(self, run_id: int) -> list[tuple[int | None, float | None, float | None]]:
         """(step, tok/s, loss) of every point, in order: what a chart needs, without decoding each point."""
         rows = self._db.execute("SELECT step, tok_s, loss FROM metrics WHERE run_id=? ORDER BY seq", (run_id,))

@@ -14,6 +14,7 @@ the run directory); the agent only re-hashes a file whose size or mtime changed 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -27,8 +28,8 @@ from controller.core.metrics import (
     RunState,
     Verdict,
     parse_line,
-    steady_state,
-    verdict,
+    verdict_of_window,
+    warmup_skip,
 )
 from controller.errors import BusyError, CtlError, ExitCode, InputError
 from controller.inventory import Container, Inventory
@@ -126,8 +127,12 @@ class _Pull:
         pending = self.partial + data
         new_partial = pending[len(pending) - keep:] if keep else b""
         points = [e for e in entries if isinstance(e, MetricPoint)]
-        if not self.reg.advance_cursor(run.id, (self.offset, self.ident), new_offset, header["ident"], new_partial,
-                                       [p.record() for p in points]):
+        unchanged = (new_offset, header["ident"], new_partial) == (self.offset, self.ident, self.partial)
+        # nothing new (a quiet log between two polls): no write transaction, so a supervisor's polls of idle runs
+        # cost the registry nothing
+        if not (unchanged and not points) and not self.reg.advance_cursor(
+                run.id, (self.offset, self.ident), new_offset, header["ident"], new_partial,
+                [p.record() for p in points]):
             raise BusyError(f"another `ctl` is pulling run {run.ct}/{run.name} right now; try again")
         self.offset, self.ident, self.partial = new_offset, header["ident"], new_partial
         self.new_points += len(points)
@@ -195,10 +200,11 @@ def _hash_args(reg: Registry, run: RunRecord, checkpoints: str | None) -> dict[s
 
 def _store_hashes(reg: Registry, run: RunRecord, header: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, str]]:
     files: dict[str, dict[str, Any] | None] = header.get("files") or {}
-    reg.set_run_files(run.id, "deployed", files)
+    if reg.run_files(run.id, "deployed") != files:  # written only when something changed: one poll, one write
+        reg.set_run_files(run.id, "deployed", files)
     changed = tuple(p for p, h in sorted(files.items()) if h is None or h.get("sha256") != run.files.get(p))
     ckpts: dict[str, dict[str, Any]] = header.get("checkpoints") or {}
-    if "checkpoints" in header:
+    if "checkpoints" in header and reg.run_files(run.id, "checkpoint") != ckpts:
         reg.set_run_files(run.id, "checkpoint", dict(ckpts))
     return changed, {p: h["sha256"] for p, h in sorted(ckpts.items())}
 
@@ -280,8 +286,34 @@ class RunStatus:
         }
 
 
+@dataclass(frozen=True)
+class PointWindow:
+    """What judging a run reads of its stored points (a long run holds tens of thousands: they are never all
+    decoded for a verdict): the last window of steady points, the point of the highest step, the newest point
+    time, and the tok/s of the last `history` points for the trend."""
+
+    steady: tuple[MetricPoint, ...]
+    top: MetricPoint | None
+    last_time: float | None
+    history: tuple[float | None, ...]
+
+
+def _decoded(records: list[dict[str, Any]]) -> list[MetricPoint]:
+    return [p for p in (parse_line(json.dumps(rec)) for rec in records) if isinstance(p, MetricPoint)]
+
+
+def point_window(reg: Registry, run: RunRecord, *, window: int = 20, history: int = 20) -> PointWindow:
+    """The run's PointWindow, in a few indexed reads however many points it has: what `verdict` would take from
+    `stored_points` (the same steady window, step and time), without decoding the rest."""
+    n, last_time = reg.point_count(run.id)
+    steady = _decoded(reg.steady_points(run.id, skip=warmup_skip(n), last=window))
+    top = _decoded([rec for rec in [reg.top_point(run.id)] if rec is not None])
+    recent = _decoded(reg.recent_points(run.id, history))
+    return PointWindow(tuple(steady), top[0] if top else None, last_time, tuple(p.tok_s for p in recent))
+
+
 def judge(
-    run: RunRecord, points: list[MetricPoint], baseline: tuple[str, float] | None, *,
+    run: RunRecord, points: PointWindow, baseline: tuple[str, float] | None, *,
     pull: PullResult | None, slow_ratio: float = 0.8, stall_after_s: float = 600.0,
 ) -> Verdict:
     """metrics.verdict for a registry run: ended states from the record, idle time on the container's
@@ -297,10 +329,11 @@ def judge(
     last_time = pull.log_mtime if pull else None
     if not run.state.live and exit_status is None and crash is None:
         exit_status = 0  # ended without a status (should not happen): judge what it logged
-    v = verdict(points, baseline_tok_s=baseline[1] if baseline else None, now=now, last_step_time=last_time,
-                slow_ratio=slow_ratio, stall_after_s=stall_after_s,
-                exit_status=0 if run.state == Lifecycle.STOPPED else exit_status, crash=crash,
-                baseline_name=baseline[0] if baseline else None)
+    v = verdict_of_window(
+        points.steady, step=points.top.step if points.top else None, baseline_tok_s=baseline[1] if baseline else None,
+        now=now, last_step_time=last_time if last_time is not None else points.last_time, slow_ratio=slow_ratio,
+        stall_after_s=stall_after_s, exit_status=0 if run.state == Lifecycle.STOPPED else exit_status, crash=crash,
+        baseline_name=baseline[0] if baseline else None)
     if run.state == Lifecycle.STOPPED and v.state == RunState.FINISHED:
         v = replace(v, reason=v.reason.replace("finished", "stopped by ctl stop", 1)
                     + (f" (log shows {stopped_crash})" if stopped_crash else ""))
@@ -311,7 +344,9 @@ def baseline_rate(reg: Registry, base: Baseline | None) -> tuple[str, float] | N
     """(label, steady-state tok/s) of the baseline's stored points; None without points."""
     if base is None:
         return None
-    rate = steady_state(stored_points(reg, base.run))
+    n, _ = reg.point_count(base.run.id)
+    rates = reg.steady_rates(base.run.id, skip=warmup_skip(n))  # steady_state of its points, without decoding them
+    rate = statistics.median(rates) if rates else None
     return (base.label, rate) if rate else None
 
 
@@ -321,14 +356,12 @@ def status_of(
 ) -> RunStatus:
     """One run's status line. `unreachable` (why its container did not answer) makes the verdict UNREACHABLE:
     the stored points still give step and rate, but no stall or crash is concluded from the silence."""
-    points = stored_points(reg, run)
+    points = point_window(reg, run)
     v = judge(run, points, baseline, pull=pull, slow_ratio=slow_ratio, stall_after_s=stall_after_s)
     if unreachable is not None:
         v = replace(v, state=RunState.UNREACHABLE, idle_s=None,
-                    reason=f"host did not answer; recorded state {run.state} kept: {unreachable}")
-    last = max(points, key=lambda p: p.step) if points else None
-    return RunStatus(run, v, last, tuple(p.tok_s for p in points[-20:]), baseline[0] if baseline else None,
-                     pull, error)
+                    reason=f"{unreachable}; recorded state {run.state} kept")
+    return RunStatus(run, v, points.top, points.history, baseline[0] if baseline else None, pull, error)
 
 
 # --- several runs, one connection pool, one agent call per container ------------------------------
@@ -466,8 +499,10 @@ def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *
     for r in (reg.run_by_id(r.id) for r in recs):  # re-read: states and crash signatures the poll recorded
         res = polled.pulls.get(r.id)
         base = bases[r.id]
-        silent = polled.unreachable.get(r.ct) if r.state.live else None
-        if silent is None and isinstance(res, str) and r.state.live:
+        silent = None
+        if r.state.live and r.ct in polled.unreachable:
+            silent = f"host did not answer: {polled.unreachable[r.ct]}"
+        elif isinstance(res, str) and r.state.live:
             silent = f"its log could not be read: {res}"
             warnings.append(f"{r.ct}/{r.name}: metrics not pulled: {res}")
         st = status_of(r, reg, rates[base.run.id] if base is not None else None,

@@ -450,23 +450,30 @@ def follow(
         reconnect_s = follow_reconnect()
     assert run.log_path is not None
     agent = Agent(t)
-    info = agent.call("tailinfo", {"log": run.log_path, "lines": max(lines, 0)}, check=False)
-    if not info.get("ok"):
-        raise InputError(f"{run.ct}: cannot read {run.log_path}: {info.get('error')}")
     crash = None
-    for line in agent.need(info, "text", str).splitlines():
-        emit(line)
-        crash = _named(crash, detect(line))
-    offset = agent.need(info, "size", int) if lines >= 0 else 0  # lines < 0: the whole log, from its first byte
+    offset = 0  # lines < 0: the whole log, from its first byte
+    # Following all of it (`launch -f`) needs no history first: the first runstate below says the log exists.
+    if lines >= 0 or not follow:
+        info = agent.call("tailinfo", {"log": run.log_path, "lines": max(lines, 0)}, check=False)
+        if not info.get("ok"):
+            raise InputError(f"{run.ct}: cannot read {run.log_path}: {info.get('error')}")
+        for line in agent.need(info, "text", str).splitlines():
+            emit(line)
+            crash = _named(crash, detect(line))
+        offset = agent.need(info, "size", int) if lines >= 0 else 0
     if not follow:
         return FollowEnd(run.exit_status, crash, run.state)
     splitter = LineSplitter()  # holds at most LINE_CAP bytes of an unfinished line, however long it gets
     crash_at: float | None = None
     tries = 0
     failing_since: float | None = None
+    first = True
     while True:
         try:
             st = _runstate(t, run)
+            if first and st.get("log_size") is None:
+                raise InputError(f"{run.ct}: cannot read {run.log_path}: it does not exist")
+            first = False
             if failing_since is not None:
                 if note is not None:
                     note(f"{run.ct}: reconnected after {time.monotonic() - failing_since:.0f}s; "
