@@ -56,6 +56,36 @@ p.wait()
 """
 
 
+# On the host: CPU seconds (children's user + system) of one `pct exec` of `true`, of `cat` answering a line
+# (what `ctl ping` runs), and of the agent's `poll` of one run (what `ctl status` runs per container). argv[1]: the
+# vmid; stdin: the agent's source. What a container costs its host, whatever the client does.
+HOST_CPU = """import json, resource, subprocess, sys, time
+src = sys.stdin.buffer.read()
+vmid = sys.argv[1]
+poll = json.dumps({"root": "/", "max_bytes": 1 << 20, "runs": [{"name": "s1", "log": "/workspace/b/train_stdout_s1.log",
+                   "session": "bench-s1", "state": True, "read": {"offset": 0, "max_bytes": 1}}]})
+boot = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-agent','exec'))"
+cases = {"pct_exec_true": (["true"], b""), "pct_exec_cat_ping": (["cat"], b"ctl ping 0\\n"),
+         "pct_exec_agent_poll": (["python3", "-I", "-S", "-c", boot, str(len(src)), "poll", poll], src),
+         "lxc_attach_agent_poll": (None, src)}
+out = {}
+for name, (argv, stdin) in cases.items():
+    samples = []
+    for _ in range(5):
+        if argv is None:
+            cmd = ["lxc-attach", "-P", sys.argv[2], "-n", vmid, "--", *cases["pct_exec_agent_poll"][0]]
+        else:
+            cmd = ["pct", "exec", vmid, "--", *argv]
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        p = subprocess.run(cmd, input=stdin, capture_output=True)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert p.returncode == 0, p.stderr
+        samples.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
+    out[name] = sorted(samples)[2]
+print(json.dumps(out))
+"""
+
+
 @dataclass
 class Row:
     what: str
@@ -272,6 +302,7 @@ class Bench:
             say(f"round {i + 1}/{self.args.repeat}: {time.monotonic() - t0:.0f}s")
         self.count_poll()
         self.registry_rate()
+        self.host_cpu()
         return self.report()
 
     # --- counts (not timed): connections and execs of one status/supervise poll ------------------
@@ -298,6 +329,18 @@ class Bench:
                     per_ct[c["args"][0]] = per_ct.get(c["args"][0], 0) + 1
             self.counts[what] = {"ssh_logins_per_host": got_logins, "pct_calls_by_verb": verbs,
                                  "containers": len(per_ct), "most_calls_in_one_container": max(per_ct.values())}
+
+    def host_cpu(self) -> None:
+        """What one container costs its host per ping and per status poll, in CPU seconds (medians of 5)."""
+        from controller.remote.client import agent_source
+
+        script = self.base / "host_cpu.py"  # the test host is this machine: its python3 reads the file
+        script.write_text(HOST_CPU)
+        r = subprocess.run(self.ssh("pve1", f"python3 {script} 200 {self.host.lxcpath('pve1')}"), input=agent_source(),
+                           capture_output=True)
+        if r.returncode != 0:
+            raise SystemExit(f"bench: host CPU probe failed: {r.stderr.decode(errors='replace')[-500:]}")
+        self.counts["host_cpu_s_per_exec"] = json.loads(r.stdout)
 
     def registry_rate(self) -> None:
         """Write transactions per second of this machine's registry (the supervisor's cost per run and poll)."""
