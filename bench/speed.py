@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -118,6 +119,8 @@ class Bench:
         self.env_warm = dict(env, CTL_PERSIST=warm)
         self.label_warm = f"CTL_PERSIST={warm}, warm"
         self.samples: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}  # client-side CPU seconds of each timed run
+        self.case = ""
         self.counts: dict[str, dict[str, object]] = {}
 
     # --- helpers ---------------------------------------------------------------------------------
@@ -132,9 +135,16 @@ class Bench:
         return r.stdout
 
     def timed_ok(self, argv: list[str], env: dict[str, str], ok: tuple[int, ...] = (0,)) -> float:
-        t0 = time.perf_counter()
-        self.run_ok(argv, env, ok)
-        return time.perf_counter() - t0
+        return self.cpu_of(lambda: self.run_ok(argv, env, ok))
+
+    def cpu_of(self, fn: Callable[[], object]) -> float:
+        """Wall seconds of fn; the CPU seconds of the processes it ran and waited for (the client side: ctl, or
+        ssh/scp) go to this case's CPU samples."""
+        r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+        fn()
+        wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.cpu.setdefault(self.case, []).append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
+        return wall
 
     def cold(self) -> None:
         """No persistent session left: the next default-settings command starts from nothing."""
@@ -263,14 +273,14 @@ class Bench:
         both = ("ct200", "ct300")
         status_ok = (0, 21, 22)  # a verdict is not the benchmark's business; a failure is
         return {
-            "floor": lambda: timed(self.ssh("pve1", "pct exec 200 true")),
-            "seeds": lambda: seeds_way(self.host, "pve1", 200, self.seeds_files, "dep"),
-            "python_pass": lambda: timed([sys.executable, "-c", "pass"]),
-            "help": lambda: timed([sys.executable, "-m", "controller", "--help"], d),
+            "floor": lambda: self.cpu_of(lambda: timed(self.ssh("pve1", "pct exec 200 true"))),
+            "seeds": lambda: self.cpu_of(lambda: seeds_way(self.host, "pve1", 200, self.seeds_files, "dep")),
+            "python_pass": lambda: self.cpu_of(lambda: timed([sys.executable, "-c", "pass"])),
+            "help": lambda: self.cpu_of(lambda: timed([sys.executable, "-m", "controller", "--help"], d)),
             "deploy_cold": cold(e(self.inv_deploy, "deploy", "ct200", "--allow-dirty")),
             "deploy_warm": warm(e(self.inv_deploy, "deploy", "ct200", "--allow-dirty"), ("ct200",)),
-            "scp_tiny": lambda: timed(self.scp([self.work / "tiny.bin"], "pve1", "/tmp/")),
-            "scp_big": lambda: timed(self.scp(self.big, "pve1", "/tmp/")),
+            "scp_tiny": lambda: self.cpu_of(lambda: timed(self.scp([self.work / "tiny.bin"], "pve1", "/tmp/"))),
+            "scp_big": lambda: self.cpu_of(lambda: timed(self.scp(self.big, "pve1", "/tmp/"))),
             "deploy_big_warm": deploy_big,
             "status1_cold": cold(e(self.inv_runs, "status", "ct200"), status_ok),
             "status20_cold": cold(e(self.inv_runs, "status", "live20"), status_ok),
@@ -298,6 +308,7 @@ class Bench:
         for i in range(self.args.repeat):
             t0 = time.monotonic()
             for name, fn in cases.items():  # every case once per round: load hits them alike
+                self.case = name
                 self.samples[name].append(fn())
             say(f"round {i + 1}/{self.args.repeat}: {time.monotonic() - t0:.0f}s")
         self.count_poll()
@@ -420,14 +431,16 @@ class Bench:
             measured = f" ({row.ratio[0]:.2f}x)" if row.ratio else ""
             lines.append(f"| {row.what} | {row.settings} | {row.seconds:.3f} s{measured} | {row.seconds / F:.2f}x | "
                          f"{row.seconds / S:.2f}x | {row.goal} | {'met' if row.met else '**not met**'} |")
-        lines += ["", "| case | median s | samples |", "|---|---:|---|"]
-        lines += [f"| {k} | {med[k]:.3f} | {' '.join(f'{x:.3f}' for x in v)} |" for k, v in self.samples.items()]
+        lines += ["", "| case | median s | client CPU s | samples s |", "|---|---:|---:|---|"]
+        lines += [f"| {k} | {med[k]:.3f} | {statistics.median(self.cpu[k]) if self.cpu.get(k) else float('nan'):.3f} | "
+                  f"{' '.join(f'{x:.3f}' for x in v)} |" for k, v in self.samples.items()]
         for what, c in self.counts.items():
             lines.append(f"\n{what}: {json.dumps(c)}")
         print("\n".join(lines))
         out = Path(self.args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"median_s": med, "samples": self.samples, "counts": self.counts,
+        out.write_text(json.dumps({"median_s": med, "samples": self.samples, "client_cpu_s": self.cpu,
+                                   "counts": self.counts,
                                    "link_MBps": link, "repeat": self.args.repeat, "cpus": os.cpu_count(),
                                    "settings": {"default": self.label_default, "warm": self.label_warm},
                                    "rows": [{**row.__dict__, "met": row.met} for row in rows]}, indent=2))
