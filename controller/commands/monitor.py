@@ -302,14 +302,17 @@ def _decoded(records: list[dict[str, Any]]) -> list[MetricPoint]:
     return [p for p in (parse_line(json.dumps(rec)) for rec in records) if isinstance(p, MetricPoint)]
 
 
-def point_window(reg: Registry, run: RunRecord, *, window: int = 20, history: int = 20) -> PointWindow:
+def point_window(reg: Registry, run: RunRecord, *, window: int = 20, history: int = 20,
+                 last_time: bool = True) -> PointWindow:
     """The run's PointWindow, in a few indexed reads however many points it has: what `verdict` would take from
-    `stored_points` (the same steady window, step and time), without decoding the rest."""
-    n, last_time = reg.point_count(run.id)
+    `stored_points` (the same steady window, step and time), without decoding the rest. The newest point time
+    (a read of every point) only `last_time`: a verdict needs it only when no pull says when the log grew."""
+    n = reg.point_count(run.id)
     steady = _decoded(reg.steady_points(run.id, skip=warmup_skip(n), last=window))
     top = _decoded([rec for rec in [reg.top_point(run.id)] if rec is not None])
     recent = _decoded(reg.recent_points(run.id, history))
-    return PointWindow(tuple(steady), top[0] if top else None, last_time, tuple(p.tok_s for p in recent))
+    return PointWindow(tuple(steady), top[0] if top else None, reg.last_point_time(run.id) if last_time else None,
+                       tuple(p.tok_s for p in recent))
 
 
 def judge(
@@ -344,7 +347,7 @@ def baseline_rate(reg: Registry, base: Baseline | None) -> tuple[str, float] | N
     """(label, steady-state tok/s) of the baseline's stored points; None without points."""
     if base is None:
         return None
-    n, _ = reg.point_count(base.run.id)
+    n = reg.point_count(base.run.id)
     rates = reg.steady_rates(base.run.id, skip=warmup_skip(n))  # steady_state of its points, without decoding them
     rate = statistics.median(rates) if rates else None
     return (base.label, rate) if rate else None
@@ -356,7 +359,7 @@ def status_of(
 ) -> RunStatus:
     """One run's status line. `unreachable` (why its container did not answer) makes the verdict UNREACHABLE:
     the stored points still give step and rate, but no stall or crash is concluded from the silence."""
-    points = point_window(reg, run)
+    points = point_window(reg, run, last_time=pull is None or pull.log_mtime is None)
     v = judge(run, points, baseline, pull=pull, slow_ratio=slow_ratio, stall_after_s=stall_after_s)
     if unreachable is not None:
         v = replace(v, state=RunState.UNREACHABLE, idle_s=None,
