@@ -41,6 +41,8 @@ from tests.pvehost import PveHost, find_free_port, missing_prerequisites  # noqa
 PER_NODE = 20  # containers per node: 2 + 18 extra
 LIVE = [f"ct{v}" for v in (*range(200, 210), *range(300, 310))]  # one live run each: 20 runs on 2 hosts
 LAUNCH_CT, TAIL_CT, BIG_CT = "ct219", "ct218", "ct201"
+YOUNG_CT, OLD_CT = "ct216", "ct217"  # a finished run of 3 points, and one of 30,000 (a 36-day run's history)
+OLD_POINTS = 30_000
 START = """#!/usr/bin/env bash
 exec python3 {{ payload["emit_metrics.py"] }} --no-preamble --tok-s 12800 --steps {{ steps }} --interval {{ interval }}
 """
@@ -204,7 +206,7 @@ class Bench:
         self.run_ok(self.ctl(self.inv_deploy, "deploy", "ct200", "--allow-dirty"), e)
         self.run_ok(self.ctl(self.inv_big, "deploy", BIG_CT, "--allow-dirty"), e)
         self.run_ok(self.ctl(self.inv_runs, "deploy", "live20", "--allow-dirty"), e)
-        self.run_ok(self.ctl(self.inv_launch, "deploy", LAUNCH_CT, TAIL_CT, "--allow-dirty"), e)
+        self.run_ok(self.ctl(self.inv_launch, "deploy", LAUNCH_CT, TAIL_CT, YOUNG_CT, OLD_CT, "--allow-dirty"), e)
         rendered = w / "start_training.sh"  # the seeds push the rendered script too
         rendered.write_bytes((h.rootfs(200) / "root" / "dep" / "start_training.sh").read_bytes())
         self.seeds_files = [*(w / f for f in FILES), rendered]
@@ -222,6 +224,14 @@ class Bench:
             fh.seek(0, os.SEEK_END)
             fh.write(lines)
         self.log_size = log.stat().st_size
+        say(f"set-up: a run with {OLD_POINTS:,} points ...")
+        for ct, run in ((YOUNG_CT, "young1"), (OLD_CT, "old1")):
+            self.run_ok(self.ctl(self.inv_launch, "launch", ct, "--run", run, "-f"), e)
+        old = h.rootfs(int(OLD_CT[2:])) / "workspace" / "b" / "train_stdout_old1.log"
+        with old.open("ab") as fh:  # what it logged over weeks, pulled once (untimed) below
+            fh.write(b"".join(b"[%dm] step=%d loss=9.1 lr=3.0e-04 (12.8Ktok/s) q_hs=[0] | ETA=1.0d\n" % (s, s)
+                              for s in range(4, OLD_POINTS + 1)))
+        self.run_ok(self.ctl(self.inv_launch, "status", YOUNG_CT, OLD_CT), e)
         self.run_ok(self.ctl(self.inv_runs, "status", "live20"), e)  # first pulls of the live runs, untimed
 
     # --- cases -----------------------------------------------------------------------------------
@@ -293,6 +303,8 @@ class Bench:
             "ping40_warm": warm(e(self.inv_runs, "ping"), both),
             "launch_first_line_warm": launch_first_line,
             "trainer_start": trainer_start,
+            "status_young_warm": warm(e(self.inv_launch, "status", YOUNG_CT), (YOUNG_CT,)),
+            "status_old_warm": warm(e(self.inv_launch, "status", OLD_CT), (OLD_CT,)),
             "tail_small_cold": cold(e(self.inv_launch, "tail", TAIL_CT, "--run", "small1")),
             "tail_big_cold": cold(e(self.inv_launch, "tail", TAIL_CT, "--run", "big1")),
             "tail_small_warm": warm(e(self.inv_launch, "tail", TAIL_CT, "--run", "small1"), (TAIL_CT,)),
@@ -409,6 +421,11 @@ class Bench:
             rows.append(Row("`ctl supervise --once`, 20 live runs (issue 15)", self.label_warm,
                             med["supervise20_warm"], f"<= 2x `ctl status` of 1 run ({med['status1_warm']:.2f} s)",
                             None, (r, 2.0)))
+        if have("status_old_warm", "status_young_warm"):
+            r = med["status_old_warm"] / med["status_young_warm"]
+            rows.append(Row(f"`ctl status` of a run of {OLD_POINTS:,} points (weeks of history)", self.label_warm,
+                            med["status_old_warm"], f"<= 1.2x `ctl status` of a run of 3 points "
+                            f"({med['status_young_warm']:.2f} s)", None, (r, 1.2)))
         if have("launch_first_line_warm", "trainer_start"):
             rows.append(Row("`ctl launch -f` to the first log line", self.label_warm, med["launch_first_line_warm"],
                             f"<= 2x the floor + the trainer's own start ({med['trainer_start']:.2f} s)",
