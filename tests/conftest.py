@@ -63,6 +63,27 @@ def ctl_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # --------------------------------------------------------------------------------------------
+# Persistent host sessions (on by default): each test's state directory has its own, ended at its teardown
+
+
+def end_sessions(state: Path) -> None:
+    """Stop the persistent sessions of a test's state directory (`ctl mux stop`, no grace), then kill by pid any
+    that did not go (one stopped with SIGSTOP by a test, one that no longer answers): none outlives its test."""
+    from controller.transport import mux
+
+    with contextlib.suppress(Exception):
+        mux.stop(timeout=5, grace=0, state=state)
+    d = state / "mux"
+    for info in d.glob("*.json") if d.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ProcessLookupError):
+            pid = int(json.loads(info.read_text())["pid"])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"controller.transport.mux.daemon" in cmdline:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------------------------
 # The local Proxmox test host (tests/pvehost), once per session
 
 
