@@ -216,7 +216,7 @@ class HostRelay:
             for kind, sid, payload in frames(iter(lambda: chan.recv(_CHUNK), b"")):
                 self._dispatch(kind, sid, payload)
         except (OSError, EOFError) as e:
-            self._fail(ConnectionDropped(f"SSH connection dropped: {e or type(e).__name__}"))
+            self._fail(ConnectionDropped(f"SSH connection dropped: {e or type(e).__name__}{self.host._why()}"))
             return
         except FrameError as e:  # nothing after a bad header can be trusted: end the channel and its streams
             self._fail(RelayExited(f"ctl's relay: {e.message}"))
@@ -224,7 +224,7 @@ class HostRelay:
                 chan.close()
             return
         status = chan.recv_exit_status() if chan.exit_status_ready() else -1
-        self._fail(ConnectionDropped("SSH connection dropped") if status == -1
+        self._fail(ConnectionDropped(f"SSH connection dropped{self.host._why()}") if status == -1
                    else RelayExited(f"ctl's relay exited with status {status}"))
 
     def _dispatch(self, kind: bytes, sid: int, payload: bytes) -> None:

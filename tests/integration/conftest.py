@@ -68,6 +68,7 @@ def pve_env(pvehost: PveHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     shutil.copy(FAKE, tmp_path / "emit_metrics.py")
     state = tmp_path / "state"
     monkeypatch.setenv("CTL_STATE_DIR", str(state))
+    monkeypatch.delenv("CTL_PERSIST", raising=False)  # the default (sessions on) unless a test says otherwise
     env = dict(os.environ, CTL_STATE_DIR=str(state), PYTHONPATH=str(REPO))
     e = Env(tmp_path, tmp_path / "inventory.yaml", state, tag, pvehost, env)
     e.base_extra = {
