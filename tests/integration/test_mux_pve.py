@@ -271,4 +271,34 @@ def test_session_process_gets_only_the_environment_it_needs(persist: Env) -> Non
     assert seen[b"CTL_STATE_DIR"] == str(env.state).encode()
     assert b"PATH" in seen
     assert set(seen) <= {b"PATH", b"HOME", b"USER", b"LOGNAME", b"LANG", b"TMPDIR", b"SSH_AUTH_SOCK", b"PYTHONPATH",
-                         b"PYTHONHOME", b"XDG_RUNTIME_DIR", b"CTL_STATE_DIR"} | {k for k in seen if k.startswith(b"LC_")}
+                         b"PYTHONHOME", b"XDG_RUNTIME_DIR", b"CTL_STATE_DIR"} | {
+                             k for k in seen if k.startswith(b"LC_")}
+
+
+# Runs `ctl ARGS` and writes the modules it imported to OUT when it exits (tests/test_cli_startup.py's hook).
+_HOOK = ("import atexit, json, runpy, sys\n"
+         "out = sys.argv.pop(1)\n"
+         "atexit.register(lambda: open(out, 'w').write(json.dumps(sorted(sys.modules))))\n"
+         "sys.argv[0] = 'ctl'\n"
+         "runpy.run_module('controller', run_name='__main__')\n")
+
+
+def test_commands_through_a_session_never_import_paramiko(persist: Env) -> None:
+    """The client side of a command that has a session (warm, or one it starts: the session process connects)
+    imports no paramiko; with sessions off it does (the check can fail)."""
+    env = persist
+    out = env.dir / "modules.json"
+
+    def imported(*args: str, extra: dict[str, str] | None = None) -> set[str]:
+        r = subprocess.run([sys.executable, "-c", _HOOK, str(out), "-i", str(env.inventory), *args],
+                           capture_output=True, text=True, env={**env.env, **(extra or {})}, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return set(json.loads(out.read_text()))
+
+    cold = imported("--debug", "ping", "ct200")
+    assert "paramiko" not in cold
+    env.ctl("deploy", "ct200", "--allow-dirty", check=True)
+    for args in (("ping", "ct200", "ct201"), ("deploy", "ct200", "--check"), ("runs",)):
+        mods = imported(*args)
+        assert not {"paramiko", "proxmoxer", "cryptography", "nacl"} & mods, (args, {"paramiko"} & mods)
+    assert "paramiko" in imported("ping", "ct200", extra={"CTL_PERSIST": "0"})
