@@ -302,3 +302,45 @@ def test_commands_through_a_session_never_import_paramiko(persist: Env) -> None:
         mods = imported(*args)
         assert not {"paramiko", "proxmoxer", "cryptography", "nacl"} & mods, (args, {"paramiko"} & mods)
     assert "paramiko" in imported("ping", "ct200", extra={"CTL_PERSIST": "0"})
+
+
+def test_every_operation_of_every_command_goes_through_the_one_session(persist: Env, tmp_path: Path) -> None:
+    """Deploy, exec, follows (launch -f, tail -f), status, metrics, the environment probe, a download (cache save
+    --local), pct on the host (snapshots) and several containers at once: one SSH login on the host, the session's.
+    A container with its own sshd gets one session of its own."""
+    from tests.conftest import fill_cache
+    from tests.integration.conftest import container_venv
+
+    env = persist
+    inside, _venv = container_venv(env)
+    cache, store = f"/workspace/{env.tag}/inductor", f"/workspace/{env.tag}/caches"
+    env.write(containers={"ct200": {"vars": {"venv": inside, "compile_cache_dir": cache, "cache_store": store}}})
+    fill_cache(env.host.rootfs(200) / cache.lstrip("/"))
+    logs = {"pve1": env.host.base / "pve1" / "sshd.log", "ct301": env.host.rootfs(301) / "var" / "log" / "sshd.log"}
+
+    def logins() -> dict[str, int]:
+        return {k: p.read_text(errors="replace").count("Accepted publickey") if p.exists() else 0
+                for k, p in logs.items()}
+
+    before = logins()
+    steps: list[tuple[tuple[str, ...], tuple[int, ...]]] = [
+        (("deploy", "ct200", "ct201", "ct301", "--allow-dirty"), (0,)),
+        (("ping", "ct200", "ct201", "ct301"), (0,)),
+        (("launch", "ct200", "--run", "one", "-f"), (0,)),
+        (("tail", "ct200", "--run", "one"), (0,)),
+        (("tail", "ct200", "--run", "one", "-f"), (0,)),
+        (("status", "ct200"), (0, 20, 21, 22)),
+        (("metrics", "pull", "one"), (0,)),
+        (("env", "probe", "ct200"), (0,)),
+        (("cache", "save", "ct200", "c1", "--local", str(tmp_path / "pulled")), (0,)),
+        (("snapshot", "list", "ct200"), (0,)),
+        (("deploy", "ct200", "ct301", "--check"), (0,)),
+    ]
+    for args, ok in steps:
+        r = env.ctl(*args)
+        assert r.returncode in ok, (args, r.stdout, r.stderr)
+    assert (tmp_path / "pulled" / "c1.tar.gz").stat().st_size > 0
+    time.sleep(0.5)  # sshd writes its log line as a login completes
+    after = logins()
+    assert {k: after[k] - before[k] for k in logs} == {"pve1": 1, "ct301": 1}, (before, after)
+    assert sorted(d["host"] for d in mux_mod.sessions()) == ["ct301", "pve1"]
