@@ -231,10 +231,10 @@ def serve(spec: dict[str, Any]) -> int:
     try:
         private(path.parent, create=False, what="ctl's socket directory")
         private(info.parent, create=False, what="ctl's session directory")
+        existing = connect(path)
     except CtlError as e:
         _say(error_doc(e))
         return 1
-    existing = connect(path)
     if existing is not None:  # started by hand next to a live one: keep that one
         existing.close()
         _say({"ready": True, "existing": True})
