@@ -76,11 +76,15 @@ def end_sessions(state: Path) -> None:
     d = state / "mux"
     for info in d.glob("*.json") if d.is_dir() else []:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ProcessLookupError):
-            pid = int(json.loads(info.read_text())["pid"])
+            doc = json.loads(info.read_text())
+            pid = int(doc["pid"])
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             if b"controller.transport.mux.daemon" in cmdline:
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
+                sock = Path(doc["socket"])  # killed: nobody else removes it (the socket dir is shared)
+                if sock.is_socket() and sock.stat().st_uid == os.getuid():
+                    sock.unlink()
 
 
 # --------------------------------------------------------------------------------------------
