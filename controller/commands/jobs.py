@@ -84,10 +84,10 @@ def _rdzv_args(job: Job, nonce: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _judge_rendezvous(job: Job, docs: dict[str, dict[str, Any]]) -> list[runs.Check]:
+def _judge_rendezvous(job: Job, docs: dict[str, dict[str, Any]]) -> dict[str, runs.Check]:
     """The rendezvous part of the probes: the endpoint node could listen, every other node got through."""
     if job.nnodes < 2:
-        return []
+        return {}
     first = job.nodes[0].name
     listen = docs[first].get("rdzv") or {}
     endpoint = job.rdzv_endpoint
@@ -99,7 +99,8 @@ def _judge_rendezvous(job: Job, docs: dict[str, dict[str, Any]]) -> list[runs.Ch
                             "rdzv_port")
         raise RendezvousUnreachable(f"{job.name}: {first}: cannot listen on the rendezvous port "
                                     f"{job.spec.rdzv_port}: {why}")
-    checks = [runs.Check("rendezvous", True, f"{first} listens on port {job.spec.rdzv_port}")]
+    checks = {first: runs.Check("rendezvous", True, f"listens on port {job.spec.rdzv_port}: "
+                                                    f"{job.nnodes - 1} node(s) got through")}
     for ct in job.nodes[1:]:
         got = docs[ct.name].get("rdzv") or {}
         if not isinstance(got, dict) or not got.get("ok"):
@@ -109,7 +110,7 @@ def _judge_rendezvous(job: Job, docs: dict[str, dict[str, Any]]) -> list[runs.Ch
                 f"rdzv_port) from inside its container: {why}; nothing was started",
                 hint="check the first node's `address:` and the firewall between the nodes; README: Runs across "
                      "several containers")
-        checks.append(runs.Check("rendezvous", True, f"{ct.name} reaches {endpoint} ({got.get('seconds', 0)}s)"))
+        checks[ct.name] = runs.Check("rendezvous", True, f"reaches {endpoint} ({got.get('seconds', 0)}s)")
     return checks
 
 
@@ -156,7 +157,8 @@ def launch(
                                                  allow_drift=allow_drift, force=force, doc=docs[ct.name])
             except CtlError as e:
                 raise node_error(job.name, str(e), int(e.exit_code), "; nothing was started or claimed") from None
-        checks[nodes[0].name] += _judge_rendezvous(job, docs)
+        for node_name, check in _judge_rendezvous(job, docs).items():
+            checks[node_name].append(check)
         if probe_env:
             got = fanout(pool, nodes, lambda ct, t: environment.probe_for_launch(inv, ct, t,
                                                                                    allow_mismatch=allow_env_mismatch))
