@@ -499,3 +499,88 @@ def _settle_now(inv: Inventory, reg: Registry, pool: Pool, run: RunRecord) -> Ru
     members = [r for o in fresh if o.value for r in o.value] or members
     members.sort(key=lambda m: m.node_rank or 0)
     return settle(inv, reg, pool, reg.run_by_id(run.id), members)
+
+
+# --- restarts (ctl supervise) ----------------------------------------------------------------------------
+
+
+def next_name(inv: Inventory, pool: Pool, reg: Registry, job_name: str) -> str:
+    """The next of the series after every run of the job and of its nodes, and every log on every node (one
+    agent round trip per node, in parallel)."""
+    job = inv.job(job_name)
+    pattern = runs._series_glob(inv)
+    got = fanout(pool, list(job.nodes), lambda ct, t: Agent(t).call("probe", {"series_glob": pattern}))
+    err = _first_failure(job.name, got)
+    if err is not None:
+        raise err
+    logs = [n for o in got for n in (o.value or {}).get("series_logs", []) if isinstance(n, str)]
+    return runs._name_after(inv, [job.name, *(c.name for c in job.nodes)], reg, logs)
+
+
+def find_checkpoint(inv: Inventory, pool: Pool, reg: Registry, failed: RunRecord) -> dict[str, Any] | None:
+    """The newest complete checkpoint of the failed run or its ancestors, looked for on every node (the node
+    that writes checkpoints is torchrun's choice): {"dir", "step", "run", "node"}, or None."""
+    template = inv.model.runs.checkpoints
+    dirs = [{"run": r.name, "dir": template.replace("{dir}", r.run_dir).replace("{run}", r.name)}
+            for r in reversed(reg.lineage(failed.id)) if r.run_dir]
+    if not dirs:
+        return None
+    job = inv.job(failed.ct)
+    got = fanout(pool, list(job.nodes), lambda ct, t: Agent(t).call("ckptscan", {"dirs": dirs}, timeout=600))
+    best: dict[str, Any] | None = None
+    for o in got:
+        found = (o.value or {}).get("found")
+        if isinstance(found, dict) and isinstance(found.get("step"), int) and (
+                best is None or found["step"] > best["step"]):
+            best = {**found, "node": o.ct}
+    return best
+
+
+def spread_checkpoint(inv: Inventory, pool: Pool, job_name: str, found: dict[str, Any]) -> list[str]:
+    """Give every node of the job its own copy of the checkpoint `found` (the payload resumes each node from its
+    own copy, at the same path): nodes that have it complete keep theirs; to the others it is carried from the
+    node that has it, through this machine (base64 lines in, a tar stream out, unpacked beside its place and
+    checked against its manifest before it is renamed there). Returns the nodes it was copied to."""
+    import base64
+
+    from controller.remote.client import agent_source
+
+    job = inv.job(job_name)
+    path, step = str(found["dir"]), int(found["step"])
+    parent = path.rstrip("/").rsplit("/", 1)[0]
+    scans = fanout(pool, [c for c in job.nodes if c.name != found["node"]],
+                   lambda ct, t: Agent(t).call("ckptscan", {"dirs": [{"run": "", "dir": parent}]}, timeout=600))
+    lacking = [inv.container(o.ct) for o in scans
+               if not (o.ok and ((o.value or {}).get("found") or {}).get("step") == step
+                       and ((o.value or {}).get("found") or {}).get("dir") == path)]
+    if not lacking:
+        return []
+    src_t = pool.container(inv.container(str(found["node"])))
+    src_agent = Agent(src_t)
+    src = src_t.open(src_agent.argv("packdir", {"dir": path}))
+    src.send(agent_source())
+    dests = []
+    for ct in lacking:
+        t = pool.container(ct)
+        d = t.open(Agent(t).argv("unpackdir", {"dir": path, "follow": list(ct.spec.follow_symlinks)}))
+        d.send(agent_source())
+        dests.append((ct, t, d))
+    head = Agent.json_line(src.readline(timeout=120))
+    if head is None or not head.get("ok"):
+        src_agent.fail("packdir", src.finish(timeout=30))
+    while True:
+        line = src.readline(timeout=600)
+        if not line:
+            raise ConnectionFailed(f"{job_name}: {found['node']}: the checkpoint {path} stream ended early")
+        if line.startswith(b"{"):
+            break
+        chunk = base64.b64decode(line)
+        for _ct, _t, d in dests:
+            d.send(chunk)
+    src.finish(timeout=60)
+    for ct, t, d in dests:
+        doc = Agent(t).parse("unpackdir", d.finish(timeout=600))
+        if not doc.get("ok"):
+            raise node_error(job_name, f"{ct.name}: copying checkpoint {path} from {found['node']}: "
+                                       f"{doc.get('error')}", int(ExitCode.VERIFY))
+    return [ct.name for ct, _t, _d in dests]

@@ -377,8 +377,14 @@ def refresh(inv: Inventory, ct: Container, t: Transport, reg: Registry, runs: li
         state, code = _state_from(st)
         if state != r.state:
             updated[r.id] = reg.update_run(r.id, state=state, exit_status=code,
-                                           ended=st.get("log_mtime") if state != Lifecycle.RUNNING else None)
+                                           ended=_ended(st) if state != Lifecycle.RUNNING else None)
     return [updated.get(r.id, r) for r in runs]
+
+
+def _ended(st: dict[str, Any]) -> float | None:
+    """When a run ended, by the container's clock: its exit status file's time (a torchrun killed alone leaves
+    workers that still write the log), else the log's last write."""
+    return st.get("exit_mtime") or st.get("log_mtime")
 
 
 def _reconcile(reg: Registry, r: RunRecord, st: dict[str, Any]) -> RunRecord | None:
@@ -408,7 +414,7 @@ def _reconcile(reg: Registry, r: RunRecord, st: dict[str, Any]) -> RunRecord | N
                   "dirty": bool(record.get("dirty")), "files": record.get("files") or {},
                   "vars": record.get("vars") or {}, "env_fingerprint": record.get("env_fingerprint")}
     return reg.update_run(r.id, state=state, exit_status=code, started=r.started or r.created,
-                          ended=st.get("log_mtime") if state != Lifecycle.RUNNING else None,
+                          ended=_ended(st) if state != Lifecycle.RUNNING else None,
                           note=f"reconciled from the container{was}", **fields)
 
 
@@ -532,8 +538,10 @@ def follow(
     state, code = _state_from(st)
     if crash is not None and state == Lifecycle.RUNNING:
         state = Lifecycle.CRASHED
-    if state not in (Lifecycle.RUNNING, Lifecycle.CRASHED) and run.state.live:
-        reg.update_run(run.id, state=state, exit_status=code, ended=time.time())
+    # Recorded only if nothing else recorded its end meanwhile (`ctl stop`, or the teardown of a run across
+    # several containers, says STOPPED: the exit status that stop caused is no failure of its own)
+    if state not in (Lifecycle.RUNNING, Lifecycle.CRASHED) and reg.run_by_id(run.id).state.live:
+        reg.update_run(run.id, state=state, exit_status=code, ended=_ended(st) or time.time())
     if crash:
         reg.update_run(run.id, crash=crash)
     return FollowEnd(code, crash, state)

@@ -72,7 +72,7 @@ class Job:
         assert r.returncode == 0, f"ctl {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
         return r.stdout
 
-    def write(self, nodes: tuple[int, ...] = (200, 300)) -> None:
+    def write(self, nodes: tuple[int, ...] = (200, 300), **train_args: Any) -> None:
         cts = {f"ct{v}": {"address": ADDRESS[v], "gpus": {}, "nccl": {"socket_ifname": "lo"}} for v in ADDRESS}
         self.host.write_inventory(
             self.dir / "inventory.yaml", containers=cts,
@@ -81,7 +81,7 @@ class Job:
             payload=[{"src": "allreduce.py", "dest": f"/root/{self.tag}/train_dflash_pipeline.py"},
                      {"template": "templates/start_training.sh.j2", "dest": f"/root/{self.tag}/start_training.sh",
                       "mode": "0755"}],
-            vars={"python": sys.executable, "train_args": {"steps": 0, "interval": 0.2}},
+            vars={"python": sys.executable, "train_args": {"steps": 0, "interval": 0.2, **train_args}},
             runs={"series": "mn", "session": self.tag, "log": f"/workspace/{self.tag}/train_{{run}}.log",
                   "dir": f"/workspace/{self.tag}/runs/{{run}}"})
 
@@ -181,20 +181,29 @@ def test_a_node_killed_crashes_the_run_and_nothing_is_left(job: Job) -> None:
     job.ok("deploy", "pair", "--allow-dirty")
     job.ok("launch", "pair", "--run", "kill1")
     both_training(job, "kill1", steps=2)
-    pid = int(job.log(300, "kill1", ".pid").read_text())
-    assert job.attach(300, "kill", "-9", str(pid)).returncode == 0
-    t0 = time.monotonic()
-
-    def crashed() -> dict[str, Any] | None:
-        r = job.ctl("--json", "status", "pair")
-        st = json.loads(r.stdout)[0]
-        return st if st["verdict"] == "crashed" else None
-
-    st = wait_for("ctl status to say CRASHED", crashed, timeout=15, every=0)
-    assert "ct300: exit 137 (SIGKILL)" in st["reason"]
+    # `ctl tail -f` is what notices here (status and supervise settle a run the same way: see the supervise test)
+    follow = subprocess.Popen([sys.executable, "-m", "controller", "-i", str(job.dir / "inventory.yaml"), "tail",
+                               "kill1", "-f", "-n", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=job.env)
+    try:
+        wait_for("the follow to print both nodes' lines", lambda: max(job.steps(200, "kill1")) >= 4, timeout=60)
+        time.sleep(1)
+        pid = int(job.log(300, "kill1", ".pid").read_text())
+        assert job.attach(300, "kill", "-9", str(pid)).returncode == 0
+        t0 = time.monotonic()
+        out, err = follow.communicate(timeout=15)
+    finally:
+        follow.kill()
+    assert follow.returncode == int(ExitCode.RUN_FAILED), err
+    assert "[ct200] [0m] step=" in out and "[ct300] [0m] step=" in out
+    assert "run kill1: crashed: ct300: exit 137 (SIGKILL)" in out
     wait_for("no trainer on either node", lambda: not job.trainers(200) and not job.trainers(300),
              timeout=max(0.1, 15 - (time.monotonic() - t0)), every=0.2)
     assert time.monotonic() - t0 <= 15
+    r = job.ctl("--json", "status", "pair")
+    (st,) = json.loads(r.stdout)
+    assert r.returncode == int(ExitCode.RUN_FAILED) and st["verdict"] == "crashed"
+    assert "ct300: exit 137 (SIGKILL)" in st["reason"]
     (run,) = json.loads(job.ok("--json", "runs"))
     assert run["state"] == "crashed" and run["crash"] == "ct300: exit 137 (SIGKILL)" and run["exit_status"] == 137
     shown = json.loads(job.ok("--json", "show", "kill1"))
@@ -240,3 +249,34 @@ def test_a_node_that_fails_to_start_gets_the_others_stopped(job: Job) -> None:
     wait_for("no trainer on ct200", lambda: not job.trainers(200), timeout=20)
     (run,) = json.loads(job.ok("--json", "runs"))
     assert run["state"] == "failed" and "ct300 did not start" in run["note"]
+
+
+def test_supervise_restarts_the_whole_run_from_the_newest_checkpoint_on_every_node(job: Job) -> None:
+    job.write(**{"ckpt-every": 3})
+    job.ok("deploy", "pair", "--allow-dirty")
+    job.ok("launch", "pair", "--run", "sup1")
+
+    def ckpt(vmid: int, run: str = "sup1") -> list[int]:
+        d = job.host.rootfs(vmid) / "workspace" / job.tag / "runs" / run / "checkpoints"
+        return sorted(int(p.parent.name[5:]) for p in d.glob("step_*/manifest.json"))
+
+    holder = wait_for("a checkpoint", lambda: next((v for v in (200, 300) if ckpt(v)), None), timeout=150)
+    assert ckpt(500 - holder) == []  # only global rank 0 writes them: one node has them, the other not
+    victim = 500 - holder
+    assert job.attach(victim, "kill", "-9", job.log(victim, "sup1", ".pid").read_text().strip()).returncode == 0
+    once = ("supervise", "--once", "--restart", "on-failure:1", "--backoff", "1s")
+    job.ok(*once)  # sees the crash (and stops the survivor): the restart is planned
+    (crashed,) = json.loads(job.ok("--json", "runs"))
+    assert crashed["state"] == "crashed" and crashed["crash"].startswith(f"ct{victim}: exit 137")
+    time.sleep(1.2)
+    job.ok(*once)  # relaunches the whole run, every node from its own copy of the newest checkpoint
+    step = max(ckpt(holder))
+    assert ckpt(victim) == [step]  # carried to the node that lacked it, verified by its manifest
+    tree = json.loads(job.ok("--json", "runs", "--tree"))
+    assert [[(r["run"], r["state"], r["resumed_step"]) for r in chain] for chain in tree] == [
+        [("sup1", "crashed", None), ("mn1", "running", step)]]
+    both_training(job, "mn1", steps=step + 2)
+    assert min(min(job.steps(v, "mn1")) for v in (200, 300)) == step + 1  # both continued where it left off
+    resumed = [v for v in (200, 300) if f"resumed from step {step}" in job.log(v, "mn1").read_text()]
+    assert len(resumed) == 1  # said once, by global rank 0
+    job.ok("stop", "mn1", "--grace", "5")
