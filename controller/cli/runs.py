@@ -18,7 +18,6 @@ from controller.cli.app import (
     _one_ct,
     _out,
     _registry,
-    _run_and_ct,
     _session,
     _table,
     _warn,
@@ -315,14 +314,28 @@ def stop_cmd(
 
 
 @app.command("attach")
-def attach_cmd(run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID.")) -> None:
+def attach_cmd(
+    run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID."),
+    node: str | None = typer.Option(None, "--node", help="A run across several containers: the node to attach "
+                                                         "to (its container or its index; default: node 0)."),
+) -> None:
     """Attach to the run's tmux session interactively (ssh -t + pct exec; detach with C-b d). A run that has
     ended has no session left: ctl says how it ended and points to `ctl tail`."""
     from controller.commands import runs
 
     inv = _inv()
     reg = _registry()
-    rec, ct = _run_and_ct(inv, reg, run)
+    rec = reg.find_run(run)
+    if rec.multi:
+        members = reg.members(rec.id)
+        pick = [m for m in members if node in (m.ct, str(m.node_rank))] if node is not None else members[:1]
+        if not pick:
+            raise InputError(f"run {rec.name} has no node {node!r} (nodes: "
+                             + ", ".join(f"{m.node_rank}={m.ct}" for m in members) + ")")
+        rec = pick[0]
+    elif node is not None:
+        raise InputError("--node is for a run across several containers")
+    ct = inv.container(rec.ct)
     with session(inv) as pool:
         t = pool.container(ct)
         rec = runs.refresh(inv, ct, t, reg, [rec])[0]
