@@ -960,6 +960,8 @@ def _line_times(log, ends):
         return []
     samples = []
     try:
+        if not stat.S_ISREG(os.lstat(log + ".times").st_mode):  # the container's file: no FIFO, device, symlink
+            return [None] * len(ends)
         with open(log + ".times", "rb") as f:
             pos = f.seek(0, 2)
             tail = b""
