@@ -73,6 +73,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -618,10 +619,10 @@ def share_frozen(topo: dx.Topo, group, model=None, extra: dict | None = None):
         return None
     info = [None]
     dist.broadcast_object_list(info, src=topo.base, group=group)
-    from transformers import Qwen3Config
-
     meta = info[0]
-    cfg = Qwen3Config(**{k: v for k, v in meta["config"].items() if k not in ("architectures", "model_type")})
+    # The fields as the target serialised them (DrafterConfig.from_target reads a few): no transformers import in
+    # a drafter, a second or two less of start-up in every one.
+    cfg = SimpleNamespace(**meta["config"])
     dtype = getattr(torch, meta["dtype"])
     weights = []
     for _ in range(1 if meta["tied"] else 2):
