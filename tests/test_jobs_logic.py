@@ -127,3 +127,38 @@ def test_line_times_come_from_the_launchers_samples(tmp_path: Path) -> None:
     assert got["times"][0] == 101.0  # "two\n" ends at 8: the sample at size 8
     assert got["times"][1] == 102.5 and got["times"][2] == 102.5  # a sample written with a decimal comma counts
     assert agent_mod.tailinfo({"log": str(log), "lines": 2})["text"] == "three\nfour\n"  # no times unless asked
+
+
+def _pulled(run: str, *, idle_s: float) -> object:
+    from controller.commands.monitor import PullResult
+
+    return PullResult(run, 0, 0, 0, 0, 0, 0, 1, 0, None, None, None, log_mtime=1000.0, remote_now=1000.0 + idle_s)
+
+
+def test_only_nodes_that_log_metrics_can_stall_a_run(tmp_path: Path) -> None:
+    """The DFlash payload logs metric lines on node 0 alone; node 1's log goes quiet after its first lines by
+    design, and must not make a training run STALLED. A quiet node 0 still does."""
+    from controller.commands.monitor import job_status
+    from controller.core.metrics import RunState
+    from controller.registry import Registry
+
+    reg = Registry(tmp_path / "r.sqlite3")
+    run, (n0, n1) = reg.claim_job_run("fresh7", "pair", [("ct200", "pve1"), ("ct300", "pve2")],
+                                      session="s-fresh7", log_path="/w/f7.log", run_dir="/w/runs/fresh7")
+    for m in (run, n0, n1):
+        reg.update_run(m.id, state=Lifecycle.RUNNING)
+    run = reg.run_by_id(run.id)
+    now = time.time()
+    pts = [{"step": s, "loss": 5.0, "tok_s": 12800.0, "time": now - 40 + s} for s in range(1, 30)]
+    assert reg.advance_cursor(n0.id, (0, None), 100, "i", b"", pts)
+
+    def judge(idle0: float, idle1: float) -> tuple[RunState, str]:
+        st = job_status(run, reg, ("fresh6", 12800.0), {n0.id: _pulled("fresh7", idle_s=idle0),  # type: ignore[dict-item]
+                                                        n1.id: _pulled("fresh7", idle_s=idle1)},
+                        slow_ratio=0.8, stall_after_s=300)
+        return st.verdict.state, st.verdict.reason
+
+    state, why = judge(idle0=2, idle1=3600)
+    assert state == RunState.OK, why
+    state, why = judge(idle0=3600, idle1=2)
+    assert state == RunState.STALLED and "ct200" in why, why

@@ -419,8 +419,13 @@ def job_status(run: RunRecord, reg: Registry, baseline: tuple[str, float] | None
         crash = "a node ended badly"
     exit_status = 0 if run.state in (Lifecycle.FINISHED, Lifecycle.STOPPED) else None
     idle: dict[str, float] = {}
+    # The DFlash payload logs metric lines on node 0 alone (its tok/s covers every node); the other nodes' logs go
+    # quiet after their first lines by design. Once any node has logged a point, only such nodes can stall the run.
+    reporting = {m.id for m in members if stored_points(reg, m)}
     for m in members:
         res = pulled.get(m.id)
+        if reporting and m.id not in reporting:
+            continue
         if isinstance(res, PullResult) and res.remote_now is not None and res.log_mtime is not None and m.state.live:
             idle[m.ct] = res.remote_now - res.log_mtime  # each on its own container's clock
     stalest = max(idle, key=lambda c: idle[c]) if idle else None
