@@ -142,6 +142,14 @@ SCHEMA = [
         expires REAL NOT NULL
     );
     """,
+    # version 5: runs across several containers (a job): one row for the run, whose `ct` is the job's name and
+    # `nodes` its node count, and one row per node (its container's log, state, metrics) pointing at it
+    """
+    ALTER TABLE runs ADD COLUMN nodes INTEGER;
+    ALTER TABLE runs ADD COLUMN member_of INTEGER REFERENCES runs(id);
+    ALTER TABLE runs ADD COLUMN node_rank INTEGER;
+    CREATE INDEX runs_member_of ON runs(member_of);
+    """,
 ]
 
 
@@ -173,6 +181,14 @@ class RunRecord:
     parent_id: int | None = None  # the run this one was restarted from (ctl supervise)
     resumed_from: str | None = None  # the checkpoint it resumed from
     resumed_step: int | None = None
+    nodes: int | None = None  # a run across several containers: how many (its `ct` is the job's name)
+    member_of: int | None = None  # one node's part of such a run: the run's id
+    node_rank: int | None = None  # that node's index in the job (0 hosts the rendezvous)
+
+    @property
+    def multi(self) -> bool:
+        """A run across several containers (its nodes are `Registry.members`)."""
+        return self.nodes is not None
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -191,6 +207,17 @@ class DeployRecord:
     error: str | None
 
 
+class _Lease:
+    """A thread's use of one of the registry's connections; when the thread ends, its thread-local (and so this)
+    goes, and the connection returns to the registry's free list."""
+
+    def __init__(self, reg: Registry, db: sqlite3.Connection) -> None:
+        self.reg, self.db = reg, db
+
+    def __del__(self) -> None:
+        self.reg._give_back(self.db)
+
+
 class Registry:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or state_dir() / "registry.sqlite3"
@@ -202,30 +229,44 @@ class Registry:
                 private_file(p)
         # One connection per thread (fan-out commands record from worker threads): SQLite's own locking then
         # orders them exactly as it orders two ctl processes, and no transaction is ever nested in another.
+        # A thread that ends hands its connection back for the next thread to take: a long-lived process
+        # (supervise, dashboard) starts threads per poll and per request, and closing their connections would
+        # not free their file descriptors while another connection of the process is open (SQLite keeps them
+        # until the file's last POSIX lock goes), so it would run out of them within hours.
         self._local = threading.local()
         self._conns: list[sqlite3.Connection] = []
-        self._conns_lock = threading.Lock()
+        self._free: list[sqlite3.Connection] = []
+        self._conns_lock = threading.RLock()
         self._migrate()
 
     @property
     def _db(self) -> sqlite3.Connection:
-        db: sqlite3.Connection | None = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
-            db.row_factory = sqlite3.Row
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA busy_timeout=30000")
-            db.execute("PRAGMA foreign_keys=ON")
-            self._local.db = db
+        lease: _Lease | None = getattr(self._local, "lease", None)
+        if lease is None:
             with self._conns_lock:
-                self._conns.append(db)
-        return db
+                db = self._free.pop() if self._free else None
+            if db is None:
+                db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+                db.row_factory = sqlite3.Row
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA busy_timeout=30000")
+                db.execute("PRAGMA foreign_keys=ON")
+                with self._conns_lock:
+                    self._conns.append(db)
+            lease = self._local.lease = _Lease(self, db)
+        return lease.db
+
+    def _give_back(self, db: sqlite3.Connection) -> None:
+        with self._conns_lock:
+            if any(c is db for c in self._conns) and not db.in_transaction:
+                self._free.append(db)
 
     def close(self) -> None:
         with self._conns_lock:
             for db in self._conns:
                 db.close()
             self._conns.clear()
+            self._free.clear()
         self._local = threading.local()
 
     @contextmanager
@@ -284,6 +325,41 @@ class Registry:
         assert run_id is not None
         return self.run_by_id(run_id)
 
+    def claim_job_run(self, name: str, job: str, nodes: list[tuple[str, str | None]], **fields: Any
+                      ) -> tuple[RunRecord, list[RunRecord]]:
+        """Claim `name` for a run of `job` on every node at once, or on none: one transaction inserts the run's row
+        (ct = the job) and one row per node (ct, host), all 'starting'. A node where the name is taken (a run of
+        its own, or a node of another run) raises BusyError naming it, and nothing is claimed anywhere."""
+        now = time.time()
+        enc = _encode(fields)
+        try:
+            with self.tx() as db:
+                for ct, _host in [(job, None), *nodes]:
+                    row = db.execute("SELECT member_of FROM runs WHERE ct=? AND name=?", (ct, name)).fetchone()
+                    if row is not None:
+                        what = "a node of another run" if row[0] is not None else "a run"
+                        raise BusyError(f"run name {name!r} is taken on {ct} ({what} of that name is in the "
+                                        f"registry); nothing claimed on any node of {job}: pick another name")
+                cols = {"name": name, "ct": job, "created": now, "state": Lifecycle.STARTING, "nodes": len(nodes),
+                        **enc}
+                cur = db.execute(f"INSERT INTO runs ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})",  # noqa: S608
+                                 tuple(cols.values()))
+                run_id = cur.lastrowid
+                for rank, (ct, host) in enumerate(nodes):
+                    mcols = {**cols, "ct": ct, "host": host, "nodes": None, "member_of": run_id, "node_rank": rank}
+                    db.execute(f"INSERT INTO runs ({','.join(mcols)}) VALUES ({','.join('?' * len(mcols))})",  # noqa: S608
+                               tuple(mcols.values()))
+        except sqlite3.IntegrityError:  # a concurrent claim won between our SELECT and INSERT
+            raise BusyError(f"run name {name!r} was just claimed on a node of {job}; nothing claimed: pick another "
+                            "name") from None
+        assert run_id is not None
+        return self.run_by_id(run_id), self.members(run_id)
+
+    def members(self, run_id: int) -> list[RunRecord]:
+        """The nodes of a run across several containers, by node rank (empty for a run of one container)."""
+        rows = self._db.execute("SELECT * FROM runs WHERE member_of=? ORDER BY node_rank", (run_id,))
+        return [_run(r) for r in rows]
+
     def update_run(self, run_id: int, **fields: Any) -> RunRecord:
         enc = _encode(fields)
         with self.tx() as db:
@@ -294,39 +370,64 @@ class Registry:
         return self.run_by_id(run_id)
 
     def release_run(self, run_id: int) -> None:
-        """Forget a claim whose launch never reached the container (refused by preflight)."""
+        """Forget a claim whose launch never reached the container (refused by preflight); a run across several
+        containers is released with its nodes' rows, in one transaction."""
         with self.tx() as db:
-            db.execute("DELETE FROM runs WHERE id=? AND state='starting'", (run_id,))
+            db.execute("DELETE FROM runs WHERE member_of=? AND state='starting'", (run_id,))
+            db.execute("DELETE FROM runs WHERE id=? AND state='starting' AND NOT EXISTS "
+                       "(SELECT 1 FROM runs AS m WHERE m.member_of=runs.id)", (run_id,))
+
+    def forget_job_claim(self, run_id: int) -> None:
+        """Forget a run across several containers that no node started (each answered that it started nothing):
+        its nodes' rows and its own, in one transaction."""
+        with self.tx() as db:
+            db.execute("DELETE FROM runs WHERE member_of=?", (run_id,))
+            db.execute("DELETE FROM runs WHERE id=? AND nodes IS NOT NULL", (run_id,))
 
     def run_by_id(self, run_id: int) -> RunRecord:
         row = self._db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
         return _run(row)
 
-    def runs(self, ct: str | None = None, *, limit: int = 100) -> list[RunRecord]:
+    def has_run(self, run_id: int) -> bool:
+        return self._db.execute("SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is not None
+
+    def runs(self, ct: str | None = None, *, limit: int = 100, members: bool | None = None) -> list[RunRecord]:
+        """Newest first. Of one container (its nodes' rows of runs across several containers included: what ran
+        there), or of everything (one row per run: nodes' rows left out). `members` overrides either default."""
+        if members is None:
+            members = ct is not None
+        only = "" if members else " AND member_of IS NULL"
         if ct:
-            rows = self._db.execute("SELECT * FROM runs WHERE ct=? ORDER BY created DESC LIMIT ?", (ct, limit))
+            rows = self._db.execute(f"SELECT * FROM runs WHERE ct=?{only} ORDER BY created DESC LIMIT ?",  # noqa: S608
+                                    (ct, limit))
         else:
-            rows = self._db.execute("SELECT * FROM runs ORDER BY created DESC LIMIT ?", (limit,))
+            rows = self._db.execute(f"SELECT * FROM runs WHERE 1{only} ORDER BY created DESC LIMIT ?",  # noqa: S608
+                                    (limit,))
         return [_run(r) for r in rows]
 
+    def whole(self, rec: RunRecord) -> RunRecord:
+        """The run a record is part of: a node's row gives its run across several containers, any other itself."""
+        return self.run_by_id(rec.member_of) if rec.member_of is not None else rec
+
     def find_run(self, ref: str) -> RunRecord:
-        """A run by `NAME`, `CT/NAME` or `#ID`; ambiguous names must be qualified."""
+        """A run by `NAME`, `CT/NAME` or `#ID`; ambiguous names must be qualified. A node of a run across several
+        containers (`ct300/fresh7`, or its #ID) stands for that whole run: every verb acts on all its nodes."""
         if ref.startswith("#") and ref[1:].isdigit():
             row = self._db.execute("SELECT * FROM runs WHERE id=?", (int(ref[1:]),)).fetchone()
             if row is None:
                 raise InputError(f"no run {ref} in the registry ({self.path})")
-            return _run(row)
+            return self.whole(_run(row))
         if "/" in ref:
             ct, name = ref.split("/", 1)
             rows = list(self._db.execute("SELECT * FROM runs WHERE ct=? AND name=?", (ct, name)))
         else:
-            rows = list(self._db.execute("SELECT * FROM runs WHERE name=?", (ref,)))
+            rows = list(self._db.execute("SELECT * FROM runs WHERE name=? AND member_of IS NULL", (ref,)))
         if not rows:
             raise InputError(f"no run {ref!r} in the registry ({self.path}); `ctl runs` lists them")
         if len(rows) > 1:
             cts = ", ".join(f"{r['ct']}/{r['name']}" for r in rows)
             raise InputError(f"run name {ref!r} is ambiguous: {cts}")
-        return _run(rows[0])
+        return self.whole(_run(rows[0]))
 
     def names(self, ct: str) -> list[str]:
         return [r[0] for r in self._db.execute("SELECT name FROM runs WHERE ct=?", (ct,))]
@@ -363,6 +464,11 @@ class Registry:
     def points(self, run_id: int) -> list[dict[str, Any]]:
         rows = self._db.execute("SELECT data FROM metrics WHERE run_id=? ORDER BY seq", (run_id,))
         return [json.loads(r[0]) for r in rows]
+
+    def series(self, run_id: int) -> list[tuple[int | None, float | None, float | None]]:
+        """(step, tok/s, loss) of every point, in order: what a chart needs, without decoding each point."""
+        rows = self._db.execute("SELECT step, tok_s, loss FROM metrics WHERE run_id=? ORDER BY seq", (run_id,))
+        return [(r[0], r[1], r[2]) for r in rows]
 
     def cursor(self, run_id: int) -> tuple[int, str | None, bytes]:
         row = self._db.execute("SELECT offset, ident, partial FROM log_cursor WHERE run_id=?", (run_id,)).fetchone()
@@ -439,6 +545,13 @@ class Registry:
             rows = self._db.execute("SELECT * FROM events WHERE id>? AND run_id=? ORDER BY id LIMIT ?",
                                     (after, run_id, limit))
         return [{**json.loads(r["doc"]), "id": r["id"], "kind": r["kind"], "summary": r["summary"]} for r in rows]
+
+    def latest_events(self, limit: int, *, run_id: int | None = None) -> list[dict[str, Any]]:
+        """The newest `limit` events (of one run or all), oldest first."""
+        where, args = ("WHERE run_id=?", (run_id, limit)) if run_id is not None else ("", (limit,))
+        rows = list(self._db.execute(f"SELECT * FROM events {where} ORDER BY id DESC LIMIT ?", args))  # noqa: S608
+        return [{**json.loads(r["doc"]), "id": r["id"], "kind": r["kind"], "summary": r["summary"]}
+                for r in reversed(rows)]
 
     def last_verdict(self, run_id: int) -> str | None:
         row = self._db.execute("SELECT to_verdict FROM events WHERE run_id=? AND kind='verdict' ORDER BY id DESC "

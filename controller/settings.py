@@ -9,11 +9,13 @@ A malformed value is an InputError naming the variable or the file and key, neve
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from controller.errors import InputError
+
+TYPE_CHECKING = False  # this module answers a shell's TAB (cli/complete.py): no typing, no dataclasses to import
+if TYPE_CHECKING:
+    from typing import Any
 
 CONFIG = "CTL_CONFIG"  # the user config file (default: platformdirs' user config dir for "ctl", config.yaml)
 INVENTORY = "CTL_INVENTORY"  # the inventory file (default ./inventory.yaml); -i/--inventory wins
@@ -127,11 +129,21 @@ def _check(key: str, v: Any) -> Any:
     return [x.strip() for x in v]
 
 
-@dataclass(frozen=True)
 class Setting:
-    name: str
-    value: Any
-    source: str  # flag | env CTL_X | config FILE | default
+    """One setting's value and where it came from (flag | env CTL_X | config FILE | default). A plain class:
+    dataclasses would make every import of this module, a shell's TAB included, pay for inspect and ast."""
+
+    __slots__ = ("name", "source", "value")
+
+    def __init__(self, name: str, value: Any, source: str) -> None:
+        self.name, self.value, self.source = name, value, source
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Setting) and (self.name, self.value, self.source) == (
+            other.name, other.value, other.source)
+
+    def __repr__(self) -> str:
+        return f"Setting(name={self.name!r}, value={self.value!r}, source={self.source!r})"
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "value": self.value, "source": self.source}

@@ -2,6 +2,7 @@
 # Install what ctl and its tests need on a fresh Debian machine (idempotent; run as root for apt).
 #   system: openssh (the test host's sshd and `ssh -t` for attach), lxc (the test host's containers), tmux,
 #           nftables (a test drops the test host's loopback traffic; skipped without nft or iptables),
+#           chromium (the headless browser the dashboard's tests drive; skipped without it),
 #           python3-venv where the interpreter cannot make a venv (stock Debian)
 #   python: a project venv at .venv (CTL_VENV overrides) holding ctl (editable) with its dev tools and the
 #           payload's torch/transformers. Nothing is installed into the system interpreter: Debian 12 refuses
@@ -13,7 +14,7 @@ PY=${PYTHON:-python3}
 VENV=${CTL_VENV:-.venv}
 
 need_apt=()
-for bin in sshd:openssh-server ssh:openssh-client lxc-start:lxc tmux:tmux git:git ps:procps; do
+for bin in sshd:openssh-server ssh:openssh-client lxc-start:lxc tmux:tmux git:git ps:procps chromium:chromium; do
   command -v "${bin%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${bin%%:*}" ] || need_apt+=("${bin##*:}")
 done
 if ! command -v nft >/dev/null 2>&1 && ! command -v iptables >/dev/null 2>&1 && [ ! -x /usr/sbin/nft ]; then

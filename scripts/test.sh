@@ -7,4 +7,7 @@ cd "$(dirname "$0")/.."
 source scripts/use-venv.sh   # setup.sh, then PY = .venv's python and .venv/bin first on PATH (it says why)
 "$PY" -m ruff check controller tests remote_payload bench
 "$PY" -m mypy controller
-exec "$PY" -m pytest -q -p no:cacheprovider "$@"
+# Two workers (pytest-xdist), a test file per worker at a time: most integration tests wait on sshd, LXC and
+# tmux rather than compute, so two cores run two files side by side; each worker brings up its own Proxmox test
+# host (tests/conftest.py gives each its own port range). CTL_TEST_WORKERS=0 runs everything in one process.
+exec "$PY" -m pytest -q -p no:cacheprovider -n "${CTL_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.pvehost import DEFAULT_NODES, PveHost, down, find_free_port, missing_prerequisites, owner_alive
+from tests.pvehost import DEFAULT_NODES, DEFAULT_PORT, PveHost, down, find_free_port, missing_prerequisites, owner_alive
 
 REPO = Path(__file__).resolve().parents[1]
 # The developer's own ~/.config/ctl/config.yaml must not steer the tests (nor their ctl subprocesses).
@@ -112,7 +112,11 @@ def pvehost() -> Iterator[PveHost]:
     _reap_stale_hosts()
     base = os.environ.get("CTL_PVEHOST_DIR") or tempfile.mkdtemp(prefix="ctl-pvehost-")
     addresses = [n.address for n in DEFAULT_NODES] + ["127.0.0.4"]
-    port = int(os.environ.get("CTL_PVEHOST_PORT") or find_free_port(addresses))
+    # pytest-xdist workers (gw0, gw1, ...) each bring up their own host: each searches its own port range, so two
+    # workers starting at once never both find the same port free.
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    start = DEFAULT_PORT + 100 * int(worker) if worker.isdigit() else DEFAULT_PORT
+    port = int(os.environ.get("CTL_PVEHOST_PORT") or find_free_port(addresses, start))
     host = PveHost(base=Path(base), port=port).up(owner_pid=os.getpid())
     try:
         yield host

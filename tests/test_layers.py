@@ -2,6 +2,8 @@
 
 cli renders, commands decide, remote speaks to the agent, transport moves bytes, core is pure; the bottom
 (errors, names, settings, lifecycle, inventory, registry) is usable by all. Arrows point down only.
+web (the dashboard's HTTP server and page) renders too, beside cli: it is given what to show (commands'
+Board, through a Protocol) and imports no layer that could reach a host.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "controller"
 BOTTOM = {"errors", "names", "settings", "lifecycle", "inventory", "registry", "yamlpos"}
-LAYERS = ["cli", "commands", "remote", "transport", "core"]
+LAYERS = ["cli", "web", "commands", "remote", "transport", "core"]
 # What each layer may import from controller/ (besides the bottom and itself).
 ALLOWED = {
-    "cli": {"commands", "core", "transport", "remote"},
+    "cli": {"web", "commands", "core", "transport", "remote"},
+    "web": {"core"},
     "commands": {"remote", "transport", "core"},
     "remote": {"transport"},
     "transport": set(),
@@ -104,7 +107,8 @@ def test_only_the_cli_session_builds_a_pool() -> None:
     assert builders == ["cli/app.py"], builders
 
 
-def test_paramiko_and_proxmoxer_stay_in_transport() -> None:
+def test_libraries_stay_in_their_layers() -> None:
+    """paramiko and proxmoxer in transport, typer and rich in cli, a listening server in web, torch nowhere."""
     bad = []
     for path in SOURCES:
         rel = path.relative_to(PKG).as_posix()
@@ -119,6 +123,8 @@ def test_paramiko_and_proxmoxer_stay_in_transport() -> None:
                     bad.append(f"{rel} imports {m}")
                 if top == "torch":
                     bad.append(f"{rel} imports torch")
+                if m in ("http.server", "socketserver") and not rel.startswith("web/"):
+                    bad.append(f"{rel} imports {m}: a listening server belongs in web/")
     assert not bad, "\n".join(bad)
 
 
@@ -129,3 +135,4 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     found = imports(f)
     assert (1, "controller.transport.pool") in found
     assert target_layer("controller.transport.pool") == "transport" not in ALLOWED["core"]
+    assert target_layer("controller.commands.dashboard") == "commands" not in ALLOWED["web"]

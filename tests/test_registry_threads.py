@@ -32,3 +32,42 @@ def test_threads_sharing_one_registry_record_every_deploy(tmp_path):
     assert sum(len(reg.deploys(f"ct{t}", limit=100)) for t in range(n_threads)) == n_threads * per_thread
     reg.close()
     assert len(Registry(tmp_path / "reg.sqlite3").deploys("ct3", limit=100)) == per_thread
+
+
+def test_threads_that_end_pass_their_connection_on(tmp_path):
+    """A long-lived process (ctl supervise, ctl dashboard) starts threads per poll and per request: their
+    connections must be reused, not left open (nor closed: SQLite keeps a closed connection's file descriptor
+    while another connection of the process holds a lock on the file), or its descriptors run out in hours."""
+    import os
+
+    reg = Registry(tmp_path / "reg.sqlite3")
+    reg.claim_run("fresh1", "ct200")
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    seen = []
+    for _ in range(300):
+        th = threading.Thread(target=lambda: seen.append(len(reg.runs(None))))
+        th.start()
+        th.join()
+    assert seen == [1] * 300
+    assert open_fds() <= before + 3  # one more connection at most (db, -wal, -shm)
+    assert len(reg._conns) == 2  # the main thread's, and the one the 300 threads passed on
+    # Threads at the same time get a connection each, and give them back.
+    gate = threading.Barrier(4)
+
+    def together() -> None:
+        gate.wait()
+        reg.runs(None)
+        gate.wait()
+
+    threads = [threading.Thread(target=together) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(reg._conns) == 5 and len(reg._free) == 4
+    reg.close()
+    assert open_fds() < before

@@ -44,6 +44,8 @@ def test_wheel_holds_the_remote_scripts_and_nothing_of_the_checkout(ctl_wheel: P
     names = set(zipfile.ZipFile(ctl_wheel).namelist())
     for script in ("agent.py", "hostrelay.py", "probe_env.py"):
         assert f"controller/remote/{script}" in names
+    for page in ("index.html", "dashboard.js", "dashboard.css"):  # ctl dashboard's page, read from the package
+        assert f"controller/web/static/{page}" in names
     # remote_payload/ and templates/ are the user's payload, named by their inventory; tests/ is ours. ctl needs none.
     tops = {n.split("/", 1)[0] for n in names}
     assert tops == {"controller", "ctl-0.1.0.dist-info"}, tops

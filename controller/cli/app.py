@@ -22,7 +22,7 @@ app = typer.Typer(
     name="ctl",
     help="Operate GPU training runs in Proxmox VE LXC containers: deploy, launch, follow, compare.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )

@@ -8,13 +8,15 @@ from typing import Any
 
 import typer
 
+from controller.cli import complete as _c
 from controller.cli.app import OPTS, _console, _esc, _inv, _out, _outcomes, _registry, app, session
 from controller.errors import CtlError, ExitCode
 
 
 @app.command("deploy")
 def deploy_cmd(
-    containers: list[str] = typer.Argument(None, help="Containers or groups (none: --all, or the inventory's only "
+    containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
+                                           help="Containers or groups (none: --all, or the inventory's only "
                                                         "container)."),
     all_: bool = typer.Option(False, "--all", help="Every container of the inventory (listed first)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the exact commands; change nothing."),

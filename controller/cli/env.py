@@ -16,6 +16,7 @@ from typing import Any
 import typer
 
 from controller.cli import app as _cli
+from controller.cli import complete as _c
 from controller.errors import BusyError, CtlError, ExitCode
 
 app: typer.Typer = _cli.app
@@ -44,7 +45,8 @@ def _mb(n: int | None) -> str:
 
 
 @env_app.command("probe")
-def probe_cmd(container: str = typer.Argument(..., help="The container to probe.")) -> None:
+def probe_cmd(container: str = typer.Argument(..., autocompletion=_c.containers,
+                                              help="The container to probe.")) -> None:
     """Probe the container's venv, torch build, driver, GPUs and compile cache (one exec)."""
     from controller.commands import environment
     from controller.core.envlock import Probe
@@ -82,7 +84,7 @@ def probe_cmd(container: str = typer.Argument(..., help="The container to probe.
 
 @env_app.command("check")
 def check_cmd(
-    container: str = typer.Argument(..., help="The container to check."),
+    container: str = typer.Argument(..., autocompletion=_c.containers, help="The container to check."),
     lock: str | None = typer.Option(None, "--lock", help="Lock file (default: the container's `lock:`)."),
 ) -> None:
     """Compare the container's venv with its lock; exit 11 with one line per difference."""
@@ -106,7 +108,7 @@ def check_cmd(
 
 @env_app.command("lock")
 def lock_cmd(
-    container: str = typer.Argument(..., help="The container whose venv to pin."),
+    container: str = typer.Argument(..., autocompletion=_c.containers, help="The container whose venv to pin."),
     output: str = typer.Option(..., "-o", "--output", help="Lock file to write, e.g. env/ct200.lock."),
     force: bool = typer.Option(False, "--force", help="Replace an existing lock file."),
 ) -> None:
@@ -126,8 +128,9 @@ def lock_cmd(
 
 @env_app.command("diff")
 def diff_cmd(
-    a: str = typer.Argument(..., help="A container (live probe) or a run (NAME, CT/NAME, #ID)."),
-    b: str = typer.Argument(..., help="A container (live probe) or a run."),
+    a: str = typer.Argument(..., autocompletion=_c.run_or_container,
+                            help="A container (live probe) or a run (NAME, CT/NAME, #ID)."),
+    b: str = typer.Argument(..., autocompletion=_c.run_or_container, help="A container (live probe) or a run."),
 ) -> None:
     """What changed between two environments: a run's recorded probe and another run's, or a live container."""
     from controller.commands import environment
@@ -152,7 +155,8 @@ def diff_cmd(
 
 @env_app.command("sync")
 def sync_cmd(
-    container: str = typer.Argument(..., help="The container whose venv to rebuild from its lock."),
+    container: str = typer.Argument(..., autocompletion=_c.containers,
+                                    help="The container whose venv to rebuild from its lock."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the commands; change nothing."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before building and switching."),
     python: str | None = typer.Option(None, "--python", help="Python version or interpreter (default: the lock's)."),
@@ -204,7 +208,7 @@ def sync_cmd(
 
 
 @cache_app.command("status")
-def cache_status_cmd(container: str = typer.Argument(..., help="The container.")) -> None:
+def cache_status_cmd(container: str = typer.Argument(..., autocompletion=_c.containers, help="The container.")) -> None:
     """Where the compile cache is, its size and entries, which torch build filled it, and the saved caches."""
     from controller.commands import cache
 
@@ -232,7 +236,7 @@ def cache_status_cmd(container: str = typer.Argument(..., help="The container.")
 
 @cache_app.command("save")
 def cache_save_cmd(
-    container: str = typer.Argument(..., help="The container."),
+    container: str = typer.Argument(..., autocompletion=_c.containers, help="The container."),
     name: str = typer.Argument(..., help="Name of the saved cache (never overwritten)."),
     local: str | None = typer.Option(None, "--local", help="Also pull the tarball into this local directory."),
 ) -> None:
@@ -251,7 +255,7 @@ def cache_save_cmd(
 
 @cache_app.command("restore")
 def cache_restore_cmd(
-    container: str = typer.Argument(..., help="The container."),
+    container: str = typer.Argument(..., autocompletion=_c.containers, help="The container."),
     name: str = typer.Argument(..., help="A saved cache (see `ctl cache status`)."),
     force: bool = typer.Option(False, "--force", help="Restore a cache made by another torch build."),
 ) -> None:
@@ -275,7 +279,7 @@ def cache_restore_cmd(
 
 @cache_app.command("warm")
 def cache_warm_cmd(
-    container: str = typer.Argument(..., help="The container."),
+    container: str = typer.Argument(..., autocompletion=_c.containers, help="The container."),
     gpu: list[int] = typer.Option(None, "--gpu", help="GPU to warm on (repeatable; default: the drafter GPUs)."),
 ) -> None:
     """Fill the compile cache with remote_payload/warmup_compile.py, ONE GPU at a time, never concurrently."""

@@ -14,9 +14,13 @@ TEXT = (
     '                         config `output`; default text).\n'
     '  --debug                Show tracebacks.\n'
     "  --version              Print ctl's version and the commit it was built from.\n"
+    '  --install-completion   Install completion for the current shell.\n'
+    '  --show-completion      Show completion for the current shell, to copy it or\n'
+    '                         customize the installation.\n'
     '  --help                 Show this message and exit.\n'
     '\n'
     'Commands:\n'
+    '  dashboard  A local web page of the live runs: step, loss, tok/s against...\n'
     '  deploy     Pin the payload, push only what changed, verify it inside...\n'
     '  ping       Run `true` in each container and report round-trip times.\n'
     '  mark-good  Mark a run as known-good: the baseline of later runs (an...\n'

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from controller.cli import complete as _c
 from controller.cli.app import OPTS, _console, _esc, _inv, _out, _registry, _table, _warn, app, session
 
 inventory_app = typer.Typer(help="List hosts and containers of the inventory; `discover` reads them from PVE.",
@@ -30,10 +31,15 @@ def inventory_cmd(ctx: typer.Context) -> None:
         groups = ",".join(g for g, members in m.groups.items() if name in members)
         rows.append([name, c.transport, where, split, groups])
     _table("containers", ["container", "transport", "where", "gpus", "groups"], rows)
+    if m.jobs:
+        _table("jobs (runs across several containers)", ["job", "nodes", "rendezvous", "nproc/node"],
+               [[name, ", ".join(j.nodes), inv.job(name).rdzv_endpoint, j.nproc_per_node]
+                for name, j in m.jobs.items()])
 
 
 @app.command("ping")
-def ping_cmd(containers: list[str] = typer.Argument(None, help="Containers or groups (default: all).")) -> None:
+def ping_cmd(containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
+                                                    help="Containers or groups (default: all).")) -> None:
     """Run `true` in each container and report round-trip times."""
     from controller.commands.fanout import ping, worst
 
@@ -58,7 +64,8 @@ def discover_cmd(
     token_id: str = typer.Option(None, "--token-id", help="USER@REALM!TOKENID (the secret: --token-env)."),
     token_env: str = typer.Option("PVE_TOKEN", "--token-env", help="Variable holding the token's secret."),
     ca: str = typer.Option(None, "--ca", help="CA bundle that signed the API's certificate (default: system CAs)."),
-    host: str = typer.Option(None, "--host", help="Use the `api:` of this inventory host instead of --api."),
+    host: str = typer.Option(None, "--host", help="Use the `api:` of this inventory host instead of --api.",
+                             autocompletion=_c.hosts),
     diff: bool = typer.Option(False, "--diff", help="Show what differs from the inventory: added, removed, "
                               "moved to another node, GPUs changed."),
     write: bool = typer.Option(False, "--write", help="Merge into the inventory file (comments, order and "

@@ -2,10 +2,11 @@
 
 Every CtlError is caught in `main` and printed as one line; `--debug` shows the traceback. Start-up stays thin:
 heavy modules (paramiko, jinja2, rich, pydantic, matplotlib) are imported inside commands, a command line imports
-only the cli module of its verb (COMMANDS), and `ctl --help` prints the text typer renders for it (helptext.py,
-kept equal to typer's by tests/test_cli_startup.py) without importing typer at all. The app, its global options
-and the output helpers live in cli/app.py; each verb group in its own module, which registers its commands on
-the app when imported.
+only the cli module of its verb (COMMANDS), `ctl --help` prints the text typer renders for it (helptext.py, kept
+equal to typer's by tests/test_cli_startup.py) without importing typer at all, and a shell's completion request
+(a TAB) is answered by cli/complete.py before any of that is imported. The app, its global options and the
+output helpers live in cli/app.py; each verb group in its own module, which registers its commands on the app
+when imported (`load`, `load_app`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ import importlib
 import os
 import sys
 
+TYPE_CHECKING = False  # a TAB's answer (cli/complete.py) does not pay for importing typing
+if TYPE_CHECKING:
+    from typing import Any
+
+__all__ = ["load_app", "main"]  # also `app` and `OPTS`, loaded on first use (__getattr__)
+
 # verb -> the cli module that registers it (tests/test_cli_startup.py checks it against the modules).
 COMMANDS: dict[str, str] = {
     "deploy": "deploy", "ping": "inventory", "inventory": "inventory",
@@ -21,10 +28,10 @@ COMMANDS: dict[str, str] = {
     "launch": "runs", "tail": "runs", "runs": "runs", "show": "runs", "stop": "runs", "attach": "runs",
     "diff": "runs", "rollback": "snapshot", "snapshot": "snapshot", "supervise": "supervise",
     "events": "supervise", "config": "config", "env": "env", "cache": "env", "mux": "mux", "runbook": "runbook",
-    "store": "store",
+    "store": "store", "dashboard": "dashboard",
 }
-MODULES = ("config", "deploy", "env", "inventory", "metrics", "mux", "runbook", "runs", "snapshot", "store",
-           "supervise")  # in the order `ctl --help` lists their commands
+MODULES = ("config", "dashboard", "deploy", "env", "inventory", "metrics", "mux", "runbook", "runs", "snapshot",
+           "store", "supervise")  # in the order `ctl --help` lists their commands
 _GLOBAL_VALUE = ("-i", "--inventory")  # global options that take a value
 HELP_WIDTH = 80  # click renders help at min(terminal width, 80)
 
@@ -45,12 +52,36 @@ def verb(argv: list[str]) -> str | None:
     return None
 
 
-def load(argv: list[str]) -> None:
-    """Register the commands this command line may run: its verb's module, or all (help, an unknown verb)."""
+def load(argv: list[str]) -> Any:
+    """Register the commands this command line may run: its verb's module, or all (help, an unknown verb).
+    Returns the app."""
     v = verb(argv)
-    wanted = [COMMANDS[v]] if v in COMMANDS and not {"--help", "--version"} & set(argv[:argv.index(v)]) else MODULES
-    for m in wanted:
+    if v in COMMANDS and not {"--help", "--version"} & set(argv[:argv.index(v)]):
+        importlib.import_module(f"controller.cli.{COMMANDS[v]}")
+        from controller.cli.app import app
+
+        return app
+    return load_app()
+
+
+def load_app() -> Any:
+    """The typer app with every verb group registered (each module registers its commands when imported)."""
+    for m in MODULES:
         importlib.import_module(f"controller.cli.{m}")
+    from controller.cli.app import app
+
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    # `from controller.cli.main import app, OPTS` keeps working without making every `import` pay for typer.
+    if name == "app":
+        return load_app()
+    if name == "OPTS":
+        from controller.cli.app import OPTS
+
+        return OPTS
+    raise AttributeError(name)
 
 
 def _plain_help(argv: list[str]) -> bool:
@@ -71,31 +102,39 @@ def render_help() -> str:
     """What typer prints for `ctl --help` on a terminal of HELP_WIDTH columns (the source of helptext.py)."""
     import subprocess
 
-    code = ("import sys; from controller.cli.main import load; load(['--help']); from controller.cli.app import app; "
-            "app(['--help'], prog_name='ctl')")
+    code = "from controller.cli.main import load_app; load_app()(['--help'], prog_name='ctl')"
     env = {**os.environ, "COLUMNS": str(HELP_WIDTH), "PYTHONPATH": os.path.dirname(os.path.dirname(
         os.path.dirname(os.path.abspath(__file__))))}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
 
 
 def main() -> None:
-    # Global flags are accepted anywhere on the line (`ctl deploy ct200 --json`), not only before the verb.
-    argv = sys.argv[1:]
-    if _plain_help(argv):
+    if os.environ.get("_CTL_COMPLETE", "").startswith("complete_"):
+        # A TAB in the shell: answered before typer, pydantic and the commands are imported (cli/complete.py).
+        from controller.cli.complete import answer
+
+        sys.exit(answer())
+    if _plain_help(sys.argv[1:]):
         sys.exit(0)
+    _main()
+
+
+def _main() -> None:
     import typer
 
-    from controller.cli.app import OPTS, app
+    from controller.cli.app import OPTS
     from controller.core.terminal import clean_line
     from controller.errors import CtlError, ExitCode
 
+    # Global flags are accepted anywhere on the line (`ctl deploy ct200 --json`), not only before the verb.
+    argv = sys.argv[1:]
     head, sep, tail = (argv[: argv.index("--")], ["--"], argv[argv.index("--") + 1:]) if "--" in argv else (
         argv, [], [])
     for flag in ("--json", "--text", "--debug"):
         if flag in head[1:]:
             head = [a for a in head if a != flag]
             head.insert(0, flag)
-    load(head + sep + tail)
+    app = load(head + sep + tail)
     try:
         rc = app(args=head + sep + tail, prog_name="ctl", standalone_mode=False)
     except CtlError as e:

@@ -16,6 +16,7 @@ from typing import Any
 import typer
 
 from controller.cli import app as _cli
+from controller.cli import complete as _c
 from controller.errors import CtlError, InputError
 from controller.lifecycle import Lifecycle
 from controller.settings import checkpoint_glob
@@ -67,7 +68,7 @@ def _pull_first(inv: Any, reg: Any, recs: list[Any], doing: str) -> None:
 
 @metrics_app.command("pull")
 def pull_cmd(
-    run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID."),
+    run: str = typer.Argument(..., autocompletion=_c.runs, help="Run as NAME, CT/NAME or #ID."),
     chunk_mib: float = typer.Option(8, "--chunk-mib", help="Log bytes per agent call (MiB)."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=_CHECKPOINTS_HELP),
     no_hashes: bool = typer.Option(False, "--no-hashes", help="Skip hashing deployed files and checkpoints."),
@@ -78,8 +79,21 @@ def pull_cmd(
     inv = _inv()
     reg = _registry()
     rec = reg.find_run(run)
-    ct = inv.container(rec.ct)
     glob = checkpoint_glob(checkpoints)
+    if rec.multi:  # every node's log, in parallel
+        with session(inv) as pool:
+            pulled = monitor.pull_many(inv, reg, pool, [rec], glob)
+        members = {m.id: m for m in reg.members(rec.id)}
+        if OPTS.json:
+            _out([{"node": members[i].ct, **(r.to_json() if not isinstance(r, str) else {"error": r})}
+                  for i, r in pulled.items()])
+        else:
+            for i, r in pulled.items():
+                _console().print(f"{members[i].ct}: " + (r if isinstance(r, str) else
+                                 f"{r.fetched:,} new log bytes, {r.new_points} new point(s)"
+                                 + (f", crash signature: {r.crash}" if r.crash else "")), markup=False)
+        raise typer.Exit(1 if any(isinstance(r, str) for r in pulled.values()) else 0)
+    ct = inv.container(rec.ct)
     with session(inv) as pool:
         res = monitor.pull(pool.container(ct), reg, rec, chunk=max(1, int(chunk_mib * 2**20)),
                                checkpoints=glob, hashes=not no_hashes)
@@ -104,7 +118,7 @@ def pull_cmd(
 
 @metrics_app.command("export")
 def export_cmd(
-    run_refs: list[str] = typer.Argument(..., help="Runs as NAME, CT/NAME or #ID."),
+    run_refs: list[str] = typer.Argument(..., autocompletion=_c.runs, help="Runs as NAME, CT/NAME or #ID."),
     fmt: str = typer.Option("csv", "--format", help="tensorboard, csv or jsonl."),
     output: Path | None = typer.Option(
         None, "-o", "--output",
@@ -162,7 +176,7 @@ def export_cmd(
 
 @app.command("mark-good")
 def mark_good_cmd(
-    run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID."),
+    run: str = typer.Argument(..., autocompletion=_c.runs, help="Run as NAME, CT/NAME or #ID."),
     unset: bool = typer.Option(False, "--unset", help="Remove the mark."),
     force: bool = typer.Option(False, "--force", help="Mark a run that did not finish cleanly or is not OK "
                                                       "(recorded in the run's note)."),
@@ -219,7 +233,8 @@ def _render_status(sts: list[Any]) -> None:
 
 @app.command("status")
 def status_cmd(
-    containers: list[str] = typer.Argument(None, help="Containers or groups (default: all)."),
+    containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
+                                           help="Containers or groups (default: all)."),
     slow_ratio: float = typer.Option(0.8, "--slow-ratio", help="SLOW below this fraction of the baseline's tok/s."),
     stall_after: str = typer.Option("10m", "--stall-after", help="STALLED when the log is quiet this long."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=_CHECKPOINTS_HELP),
@@ -235,11 +250,13 @@ def status_cmd(
     glob = checkpoint_glob(checkpoints)
     inv = _inv()
     reg = _registry()
+    from controller.commands.runs import whole_runs
+
     recs: list[Any] = []
     for ct in inv.select(containers or []):
-        mine = reg.runs(ct.name, limit=50)
+        mine = whole_runs(reg, reg.runs(ct.name, limit=50))  # a node's part of a run stands for the whole run
         live = [r for r in mine if r.state.live]
-        recs.extend(live or mine[:1])
+        recs.extend(r for r in (live or mine[:1]) if r.id not in {x.id for x in recs})
     if not recs:
         if OPTS.json:
             _out([])
@@ -263,7 +280,7 @@ def status_cmd(
 
 @app.command("watch")
 def watch_cmd(
-    run: str = typer.Argument(..., help="Run as NAME, CT/NAME or #ID."),
+    run: str = typer.Argument(..., autocompletion=_c.runs, help="Run as NAME, CT/NAME or #ID."),
     until_step: int | None = typer.Option(None, "--until-step", help="End when the run has logged this step."),
     for_: str | None = typer.Option(None, "--for", help="End after this long (90s, 10m, 1h)."),
     every: str = typer.Option("5s", "--every", help="Pull interval."),
@@ -286,7 +303,10 @@ def watch_cmd(
     inv = _inv()
     reg = _registry()
     rec = reg.find_run(run)
-    inv.container(rec.ct)  # refused when the run's container left the inventory
+    if rec.multi:
+        inv.job(rec.ct)  # refused when the run's job left the inventory
+    else:
+        inv.container(rec.ct)  # refused when the run's container left the inventory
     con = _console()
 
     def tick(st: Any) -> None:
@@ -313,7 +333,7 @@ def watch_cmd(
 
 @app.command("plot")
 def plot_cmd(
-    run_refs: list[str] = typer.Argument(..., help="Runs as NAME, CT/NAME or #ID."),
+    run_refs: list[str] = typer.Argument(..., autocompletion=_c.runs, help="Runs as NAME, CT/NAME or #ID."),
     output: Path = typer.Option(..., "-o", "--output", help="Image file (.png, .svg, .pdf)."),
     no_pull: bool = typer.Option(False, "--no-pull", help="Only what the registry has; do not contact runs."),
     no_baseline: bool = typer.Option(False, "--no-baseline", help="Do not draw the baseline."),

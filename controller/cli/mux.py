@@ -12,6 +12,7 @@ import time
 import typer
 
 from controller.cli import app as _cli
+from controller.cli import complete as _c
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
@@ -39,7 +40,8 @@ def status_cmd() -> None:
 
 
 @mux_app.command("stop")
-def stop_cmd(host: str = typer.Argument(None, help="Only the session of this host (default: all)."),
+def stop_cmd(host: str = typer.Argument(None, autocompletion=_c.hosts,
+                                        help="Only the session of this host (default: all)."),
              grace: float = typer.Option(30.0, "--grace", min=0, help="Seconds the commands still using a session "
                                          "get to finish before it ends them (0: end them now).")) -> None:
     """Stop sessions: each takes no new command, lets the running ones finish (up to --grace), then closes its

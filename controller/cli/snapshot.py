@@ -16,6 +16,7 @@ from typing import Any
 import typer
 
 from controller.cli import app as _cli
+from controller.cli import complete as _c
 from controller.errors import CtlError, InputError
 
 app: typer.Typer = _cli.app
@@ -79,7 +80,7 @@ def _render(res: Any) -> None:
 
 @snapshot_app.command("create")
 def create_cmd(
-    container: str = typer.Argument(..., help="The container."),
+    container: str = typer.Argument(..., autocompletion=_c.containers, help="The container."),
     name: str = typer.Argument(..., help="Snapshot name: a letter, then letters, digits, '_' or '-' (2-40)."),
     description: str | None = typer.Option(None, "-d", "--description", help="Free text stored with it."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the request; change nothing."),
@@ -94,7 +95,7 @@ def create_cmd(
 
 
 @snapshot_app.command("list")
-def list_cmd(container: str = typer.Argument(..., help="The container.")) -> None:
+def list_cmd(container: str = typer.Argument(..., autocompletion=_c.containers, help="The container.")) -> None:
     """List the container's snapshots (oldest first; * = the one the container currently derives from)."""
     from controller.commands import snapshot
 
@@ -112,7 +113,7 @@ def list_cmd(container: str = typer.Argument(..., help="The container.")) -> Non
 
 
 def rollback_cmd(
-    container: str = typer.Argument(..., help="The container."),
+    container: str = typer.Argument(..., autocompletion=_c.containers, help="The container."),
     name: str = typer.Argument(..., help="The snapshot to go back to."),
     yes: bool = typer.Option(False, "-y", "--yes", help="Do not ask (needed without a terminal)."),
     force: bool = typer.Option(False, "--force", help="Roll back although a run is live on the container "
@@ -139,7 +140,7 @@ app.command("rollback", help="Shortcut for `ctl snapshot rollback`.")(rollback_c
 
 @snapshot_app.command("delete")
 def delete_cmd(
-    container: str = typer.Argument(..., help="The container."),
+    container: str = typer.Argument(..., autocompletion=_c.containers, help="The container."),
     name: str = typer.Argument(..., help="The snapshot to delete."),
     yes: bool = typer.Option(False, "-y", "--yes", help="Do not ask (needed without a terminal)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the request; change nothing."),

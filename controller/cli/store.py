@@ -8,6 +8,7 @@ from typing import Any
 import typer
 
 from controller.cli import app as _cli
+from controller.cli import complete as _c
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
@@ -22,7 +23,8 @@ def _mib(n: int) -> str:
 
 
 @store_app.command("status")
-def status_cmd(containers: list[str] = typer.Argument(None, help="Containers or groups (default: all).")) -> None:
+def status_cmd(containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
+                                                      help="Containers or groups (default: all).")) -> None:
     """Objects, bytes, and versions per destination in each container's store."""
     from controller.commands import store
     from controller.commands.fanout import worst
@@ -49,7 +51,8 @@ def status_cmd(containers: list[str] = typer.Argument(None, help="Containers or 
 
 @store_app.command("prune")
 def prune_cmd(
-    containers: list[str] = typer.Argument(None, help="Containers or groups (none: --all, or the inventory's only "
+    containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
+                                           help="Containers or groups (none: --all, or the inventory's only "
                                                         "container)."),
     all_: bool = typer.Option(False, "--all", help="Every container of the inventory."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be deleted; delete nothing."),

@@ -14,6 +14,7 @@ from typing import Any
 import typer
 
 from controller import settings as ctl_settings
+from controller.cli import complete as _c
 from controller.cli.app import OPTS, _console, _inv, _out, _registry, app, session
 from controller.errors import InputError
 
@@ -29,7 +30,8 @@ def _seconds(text: str, what: str) -> float:
 
 @app.command("supervise")
 def supervise_cmd(
-    targets: list[str] = typer.Argument(None, help="Containers or groups to watch (default: all)."),
+    targets: list[str] = typer.Argument(None, autocompletion=_c.targets,
+                                        help="Containers or groups to watch (default: all)."),
     interval: str | None = typer.Option(None, "--interval", help="Between polls (default: runs.supervise.interval, "
                                                                   "30s)."),
     restart: str | None = typer.Option(None, "--restart", help="no | on-failure[:N] | always[:N] (N restarts per "
@@ -126,7 +128,7 @@ def _print_unit() -> None:
 
 @app.command("events")
 def events_cmd(
-    run: str | None = typer.Argument(None, help="Only this run (NAME, CT/NAME or #ID)."),
+    run: str | None = typer.Argument(None, autocompletion=_c.runs, help="Only this run (NAME, CT/NAME or #ID)."),
     follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new events (Ctrl-C ends)."),
     limit: int = typer.Option(50, "-n", "--limit", help="How many of the newest events to show first."),
 ) -> None:

@@ -26,6 +26,7 @@ from controller.core.metrics import (
     MetricPoint,
     RunState,
     Verdict,
+    combine_nodes,
     parse_line,
     steady_state,
     verdict,
@@ -180,7 +181,10 @@ def _store_hashes(reg: Registry, run: RunRecord, header: dict[str, Any]) -> tupl
 
 
 def stored_points(reg: Registry, run: RunRecord) -> list[MetricPoint]:
-    """The run's points from the registry, as MetricPoints (their JSON-lines form read back)."""
+    """The run's points from the registry, as MetricPoints (their JSON-lines form read back). A run across
+    several containers: its nodes' points, one per step, tok/s summed (metrics.combine_nodes)."""
+    if run.multi:
+        return combine_nodes([stored_points(reg, m) for m in reg.members(run.id)])
     out = []
     for rec in reg.points(run.id):
         p = parse_line(json.dumps(rec))
@@ -239,10 +243,12 @@ class RunStatus:
     baseline: str | None
     pull: PullResult | None = None
     error: str | None = None
+    nodes: tuple[dict[str, Any], ...] = ()  # a run across several containers: each node's state, step, tok/s
 
     def to_json(self) -> dict[str, Any]:
         v = self.verdict
         return {
+            "nodes": list(self.nodes) or None,
             "ct": self.run.ct, "run": self.run.name, "state": self.run.state, "verdict": v.state.label,
             "reason": v.reason, "exit_code": int(v.exit_code), "step": v.step, "tok_s": v.tok_s,
             "baseline": self.baseline, "baseline_tok_s": v.baseline_tok_s, "ratio": v.ratio,
@@ -310,7 +316,9 @@ def status_of(
 def pull_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], checkpoints: str | None
               ) -> dict[int, PullResult | str]:
     """Pull every run whose container is in the inventory: {run id: PullResult, or why it was not pulled}.
-    One agent call per run, the containers of a host sharing one exec (fanout)."""
+    One agent call per run, the containers of a host sharing one exec (fanout). A run across several
+    containers is pulled node by node (the answers are keyed by the nodes' ids)."""
+    recs = [m for r in recs for m in (reg.members(r.id) if r.multi else [r])]
     by_ct: dict[str, list[RunRecord]] = {}
     for r in recs:
         if r.ct in inv.model.containers and r.log_path:
@@ -368,11 +376,18 @@ def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *
     pulled = pull_many(inv, reg, pool, reachable, checkpoints)
     out = []
     for r in (reg.run_by_id(r.id) for r in refreshed.runs):  # crash signatures found by the pull
-        res = pulled.get(r.id)
         base, warning = baseline_for(inv, reg, pool, r, checkpoints)
         if warning:
             warnings.append(warning)
         silent = refreshed.unreachable_run(r)
+        if r.multi:
+            st = job_status(r, reg, base, pulled, slow_ratio=slow_ratio, stall_after_s=stall_after_s,
+                            unreachable=silent)
+            if st.error and r.state.live and silent is None:
+                warnings.append(f"{r.ct}/{r.name}: metrics not pulled: {st.error}")
+            out.append(st)
+            continue
+        res = pulled.get(r.id)
         st = status_of(r, reg, base, pull=None if isinstance(res, str) else res, slow_ratio=slow_ratio,
                        stall_after_s=stall_after_s, error=res if isinstance(res, str) else silent, unreachable=silent)
         if st.error and r.state.live and silent is None:  # an unreachable one is already warned about
@@ -381,20 +396,83 @@ def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *
     return StatusReport(tuple(out), tuple(warnings))
 
 
+def job_status(run: RunRecord, reg: Registry, baseline: tuple[str, float] | None,
+               pulled: dict[int, PullResult | str], *, slow_ratio: float, stall_after_s: float,
+               unreachable: str | None = None) -> RunStatus:
+    """A run across several containers, judged whole: its nodes' points combined (tok/s summed), against the
+    run's baseline; STALLED by the node whose log has been quiet longest, CRASHED by the node that ended it (or
+    whose log shows a crash), each named."""
+    members = reg.members(run.id)
+    points = stored_points(reg, run)
+    crash = run.crash
+    stopped_crash = None
+    if run.state == Lifecycle.STOPPED:
+        stopped_crash, crash = crash, None
+    if crash is None and run.state.live:
+        for m in members:
+            res = pulled.get(m.id)
+            seen = m.crash or (res.crash if isinstance(res, PullResult) else None)
+            if seen:
+                crash = f"{m.ct}: {seen}"
+                break
+    if crash is None and run.state in (Lifecycle.CRASHED, Lifecycle.LOST, Lifecycle.FAILED):
+        crash = "a node ended badly"
+    exit_status = 0 if run.state in (Lifecycle.FINISHED, Lifecycle.STOPPED) else None
+    idle: dict[str, float] = {}
+    # The DFlash payload logs metric lines on node 0 alone (its tok/s covers every node); the other nodes' logs go
+    # quiet after their first lines by design. Once any node has logged a point, only such nodes can stall the run.
+    reporting = {m.id for m in members if stored_points(reg, m)}
+    for m in members:
+        res = pulled.get(m.id)
+        if reporting and m.id not in reporting:
+            continue
+        if isinstance(res, PullResult) and res.remote_now is not None and res.log_mtime is not None and m.state.live:
+            idle[m.ct] = res.remote_now - res.log_mtime  # each on its own container's clock
+    stalest = max(idle, key=lambda c: idle[c]) if idle else None
+    v = verdict(points, baseline_tok_s=baseline[1] if baseline else None,
+                now=idle[stalest] if stalest else time.time(), last_step_time=0.0 if stalest else None,
+                slow_ratio=slow_ratio, stall_after_s=stall_after_s, exit_status=exit_status, crash=crash,
+                baseline_name=baseline[0] if baseline else None)
+    nodes = f"{len(members)} nodes: "
+    if v.state == RunState.STALLED and stalest:
+        v = replace(v, reason=f"{stalest}: {v.reason}")
+    elif run.state == Lifecycle.STOPPED and v.state == RunState.FINISHED:
+        v = replace(v, reason=v.reason.replace("finished", "stopped by ctl stop", 1)
+                    + (f" (log shows {stopped_crash})" if stopped_crash else ""))
+    v = replace(v, reason=nodes + v.reason)
+    errors = [f"{m.ct}: {res}" for m in members if isinstance(res := pulled.get(m.id), str)]
+    if unreachable is not None:
+        v = replace(v, state=RunState.UNREACHABLE, idle_s=None,
+                    reason=f"host did not answer; recorded state {run.state} kept: {unreachable}")
+    per_node = tuple({"ct": m.ct, "node_rank": m.node_rank, "state": str(m.state), "exit_status": m.exit_status,
+                      "crash": m.crash, "idle_s": idle.get(m.ct),
+                      "step": max((p.step for p in stored_points(reg, m)), default=None),
+                      "tok_s": steady_state(stored_points(reg, m))} for m in members)
+    last = max(points, key=lambda p: p.step) if points else None
+    return RunStatus(run, v, last, tuple(p.tok_s for p in points[-20:]), baseline[0] if baseline else None,
+                     None, "; ".join(errors) or unreachable, per_node)
+
+
 def watch(inv: Inventory, reg: Registry, pool: Pool, rec: RunRecord, *, until_step: int | None,
           limit_s: float | None, for_text: str | None, every_s: float, slow_ratio: float, stall_s: float,
           checkpoints: str | None, tick: Callable[[RunStatus], None] | None = None) -> tuple[RunStatus, str]:
     """Pull every `every_s` until the step, the time limit, the run's end or a stall: (RunStatus, why it ended).
     Shared by `ctl watch` and the runbook's `watch` step, so both judge a run the same way."""
-    ct = inv.container(rec.ct)
-    t = pool.container(ct)
+    multi = rec.multi
+    ct = None if multi else inv.container(rec.ct)
+    t = None if ct is None else pool.container(ct)
     t0 = time.monotonic()
     base, _warning = baseline_for(inv, reg, pool, rec, checkpoints)
     while True:
-        rec = refresh(inv, ct, t, reg, [reg.run_by_id(rec.id)])[0]
-        res = pull(t, reg, rec, checkpoints=checkpoints)
-        rec = reg.run_by_id(rec.id)
-        st = status_of(rec, reg, base, pull=res, slow_ratio=slow_ratio, stall_after_s=stall_s)
+        if ct is None or t is None:  # a run across several containers: its nodes, settled and judged whole
+            st = statuses(inv, reg, pool, [reg.run_by_id(rec.id)], slow_ratio=slow_ratio, stall_after_s=stall_s,
+                          checkpoints=checkpoints).statuses[0]
+            rec = st.run
+        else:
+            rec = refresh(inv, ct, t, reg, [reg.run_by_id(rec.id)])[0]
+            res = pull(t, reg, rec, checkpoints=checkpoints)
+            rec = reg.run_by_id(rec.id)
+            st = status_of(rec, reg, base, pull=res, slow_ratio=slow_ratio, stall_after_s=stall_s)
         v = st.verdict
         if tick is not None:
             tick(st)

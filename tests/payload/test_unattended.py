@@ -59,6 +59,11 @@ def test_a_run_killed_twice_finishes_on_its_own(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             time.sleep(0.5)
 
+    def resumed_from(run: str) -> int:
+        found = re.search(r"resumed from step (\d+)", log(run).read_text())
+        assert found, f"{run} did not say where it resumed:\n{log(run).read_text()[:3000]}"
+        return int(found.group(1))
+
     def kill(run: str, past: int) -> None:
         wait(lambda: last_step(run) >= past, f"{run} past step {past}")
         os.killpg(int(Path(str(log(run)) + ".pid").read_text()), signal.SIGKILL)
@@ -72,7 +77,7 @@ def test_a_run_killed_twice_finishes_on_its_own(tmp_path: Path) -> None:
         kill("fresh1", 25)
         wait(lambda: "resumed from step" in (log("fresh2").read_text() if log("fresh2").exists() else ""),
              "fresh2 resuming")
-        kill("fresh2", last_step("fresh2") + 12)
+        kill("fresh2", resumed_from("fresh2") + 15)  # past its next checkpoint (every 10): fresh3 resumes later
         wait(lambda: Path(str(log("fresh3")) + ".exit").exists(), "fresh3 to finish", timeout=300)
     finally:
         sup.send_signal(signal.SIGINT)
@@ -82,8 +87,7 @@ def test_a_run_killed_twice_finishes_on_its_own(tmp_path: Path) -> None:
     tree = ctl("runs", "--tree").stdout
     assert re.search(r"fresh1 \(failed 137\) -> fresh2 \(failed 137, from step \d+\) -> fresh3 \(finished 0, "
                      r"from step \d+\)", tree), tree
-    resumed = [int(re.search(r"resumed from step (\d+)", log(r).read_text()).group(1))  # type: ignore[union-attr]
-               for r in ("fresh2", "fresh3")]
+    resumed = [resumed_from("fresh2"), resumed_from("fresh3")]
     assert 0 < resumed[0] < resumed[1] < STEPS
     # One curve: each run's metric points continue where the checkpoint it resumed from left off.
     steps = {}
