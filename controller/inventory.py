@@ -65,7 +65,8 @@ class HostSpec(_Model):
     known_hosts: str | None = None
     pct: str = "pct"
     stage_dir: str = "/tmp"
-    persist: int = Field(0, ge=0)  # idle seconds of a persistent host session (0: off); CTL_PERSIST overrides
+    persist: int | None = Field(None, ge=0)  # idle seconds of the host's persistent session (0: off; unset:
+    #                                          settings.DEFAULT_PERSIST); CTL_PERSIST and the config file override
     keepalive: KeepaliveSpec = Field(default_factory=KeepaliveSpec)
     connect_timeout: float = Field(settings.DEFAULT_CONNECT_TIMEOUT, gt=0)  # CTL_CONNECT_TIMEOUT overrides
     timeout: float = Field(settings.DEFAULT_TIMEOUT, ge=0)  # deadline of each request, 0: none; CTL_TIMEOUT overrides

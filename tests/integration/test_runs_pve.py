@@ -214,7 +214,9 @@ def test_tail_f_ends_on_a_crash_even_when_the_process_hangs(pve_env: Env) -> Non
     assert stop.returncode == 0, stop.stdout + stop.stderr
 
 
-def test_follow_survives_a_dropped_connection_without_losing_or_repeating_lines(pve_env: Env) -> None:
+@pytest.mark.parametrize("persist", [None, "0"])  # through the host's session (the default), and without one
+def test_follow_survives_a_dropped_connection_without_losing_or_repeating_lines(
+        pve_env: Env, monkeypatch: pytest.MonkeyPatch, persist: str | None) -> None:
     import threading
 
     from controller.commands import runs
@@ -230,11 +232,17 @@ def test_follow_survives_a_dropped_connection_without_losing_or_repeating_lines(
     rec = reg.find_run("drop1")
     listener = int((pve_env.host.base / "pve1" / "sshd.pid").read_text())
     lines: list[str] = []
+    sessions: list[int] = []  # the session process that followed before the cut
+    if persist is None:
+        monkeypatch.delenv("CTL_PERSIST", raising=False)
+    else:
+        monkeypatch.setenv("CTL_PERSIST", persist)
 
     def cut() -> None:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and len([x for x in lines if "step=" in x]) < 10:
             time.sleep(0.05)
+        sessions.extend(json.loads(p.read_text())["pid"] for p in (pve_env.state / "mux").glob("*.json"))
         out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(listener)], capture_output=True, text=True).stdout
         for pid in out.split():
             os.kill(int(pid), signal.SIGKILL)
@@ -242,9 +250,14 @@ def test_follow_survives_a_dropped_connection_without_losing_or_repeating_lines(
     cutter = threading.Thread(target=cut)
     cutter.start()
     with Pool(inv) as pool:
-        end = runs.follow(pool.container(inv.container("ct200")), reg, rec, lines=-1, follow=True,
-                          emit=lines.append, detect=metrics.detect_crash)
-        assert pool.host("pve1").connects >= 2  # the connection was really cut and re-opened
+        t = pool.container(inv.container("ct200"))
+        end = runs.follow(t, reg, rec, lines=-1, follow=True, emit=lines.append, detect=metrics.detect_crash)
+        if persist == "0":
+            assert pool.host("pve1").connects >= 2  # the connection was really cut and re-opened
+        else:  # the session's connection was cut: the follow went on through a new session
+            assert t.relay is not None and len(sessions) == 1, sessions
+            assert t.relay.hello["pid"] != sessions[0]  # type: ignore[attr-defined]
+            assert pool.host("pve1").connects == 0
     cutter.join()
     steps = [p.step for p in map(metrics.parse_line, lines) if isinstance(p, metrics.MetricPoint)]
     assert steps == list(range(1, 41)), steps
@@ -321,13 +334,17 @@ def test_status_of_several_containers_opens_one_ssh_connection_per_host(pve_env:
         return sshd_log.read_text(errors="replace").count("Accepted publickey")
 
     try:
-        before = logins()
-        r = pve_env.ctl("--json", "status", "ct200", "ct201")
-        assert r.returncode in (0, 21, 22), r.stdout + r.stderr
-        rows = {row["run"]: row for row in json.loads(r.stdout)}
-        assert set(rows) == {"one", "two"} and all(row["state"] == "running" for row in rows.values())
-        time.sleep(0.5)  # sshd writes its log line as the login completes
-        assert logins() - before == 1
+        # Sessions on (the default): the launches' session serves status too, no new login; off: one login.
+        for persist, new_logins in ((None, 0), ("0", 1)):
+            env = pve_env.env if persist is None else {**pve_env.env, "CTL_PERSIST": persist}
+            before = logins()
+            r = subprocess.run([sys.executable, "-m", "controller", "-i", str(pve_env.inventory), "--json", "status",
+                                "ct200", "ct201"], capture_output=True, text=True, env=env, timeout=120)
+            assert r.returncode in (0, 21, 22), r.stdout + r.stderr
+            rows = {row["run"]: row for row in json.loads(r.stdout)}
+            assert set(rows) == {"one", "two"} and all(row["state"] == "running" for row in rows.values())
+            time.sleep(0.5)  # sshd writes its log line as the login completes
+            assert logins() - before == new_logins, persist
     finally:
         for run in ("one", "two"):
             pve_env.ctl("stop", run, "--grace", "1")
