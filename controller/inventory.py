@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -65,7 +65,8 @@ class HostSpec(_Model):
     known_hosts: str | None = None
     pct: str = "pct"
     stage_dir: str = "/tmp"
-    persist: int = Field(0, ge=0)  # idle seconds of a persistent host session (0: off); CTL_PERSIST overrides
+    persist: int | None = Field(None, ge=0)  # idle seconds of the host's persistent session (0: off; unset:
+    #                                          settings.DEFAULT_PERSIST); CTL_PERSIST and the config file override
     keepalive: KeepaliveSpec = Field(default_factory=KeepaliveSpec)
     connect_timeout: float = Field(settings.DEFAULT_CONNECT_TIMEOUT, gt=0)  # CTL_CONNECT_TIMEOUT overrides
     timeout: float = Field(settings.DEFAULT_TIMEOUT, ge=0)  # deadline of each request, 0: none; CTL_TIMEOUT overrides
@@ -168,11 +169,60 @@ class RunsSpec(_Model):
         return v
 
 
+_IFNAMES = re.compile(r"^\^?=?[A-Za-z0-9_.:@-]+(,\^?=?[A-Za-z0-9_.:@-]+)*$")  # NCCL's prefix list syntax
+_ADDRESS = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|[0-9A-Fa-f:.]+)$")  # host name or IP
+
+
+class NcclSpec(_Model):
+    """`nccl:` on a container (or a job, for all its nodes): the variables NCCL and gloo need to pick the
+    right network on a Proxmox node (README: "Runs across several containers")."""
+
+    socket_ifname: str | None = None  # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME: eth0, =eth0, ^docker,lo
+    ib_disable: bool | None = None  # NCCL_IB_DISABLE: no InfiniBand/RoCE in the container
+    p2p_disable: bool | None = None  # NCCL_P2P_DISABLE: GPUs of the container cannot reach each other directly
+
+    @field_validator("socket_ifname")
+    @classmethod
+    def _ifname(cls, v: str | None) -> str | None:
+        if v is not None and not _IFNAMES.match(v):
+            raise ValueError(f"{v!r} is not an interface list such as 'eth0', '=eth0', '^docker,lo'")
+        return v
+
+    def env(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if self.socket_ifname is not None:
+            out["NCCL_SOCKET_IFNAME"] = out["GLOO_SOCKET_IFNAME"] = self.socket_ifname
+        if self.ib_disable is not None:
+            out["NCCL_IB_DISABLE"] = "1" if self.ib_disable else "0"
+        if self.p2p_disable is not None:
+            out["NCCL_P2P_DISABLE"] = "1" if self.p2p_disable else "0"
+        return out
+
+
+class JobSpec(_Model):
+    """`jobs.NAME`: one run across several containers, started by torchrun on each with a c10d rendezvous at
+    the first node's `address` and `rdzv_port`."""
+
+    nodes: list[str] = Field(min_length=1)
+    rdzv_port: int = Field(29400, ge=1, le=65535)
+    nproc_per_node: int | Literal["auto"] = "auto"  # auto: each node's GPU split (targets + drafters)
+    # How long the launch preflight waits for every node to reach the rendezvous endpoint (a TCP connect)
+    preflight_timeout: float = Field(10.0, gt=0, le=300)
+    nccl: NcclSpec | None = None  # defaults for every node; a container's own `nccl:` keys win
+
+    @field_validator("nproc_per_node")
+    @classmethod
+    def _nproc(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be at least 1, or 'auto'")
+        return v
+
+
 class ContainerSpec(_Model):
     host: str | None = None
     vmid: int | None = Field(None, ge=100, le=999999999)
     transport: Literal["pct", "ssh", "local"] = "pct"
-    address: str | None = None  # ssh transport
+    address: str | None = None  # ssh transport: where ctl connects; a job's node: where the other nodes reach it
     port: int = Field(22, ge=1, le=65535)
     user: str = "root"
     identity_file: str | None = None
@@ -187,6 +237,7 @@ class ContainerSpec(_Model):
     # Container paths under which the agent may follow a symlink while resolving a destination (default: none)
     follow_symlinks: list[str] = Field(default_factory=list)
     store_keep: int = Field(5, ge=1)  # versions per destination `ctl store prune` keeps
+    nccl: NcclSpec | None = None  # NCCL/gloo network variables for the start script
 
     @field_validator("gpus_seen")
     @classmethod
@@ -218,6 +269,7 @@ class InventoryModel(_Model):
     hosts: dict[str, HostSpec] = Field(default_factory=dict)
     containers: dict[str, ContainerSpec]
     groups: dict[str, list[str]] = Field(default_factory=dict)
+    jobs: dict[str, JobSpec] = Field(default_factory=dict)
     payload: list[PayloadEntry] = Field(default_factory=list)
     runs: RunsSpec = Field(default_factory=RunsSpec)
     vars: dict[str, Any] = Field(default_factory=dict)
@@ -241,6 +293,34 @@ class Container:
 
 
 @dataclass(frozen=True)
+class Job:
+    """A job resolved against the inventory: its nodes in order (node 0 hosts the rendezvous)."""
+
+    name: str
+    spec: JobSpec
+    nodes: tuple[Container, ...]
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def master_addr(self) -> str:
+        """The first node's address: where torchrun's c10d rendezvous (its TCPStore) listens."""
+        addr = self.nodes[0].spec.address
+        assert addr is not None  # checked when the inventory loads
+        return addr
+
+    @property
+    def rdzv_endpoint(self) -> str:
+        host = self.master_addr
+        return f"[{host}]:{self.spec.rdzv_port}" if ":" in host else f"{host}:{self.spec.rdzv_port}"
+
+    def rank(self, ct: str) -> int:
+        return [c.name for c in self.nodes].index(ct)
+
+
+@dataclass(frozen=True)
 class Inventory:
     path: Path
     model: InventoryModel
@@ -261,13 +341,32 @@ class Inventory:
             root = (self.base_dir / os.path.expanduser(spec.root)).resolve()
         return Container(name=name, spec=spec, host_name=spec.host, host=host, root=root)
 
+    def job(self, name: str) -> Job:
+        spec = self.model.jobs.get(name)
+        if spec is None:
+            known = ", ".join(sorted(self.model.jobs)) or "none"
+            raise InputError(f"unknown job {name!r} in {self.path} (jobs: {known})")
+        return Job(name, spec, tuple(self.container(n) for n in spec.nodes))
+
+    def job_of(self, ct: str) -> Job | None:
+        """The job whose node this container is (a container is a node of at most one job), or None."""
+        for name, spec in self.model.jobs.items():
+            if ct in spec.nodes:
+                return self.job(name)
+        return None
+
     def select(self, names: list[str]) -> list[Container]:
-        """Containers by name or group, in the order given, without repeats. Empty means all."""
+        """Containers by name, group or job, in the order given, without repeats. Empty means all."""
         if not names:
             names = list(self.model.containers)
         out: list[str] = []
         for n in names:
-            members = self.model.groups.get(n, [n]) if n not in self.model.containers else [n]
+            if n in self.model.containers:
+                members = [n]
+            elif n in self.model.jobs:
+                members = list(self.model.jobs[n].nodes)
+            else:
+                members = self.model.groups.get(n, [n])
             for m in members:
                 if m not in out:
                     out.append(m)
@@ -332,6 +431,7 @@ def load(path: str | Path | None = None) -> Inventory:
             msg = "unknown key"
         raise InventoryError(name, msg, line=nearest_line(lines, loc), key=dotted(loc)) from None
     _check_references(name, model, lines)
+    _check_jobs(name, model, lines)
     _check_shell_vars(name, model, lines)
     return Inventory(path=p.resolve(), model=model)
 
@@ -374,6 +474,45 @@ def _check_references(name: str, model: InventoryModel, lines: dict[tuple[Any, .
         if gname in model.containers:
             raise InventoryError(name, "a group may not share a container's name",
                                  line=lines.get(("groups", gname)), key=f"groups.{gname}")
+
+
+def _check_jobs(name: str, model: InventoryModel, lines: dict[tuple[Any, ...], int]) -> None:
+    """Each job: a valid name of its own, known containers each in one job only, an `address:` on every node
+    (the first one's is the rendezvous endpoint), the same GPU split on every node (torchrun starts the same
+    command with the same arguments everywhere)."""
+    def refuse(loc: tuple[Any, ...], msg: str) -> NoReturn:
+        raise InventoryError(name, msg, line=nearest_line(lines, loc), key=dotted(loc))
+
+    owner: dict[str, str] = {}
+    for jname, job in model.jobs.items():
+        try:
+            check_name(jname, "job name")
+        except InputError as e:
+            refuse(("jobs", jname), e.message)
+        if jname in model.containers or jname in model.groups:
+            refuse(("jobs", jname), "a job may not share a container's or a group's name")
+        split: tuple[int, int] | None = None
+        for i, node in enumerate(job.nodes):
+            loc = ("jobs", jname, "nodes", i)
+            spec = model.containers.get(node)
+            if spec is None:
+                refuse(loc, f"unknown container {node!r} (containers: {', '.join(sorted(model.containers))})")
+            if node in owner:
+                refuse(loc, f"{node} is already a node of job {owner[node]!r}; a container is a node of one "
+                            "job (its start script is rendered for it)")
+            owner[node] = jname
+            if spec.address is None:
+                refuse(("containers", node), f"{node} is a node of job {jname!r} and needs `address:`, where the "
+                                             "other nodes reach it")
+            elif not _ADDRESS.match(spec.address):
+                refuse(("containers", node, "address"), f"{spec.address!r} is not a host name or an IP address")
+            mine = (len(spec.gpus.target) or 1, len(spec.gpus.drafter) or 1)
+            if split is None:
+                split = mine
+            elif mine != split:
+                refuse(loc, f"{node} has {mine[0]} target(s) and {mine[1]} drafter(s), {job.nodes[0]} has "
+                            f"{split[0]} and {split[1]}: every node of a job runs the same command, so give them "
+                            "the same GPU split")
 
 
 # What the rendered start_training.sh puts unquoted on a shell line: each must be a name, never shell text.

@@ -142,7 +142,15 @@ SCHEMA = [
         expires REAL NOT NULL
     );
     """,
-    # version 5: a run's points in step order, covering tok/s: judging a long run reads a window of them
+    # version 5: runs across several containers (a job): one row for the run, whose `ct` is the job's name and
+    # `nodes` its node count, and one row per node (its container's log, state, metrics) pointing at it
+    """
+    ALTER TABLE runs ADD COLUMN nodes INTEGER;
+    ALTER TABLE runs ADD COLUMN member_of INTEGER REFERENCES runs(id);
+    ALTER TABLE runs ADD COLUMN node_rank INTEGER;
+    CREATE INDEX runs_member_of ON runs(member_of);
+    """,
+    # version 6: a run's points in step order, covering tok/s: judging a long run reads a window of them
     """
     CREATE INDEX metrics_step ON metrics(run_id, step, seq, tok_s);
     """,
@@ -177,6 +185,14 @@ class RunRecord:
     parent_id: int | None = None  # the run this one was restarted from (ctl supervise)
     resumed_from: str | None = None  # the checkpoint it resumed from
     resumed_step: int | None = None
+    nodes: int | None = None  # a run across several containers: how many (its `ct` is the job's name)
+    member_of: int | None = None  # one node's part of such a run: the run's id
+    node_rank: int | None = None  # that node's index in the job (0 hosts the rendezvous)
+
+    @property
+    def multi(self) -> bool:
+        """A run across several containers (its nodes are `Registry.members`)."""
+        return self.nodes is not None
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -313,6 +329,41 @@ class Registry:
         assert run_id is not None
         return self.run_by_id(run_id)
 
+    def claim_job_run(self, name: str, job: str, nodes: list[tuple[str, str | None]], **fields: Any
+                      ) -> tuple[RunRecord, list[RunRecord]]:
+        """Claim `name` for a run of `job` on every node at once, or on none: one transaction inserts the run's row
+        (ct = the job) and one row per node (ct, host), all 'starting'. A node where the name is taken (a run of
+        its own, or a node of another run) raises BusyError naming it, and nothing is claimed anywhere."""
+        now = time.time()
+        enc = _encode(fields)
+        try:
+            with self.tx() as db:
+                for ct, _host in [(job, None), *nodes]:
+                    row = db.execute("SELECT member_of FROM runs WHERE ct=? AND name=?", (ct, name)).fetchone()
+                    if row is not None:
+                        what = "a node of another run" if row[0] is not None else "a run"
+                        raise BusyError(f"run name {name!r} is taken on {ct} ({what} of that name is in the "
+                                        f"registry); nothing claimed on any node of {job}: pick another name")
+                cols = {"name": name, "ct": job, "created": now, "state": Lifecycle.STARTING, "nodes": len(nodes),
+                        **enc}
+                cur = db.execute(f"INSERT INTO runs ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})",  # noqa: S608
+                                 tuple(cols.values()))
+                run_id = cur.lastrowid
+                for rank, (ct, host) in enumerate(nodes):
+                    mcols = {**cols, "ct": ct, "host": host, "nodes": None, "member_of": run_id, "node_rank": rank}
+                    db.execute(f"INSERT INTO runs ({','.join(mcols)}) VALUES ({','.join('?' * len(mcols))})",  # noqa: S608
+                               tuple(mcols.values()))
+        except sqlite3.IntegrityError:  # a concurrent claim won between our SELECT and INSERT
+            raise BusyError(f"run name {name!r} was just claimed on a node of {job}; nothing claimed: pick another "
+                            "name") from None
+        assert run_id is not None
+        return self.run_by_id(run_id), self.members(run_id)
+
+    def members(self, run_id: int) -> list[RunRecord]:
+        """The nodes of a run across several containers, by node rank (empty for a run of one container)."""
+        rows = self._db.execute("SELECT * FROM runs WHERE member_of=? ORDER BY node_rank", (run_id,))
+        return [_run(r) for r in rows]
+
     def update_run(self, run_id: int, **fields: Any) -> RunRecord:
         enc = _encode(fields)
         with self.tx() as db:
@@ -323,9 +374,19 @@ class Registry:
         return self.run_by_id(run_id)
 
     def release_run(self, run_id: int) -> None:
-        """Forget a claim whose launch never reached the container (refused by preflight)."""
+        """Forget a claim whose launch never reached the container (refused by preflight); a run across several
+        containers is released with its nodes' rows, in one transaction."""
         with self.tx() as db:
-            db.execute("DELETE FROM runs WHERE id=? AND state='starting'", (run_id,))
+            db.execute("DELETE FROM runs WHERE member_of=? AND state='starting'", (run_id,))
+            db.execute("DELETE FROM runs WHERE id=? AND state='starting' AND NOT EXISTS "
+                       "(SELECT 1 FROM runs AS m WHERE m.member_of=runs.id)", (run_id,))
+
+    def forget_job_claim(self, run_id: int) -> None:
+        """Forget a run across several containers that no node started (each answered that it started nothing):
+        its nodes' rows and its own, in one transaction."""
+        with self.tx() as db:
+            db.execute("DELETE FROM runs WHERE member_of=?", (run_id,))
+            db.execute("DELETE FROM runs WHERE id=? AND nodes IS NOT NULL", (run_id,))
 
     def run_by_id(self, run_id: int) -> RunRecord:
         row = self._db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
@@ -334,31 +395,43 @@ class Registry:
     def has_run(self, run_id: int) -> bool:
         return self._db.execute("SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is not None
 
-    def runs(self, ct: str | None = None, *, limit: int = 100) -> list[RunRecord]:
+    def runs(self, ct: str | None = None, *, limit: int = 100, members: bool | None = None) -> list[RunRecord]:
+        """Newest first. Of one container (its nodes' rows of runs across several containers included: what ran
+        there), or of everything (one row per run: nodes' rows left out). `members` overrides either default."""
+        if members is None:
+            members = ct is not None
+        only = "" if members else " AND member_of IS NULL"
         if ct:
-            rows = self._db.execute("SELECT * FROM runs WHERE ct=? ORDER BY created DESC LIMIT ?", (ct, limit))
+            rows = self._db.execute(f"SELECT * FROM runs WHERE ct=?{only} ORDER BY created DESC LIMIT ?",  # noqa: S608
+                                    (ct, limit))
         else:
-            rows = self._db.execute("SELECT * FROM runs ORDER BY created DESC LIMIT ?", (limit,))
+            rows = self._db.execute(f"SELECT * FROM runs WHERE 1{only} ORDER BY created DESC LIMIT ?",  # noqa: S608
+                                    (limit,))
         return [_run(r) for r in rows]
 
+    def whole(self, rec: RunRecord) -> RunRecord:
+        """The run a record is part of: a node's row gives its run across several containers, any other itself."""
+        return self.run_by_id(rec.member_of) if rec.member_of is not None else rec
+
     def find_run(self, ref: str) -> RunRecord:
-        """A run by `NAME`, `CT/NAME` or `#ID`; ambiguous names must be qualified."""
+        """A run by `NAME`, `CT/NAME` or `#ID`; ambiguous names must be qualified. A node of a run across several
+        containers (`ct300/fresh7`, or its #ID) stands for that whole run: every verb acts on all its nodes."""
         if ref.startswith("#") and ref[1:].isdigit():
             row = self._db.execute("SELECT * FROM runs WHERE id=?", (int(ref[1:]),)).fetchone()
             if row is None:
                 raise InputError(f"no run {ref} in the registry ({self.path})")
-            return _run(row)
+            return self.whole(_run(row))
         if "/" in ref:
             ct, name = ref.split("/", 1)
             rows = list(self._db.execute("SELECT * FROM runs WHERE ct=? AND name=?", (ct, name)))
         else:
-            rows = list(self._db.execute("SELECT * FROM runs WHERE name=?", (ref,)))
+            rows = list(self._db.execute("SELECT * FROM runs WHERE name=? AND member_of IS NULL", (ref,)))
         if not rows:
             raise InputError(f"no run {ref!r} in the registry ({self.path}); `ctl runs` lists them")
         if len(rows) > 1:
             cts = ", ".join(f"{r['ct']}/{r['name']}" for r in rows)
             raise InputError(f"run name {ref!r} is ambiguous: {cts}")
-        return _run(rows[0])
+        return self.whole(_run(rows[0]))
 
     def names(self, ct: str) -> list[str]:
         return [r[0] for r in self._db.execute("SELECT name FROM runs WHERE ct=?", (ct,))]

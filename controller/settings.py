@@ -23,7 +23,7 @@ OUTPUT = "CTL_OUTPUT"  # json | text: what commands print by default (--json / -
 NOTIFY = "CTL_NOTIFY"  # comma-separated sinks of `ctl supervise` (--notify wins; the inventory's runs.supervise.notify
 #                        applies when neither this nor the config file names any)
 STATE_DIR = "CTL_STATE_DIR"  # registry, dry-run stdin files, session sockets (default: platformdirs' user state dir)
-PERSIST = "CTL_PERSIST"  # idle seconds of persistent host sessions; wins over each host's `persist:`
+PERSIST = "CTL_PERSIST"  # idle seconds of persistent host sessions (0: off); wins over each host's `persist:`
 CHECKPOINT_GLOB = "CTL_CHECKPOINT_GLOB"  # checkpoints to hash, relative to a run's directory
 NOTIFY_RETRIES = "CTL_NOTIFY_RETRIES"  # seconds between a notification's attempts, e.g. "1,4,15"
 # Silent hosts. Each wins over the host's inventory key named after it (hosts.H.keepalive.interval, ...).
@@ -40,6 +40,7 @@ DEFAULT_KEEPALIVE_COUNT = 3  # OpenSSH's ServerAliveCountMax default
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_TIMEOUT = 60.0  # a status, launch, stop or deploy round trip; long verbs (cache, env sync) set their own
 DEFAULT_FOLLOW_RECONNECT = 300.0
+DEFAULT_PERSIST = 60  # idle seconds a host session outlives its last command (Ansible's ControlPersist default)
 LONG_TIMEOUT = 6 * 3600.0  # verbs whose work is legitimately long (cache save/restore/warm, env sync build)
 
 
@@ -231,7 +232,7 @@ def private_file(path: Path) -> Path:
 
 def persist_seconds() -> int | None:
     """CTL_PERSIST > the config file's `persist`: idle seconds a host session outlives its last client (0: no
-    session); None when neither is set (then each host's inventory `persist:` decides)."""
+    session); None when neither is set (then each host's inventory `persist:` decides, else DEFAULT_PERSIST)."""
     value = resolve("persist").value
     return None if value is None else int(value)
 

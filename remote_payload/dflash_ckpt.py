@@ -4,8 +4,13 @@ Full checkpoint, RUN_DIR/checkpoints/step_N/ (written into a temporary directory
   drafter.pt        {"format", "step", "drafter": state_dict, "config": DrafterConfig dict, "provenance"}
                     (the same keys as the weights-only file, so readers of either need nothing else)
   train_state.pt    {"optimizer", "scheduler", "step", "rng", "data", "args"}
-  manifest.json     {"format", "step", "files": {name: {"sha256", "bytes"}}, "provenance", "time"}, written
-                    last: a directory without it is incomplete and refused.
+  manifest.json     {"format", "step", "files": {name: {"sha256", "bytes"}}, "provenance", "data", "time"},
+                    written last: a directory without it is incomplete and refused. "data" (the data position,
+                    as in train_state.pt) is here too, so a target process reads where to resume without
+                    loading the optimizer.
+RNG: the lead drafter's states. Every drafter holds the same ones (same seed, the same work on every drafter:
+the randomness of a batch, its rows and anchors, is drawn on the targets from the samples' own indices), so on
+resume every drafter of every node restores these.
 RUN_DIR/checkpoints/manifest.json indexes them (step, dir, files) for the controller.
 
 Weights-only (before full checkpoints): RUN_DIR/checkpoints/step_N.pt {"step", "drafter", "config", "args"},
@@ -90,7 +95,8 @@ def save_full(root: Path, step: int, drafter, optimizer, *, scheduler: dict, dat
     files = {}
     for name in (WEIGHTS, STATE):
         files[name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
-    manifest = {"format": FORMAT, "step": step, "files": files, "provenance": provenance, "time": time.time()}
+    manifest = {"format": FORMAT, "step": step, "files": files, "provenance": provenance, "data": data,
+                "time": time.time()}
     with open(tmp / MANIFEST, "w") as f:
         f.write(json.dumps(manifest, indent=1) + "\n")
         f.flush()
@@ -159,15 +165,25 @@ def verify(ckpt: Path) -> dict:
     return manifest
 
 
-def read_manifest_step(ckpt: Path) -> int:
-    """The step a full checkpoint resumes from, from its manifest alone (cheap: no hashing)."""
+def read_manifest(ckpt: Path) -> dict:
+    """A full checkpoint's manifest, unverified (cheap: no hashing): step (int), files, data (None when the
+    checkpoint predates it), provenance."""
     mpath = ckpt / MANIFEST
     if not mpath.is_file():
         raise CheckpointError(f"checkpoint {ckpt}: no {MANIFEST} (incomplete or not a full checkpoint); refused")
     try:
-        return int(json.loads(mpath.read_text())["step"])
+        manifest = json.loads(mpath.read_text())
+        manifest["step"] = int(manifest["step"])
+        manifest.setdefault("data", None)
+        dict(manifest["files"])
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: unreadable {MANIFEST} ({type(e).__name__}); refused") from None
+    return manifest
+
+
+def read_manifest_step(ckpt: Path) -> int:
+    """The step a full checkpoint resumes from, from its manifest alone (cheap: no hashing)."""
+    return read_manifest(ckpt)["step"]
 
 
 def load_full(ckpt: Path, map_location="cpu", verified: bool = False) -> tuple[dict, dict]:

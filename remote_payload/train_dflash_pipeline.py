@@ -1,12 +1,22 @@
 #!/usr/bin/env python3
 """DFlash drafter training: frozen target(s) produce hidden states, drafter(s) train on them.
 
-    torchrun --standalone --nproc-per-node=N train_dflash_pipeline.py --targets T --drafters D ...
+    torchrun --standalone --nproc-per-node=T+D train_dflash_pipeline.py --targets T --drafters D ...
+    torchrun --nnodes N --nproc-per-node=T+D --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id RUN \
+        train_dflash_pipeline.py --targets T --drafters D ...          (the same line on every node)
 
-One OS process per role instance (ranks 0..T-1 targets, T..T+D-1 drafters): torch.compile state is never
-shared between threads (torch 2.11-2.13 keep the FX-tracing flag process-global).
+One OS process per role instance (on each node, local ranks 0..T-1 targets, T..T+D-1 drafters): torch.compile
+state is never shared between threads (torch 2.11-2.13 keep the FX-tracing flag process-global).
 
-Schedule. Global batch g goes to drafter g % D (its step g // D) and is made by target g % T, so every
+Several nodes (dflash_dist.py): data-parallel. Each node's targets feed only that node's drafters (hidden
+states never cross nodes); the drafters of all nodes average their gradients in one all-reduce; step s trains
+on the next N*D*B samples of the stream, drafter k (over all nodes) on the k-th slice of B, so N nodes train
+exactly as one node with N times the batch would, and no two drafters see the same sample. Node 0's first
+drafter alone logs metrics, evaluates, writes checkpoints and the summary; every other node logs one `node K
+of N` line. Nodes that disagree (arguments, checkpoint, data, tokenizer or model hashes) are refused (exit 2),
+and a lost node ends the run on every node within seconds (exit 3; --peer-timeout-s for a silent one).
+
+Schedule. On a node, batch l (= step * D + d) goes to local drafter d and is made by local target l % T, so every
 process knows whom it talks to and in which order; nobody dispatches. A target keeps at most --queue-size
 batches per drafter that the drafter has not finished with (the bounded queue); a drafter finishing a batch
 sends the target an ack, which frees that slot.
@@ -20,11 +30,12 @@ Transport (target -> drafter), --transport:
 Drafters average gradients with all_reduce on a drafter-only group: NCCL when their GPUs are distinct, else
 gloo (drafters sharing a GPU: slower, host copies).
 
-Log (drafter rank 0), one line per --log-every steps, and the same numbers in RUN_DIR/metrics.jsonl:
+Log (the lead drafter, node 0's first), one line per --log-every steps, and the same in RUN_DIR/metrics.jsonl:
   [3m] step=14 loss=6.1234 lr=3.0e-04 tgt=2.10b/s dft=1.05b/s (4.6Ktok/s) q_hs=[0] | ETA=12.3m
 tgt/dft are the batches per second each role would do if never kept waiting (role count / mean busy time per
-batch), so the smaller one is the bottleneck; tok/s is what went through end to end (D*B*S tokens per step);
-q_hs the batches ready and waiting per drafter when it asked for the next one (0: starved by the targets).
+batch), so the smaller one is the bottleneck; tok/s is what went through end to end, every node's (N*D*B*S
+tokens per step); q_hs the batches ready and waiting per drafter (all nodes') when it asked for the next one (0:
+starved by its targets).
 
 Data: --data FILE (required with --model PATH): JSONL conversations / text, or .txt, tokenised with the target's
 chat template, loss on assistant tokens only, cached memory-mapped under --cache-dir (dflash_data.py). tiny and
@@ -41,8 +52,8 @@ Checkpoints (dflash_ckpt.py): a full one every --ckpt-every steps and at the end
 wrong hash is refused (exit 2, one line).
 
 Exit: 0 after `done steps=S`; 1 an error in this process (`error: ...` one line on stderr); 3 a peer was
-lost or a collective timed out (--timeout-s); 2 bad arguments. torchrun stops the other ranks when one
-fails and then exits 1 itself.
+lost (another node, or this node's torchrun agent) or a collective timed out (--timeout-s); 2 bad arguments
+or nodes that disagree. torchrun stops the node's other ranks when one fails and then exits 1 itself.
 """
 
 from __future__ import annotations
@@ -62,6 +73,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -69,12 +81,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dflash_ckpt as ck
 import dflash_data as dd
+import dflash_dist as dx
 import dflash_eval as de
 import dflash_model as dm
 
-EXIT_ERROR, EXIT_USAGE, EXIT_PEER = 1, 2, 3
+EXIT_ERROR, EXIT_USAGE, EXIT_PEER = 1, 2, dx.EXIT_PEER
 TAG_HEADER, TAG_META, TAG_HS, TAG_ACK, TAG_IPC = 1, 2, 3, 4, 5
-HEADER_LEN = 8  # [global batch, slot, target busy us, target rank, 0...]
+HEADER_LEN = 8  # [first sample, slot, target busy us, target rank, 0...]
 
 TINY = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
@@ -128,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--queue-size", type=int, default=4)
     a("--transport", choices=["auto", "ipc", "gloo"], default="auto")
     a("--timeout-s", type=float, default=900.0, help="longest wait on a peer before giving up (exit 3)")
+    a("--peer-timeout-s", type=float, default=60.0, help="several nodes: a node silent this long (no heartbeat) is "
+      "lost, and the others exit 3; a node whose processes died is noticed at once")
     return p
 
 
@@ -167,6 +182,8 @@ def check_args(args) -> None:
     for name in ("ckpt_every", "eval_every"):
         if getattr(args, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
+    if args.peer_timeout_s <= 0:
+        problems.append("--peer-timeout-s must be > 0")
     if args.eval_samples < 1 or args.eval_tokens < 1:
         problems.append("--eval-samples and --eval-tokens must be >= 1")
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.steps:
@@ -175,13 +192,15 @@ def check_args(args) -> None:
         raise UsageError("; ".join(problems))
     args.resume = args.resume or os.environ.get("CTL_RESUME_FROM") or None
     args.start_step = 0
+    args.resume_manifest = None
     if args.resume:
         try:
             path = ck.resolve(args.resume)
             if path.is_file():
                 raise ck.CheckpointError(f"checkpoint {path}: weights only (no optimizer, RNG or data state): it "
                                          "cannot resume a run; refused")
-            args.start_step = ck.read_manifest_step(path)
+            args.resume_manifest = ck.read_manifest(path)
+            args.start_step = args.resume_manifest["step"]
         except ck.CheckpointError as e:
             raise UsageError(f"--resume: {e}") from None
         args.resume_path = str(path)
@@ -190,8 +209,7 @@ def check_args(args) -> None:
                               "left to train")
 
 
-class UsageError(Exception):
-    pass
+UsageError = dx.UsageError
 
 
 class AlreadyDone(Exception):
@@ -252,13 +270,14 @@ def compile_target_layers(model) -> int:
 
 
 class Data:
-    """Token rows for global batch g, the same whichever target builds it (a pure function of seed and g).
+    """Row i of the run's sample stream, a pure function of seed and i: the same whichever target, drafter or node
+    handles it, so how a step's samples are split over drafters and nodes changes nothing (sample_index()).
 
     Default (tiny/1b): generated patterns (a motif of 2..12 tokens out of 64 repeated): learnable, so the loss
     visibly goes down within a minute on a CPU even with a random target (whose frozen random LM head caps how
     low it goes). With a corpus (dflash_data): one sample per row, never packed, truncated to seq_len and padded
-    (pad carries no loss); rows walk through an epoch-wise shuffle of the training samples, so the data position
-    is the global batch index alone (a resumed run restarts at g = step * drafters).
+    (pad carries no loss); the stream walks through an epoch-wise shuffle of the training samples, so the data
+    position is one number, the samples seen (a checkpoint records it).
     """
 
     def __init__(self, vocab: int, seq_len: int, seed: int, corpus: dd.Corpus | None = None, pad_id: int = 0,
@@ -276,18 +295,13 @@ class Data:
             self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.train_idx))
         return self._perm[1]
 
-    def position(self, g: int, b: int) -> dict:
-        """Where global batch g starts in the sample stream (what a checkpoint records)."""
-        n = len(self.train_idx) if self.train_idx is not None else None
-        return {"global_batch": g, "samples_seen": g * b, "epoch": g * b // n if n else None,
-                "train_samples": n}
-
-    def batch(self, g: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, first: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, loss mask) [b, seq_len] of samples first..first+b-1 (negative: patterns no training step uses)."""
         if self.corpus is None:
-            rng = random.Random(self.seed * 1_000_003 + g)
             rows = []
             hi = min(self.vocab - 2, 66)
-            for _ in range(b):
+            for i in range(first, first + b):
+                rng = random.Random(f"{self.seed}/{i}")  # a str seed: -i and i are different streams
                 motif = [rng.randrange(2, hi) for _ in range(rng.randint(2, 12))]
                 rows.append((motif * (self.s // len(motif) + 1))[: self.s])
             ids = torch.tensor(rows)
@@ -296,7 +310,7 @@ class Data:
         mask = torch.zeros((b, self.s), dtype=torch.long)
         n = len(self.train_idx)
         for j in range(b):
-            pos = g * b + j
+            pos = first + j
             i = int(self._order(pos // n)[pos % n])
             t, m = self.corpus.sample(i)
             k = min(self.s, len(t))
@@ -307,12 +321,33 @@ class Data:
     def heldout_prompts(self, n: int) -> list[torch.Tensor]:
         """Prompts of held-out samples: everything before their last assistant turn (text: its first half)."""
         if self.corpus is None:  # patterns of batches no training step uses (negative g)
-            return [self.batch(-1 - i, 1)[0][0, : max(2, self.s // 4)] for i in range(n)]
+            return [self.rows(-1 - i, 1)[0][0, : max(2, self.s // 4)] for i in range(n)]
         out = []
         for i in self.heldout_idx[:n]:
             t, m = self.corpus.sample(int(i))
             out.append(torch.from_numpy(t[: dd.prompt_length(m)].astype("int64")))
         return out
+
+
+def first_sample(args, topo: dx.Topo, step: int, drafter: int) -> int:
+    """Index of the first row that drafter (0..drafters_total-1, over all nodes) trains on at `step`.
+
+    Step s takes the next drafters_total * batch_size samples of the stream, drafter k the k-th slice of
+    batch_size: two nodes of one drafter each train, at every step, on exactly the rows one drafter with twice
+    the batch would, and no two drafters of the run ever get the same sample. The stream continues where the
+    resumed checkpoint left it (its samples_seen), whatever the checkpoint's node and drafter counts were."""
+    return args.sample0 + ((step - args.start_step) * topo.drafters_total + drafter) * args.batch_size
+
+
+def row_anchors(loss_mask: torch.Tensor, first: int, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors of rows first.., each drawn from its own sample's seed (not the batch's): a row gets the same
+    anchors whichever batch, drafter or node it lands in."""
+    gen = torch.Generator()
+    parts = []
+    for j in range(loss_mask.shape[0]):
+        gen.manual_seed((args.seed * 7919 + first + j) % (1 << 62))
+        parts.append(dm.sample_anchors(loss_mask[j:j + 1], args.num_anchors, args.block_size, gen))
+    return torch.cat([a for a, _ in parts]), torch.cat([k for _, k in parts])
 
 
 @dataclass
@@ -395,23 +430,6 @@ def cache_dir_of(args) -> Path:
 # ------------------------------------------------------------------------------------------- transport
 
 
-@dataclass
-class Topo:
-    rank: int
-    world: int
-    targets: int
-    drafters: int
-    device: torch.device
-
-    @property
-    def is_target(self) -> bool:
-        return self.rank < self.targets
-
-    @property
-    def drafter_ranks(self) -> list[int]:
-        return list(range(self.targets, self.world))
-
-
 def payload_shapes(args, hs_width: int, hs_dtype):
     b, s, n = args.batch_size, args.seq_len, args.num_anchors
     return {"meta": ((b, 2 * s + 2 * n), torch.int64), "hs": ((b, s, hs_width), hs_dtype)}
@@ -430,7 +448,7 @@ def unpack_meta(meta, s: int, n: int):
 class Outbox:
     """Target side of one target->drafter link: a ring of queue-size slots, reused after the drafter's ack."""
 
-    def __init__(self, args, topo: Topo, dst: int, shapes, mode: str):
+    def __init__(self, args, topo: dx.Topo, dst: int, shapes, mode: str):
         self.dst, self.mode, self.q = dst, mode, args.queue_size
         dev = topo.device if mode == "ipc" else torch.device("cpu")
         pin = topo.device.type == "cuda" and mode == "gloo"
@@ -484,9 +502,9 @@ class Inbox:
     """Drafter side. A receiver thread (communication only, never compiled code) takes the batches of the next
     steps in order into `queue-size` slots; `depth` = batches received and not yet taken by the training loop."""
 
-    def __init__(self, args, topo: Topo, shapes, mode: str, start: int, steps: int):
+    def __init__(self, args, topo: dx.Topo, shapes, mode: str, start: int, steps: int):
         self.args, self.topo, self.mode, self.start, self.steps = args, topo, mode, start, steps
-        self.d = topo.rank - topo.targets
+        self.d = topo.local - topo.targets  # this node's drafter d; its targets are this node's
         self.q = args.queue_size
         pin = topo.device.type == "cuda"
         self.host = [{k: torch.empty(shape, dtype=dt, pin_memory=pin) for k, (shape, dt) in shapes.items()}
@@ -496,11 +514,12 @@ class Inbox:
         if mode == "ipc":  # open each serving target's slots once
             for t in range(topo.targets):
                 if serves(t, self.d, topo.targets, topo.drafters):
+                    src = topo.target_rank(t)
                     n = torch.zeros(1, dtype=torch.int64)
-                    dist.recv(n, t, tag=TAG_IPC)
+                    dist.recv(n, src, tag=TAG_IPC)
                     blob = torch.empty(int(n), dtype=torch.uint8)
-                    dist.recv(blob, t, tag=TAG_IPC)
-                    self.remote[t] = [{k: fn(*a) for k, (fn, a) in slot.items()}
+                    dist.recv(blob, src, tag=TAG_IPC)
+                    self.remote[src] = [{k: fn(*a) for k, (fn, a) in slot.items()}
                                       for slot in pickle.loads(blob.numpy().tobytes())]
         self.ready: queue.Queue = queue.Queue()
         self.acks: list = []  # isend works of acks in flight: a dropped work can lose its message (gloo)
@@ -509,7 +528,8 @@ class Inbox:
         threading.Thread(target=self._receive, name="dflash-inbox", daemon=True).start()
 
     def source(self, step: int) -> int:
-        return (step * self.topo.drafters + self.d) % self.topo.targets
+        """Global rank of the target (of this node) that makes this drafter's batch of `step`."""
+        return self.topo.target_rank((step * self.topo.drafters + self.d) % self.topo.targets)
 
     def _receive(self) -> None:
         try:
@@ -574,7 +594,7 @@ class Inbox:
         for t in range(self.topo.targets):
             if serves(t, self.d, self.topo.targets, self.topo.drafters):
                 for _ in range(self.q):
-                    self._ack(torch.tensor([-1, 1], dtype=torch.int64), t)
+                    self._ack(torch.tensor([-1, 1], dtype=torch.int64), self.topo.target_rank(t))
 
 
 # ----------------------------------------------------------------------------------------------- roles
@@ -584,30 +604,30 @@ def hs_layers(cfg, drafter_layers: int) -> list[int]:
     return dm.target_layer_ids(cfg.num_hidden_layers, drafter_layers)
 
 
-def share_frozen(topo: Topo, group, model=None, extra: dict | None = None):
-    """Target rank 0 sends the target config, `extra` (MASK id, provenance) and its embedding / LM head weights
-    to every drafter; a drafter gets (config, embedding, LM head, extra)."""
-    if topo.rank == 0:
+def share_frozen(topo: dx.Topo, group, model=None, extra: dict | None = None):
+    """A node's target 0 sends the target config, `extra` (MASK id, provenance) and its embedding / LM head
+    weights to the node's drafters (nothing crosses nodes); a drafter gets (config, embedding, LM head, extra)."""
+    if topo.local == 0:
         cfg = model.config
         emb = model.get_input_embeddings().weight
         head = model.get_output_embeddings().weight
         tied = head.data_ptr() == emb.data_ptr()
         info = [{"config": cfg.to_dict(), "tied": tied, "dtype": str(emb.dtype).split(".")[-1], "extra": extra}]
-        dist.broadcast_object_list(info, src=0, group=group)
+        dist.broadcast_object_list(info, src=topo.base, group=group)
         for w in [emb] if tied else [emb, head]:
-            dist.broadcast(w.detach().to("cpu").contiguous(), src=0, group=group)
+            dist.broadcast(w.detach().to("cpu").contiguous(), src=topo.base, group=group)
         return None
     info = [None]
-    dist.broadcast_object_list(info, src=0, group=group)
-    from transformers import Qwen3Config
-
+    dist.broadcast_object_list(info, src=topo.base, group=group)
     meta = info[0]
-    cfg = Qwen3Config(**{k: v for k, v in meta["config"].items() if k not in ("architectures", "model_type")})
+    # The fields as the target serialised them (DrafterConfig.from_target reads a few): no transformers import in
+    # a drafter, a second or two less of start-up in every one.
+    cfg = SimpleNamespace(**meta["config"])
     dtype = getattr(torch, meta["dtype"])
     weights = []
     for _ in range(1 if meta["tied"] else 2):
         w = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        dist.broadcast(w, src=0, group=group)
+        dist.broadcast(w, src=topo.base, group=group)
         weights.append(w.to(topo.device))
     embed = torch.nn.Embedding.from_pretrained(weights[0], freeze=True)
     head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=topo.device, dtype=dtype)
@@ -615,18 +635,19 @@ def share_frozen(topo: Topo, group, model=None, extra: dict | None = None):
     return cfg, embed, head, meta.get("extra") or {}
 
 
-def run_target(args, topo: Topo, groups) -> None:
+def run_target(args, topo: dx.Topo, groups) -> None:
     t0 = time.time()
     # Data, tokenizer and model are named (with hashes) before the model loads: the log's first lines.
-    src = load_source(args, target_config(args.model), cache_dir_of(args), describe=topo.rank == 0)
+    src = load_source(args, target_config(args.model), cache_dir_of(args), describe=topo.local == 0)
     if topo.rank == 0:
         for line in src.lines:
             print(line, flush=True)
     data = src.data
     model = build_target(args.model, topo.device, args.seed)
-    if topo.rank == 0:
+    if topo.local == 0:
         share_frozen(topo, groups["share"], model, {"mask_token_id": src.mask_token_id, "stop_ids": src.stop_ids,
                                                      "provenance": src.provenance})
+    dx.agree(topo, groups["exit"], same_inputs(src.provenance), "data, tokenizer or model")
     cfg = model.config
     layers = hs_layers(cfg, args.drafter_layers)
     truncate_target(model, max(layers))
@@ -634,28 +655,28 @@ def run_target(args, topo: Topo, groups) -> None:
     hs_dtype = torch.bfloat16 if topo.device.type == "cuda" else torch.float32
     shapes = payload_shapes(args, len(layers) * cfg.hidden_size, hs_dtype)
     mode = transport(args)
-    out = {d: Outbox(args, topo, topo.targets + d, shapes, mode) for d in range(topo.drafters)
-           if serves(topo.rank, d, topo.targets, topo.drafters)}
+    out = {d: Outbox(args, topo, topo.drafter_rank(d), shapes, mode) for d in range(topo.drafters)
+           if serves(topo.local, d, topo.targets, topo.drafters)}
     if topo.rank == 0:
         n = sum(p.numel() for p in model.parameters())
         print(f"target: {args.model} {n / 1e6:.1f}M params (layers {layers} of {cfg.num_hidden_layers}) "
-              f"on {topo.device}, {args.targets} target(s), transport {mode}, "
+              f"on {topo.device}, {args.targets} target(s){per_node(topo)}, transport {mode}, "
               f"{f'{compiled_layers} layers compiled, ' if compiled_layers else ''}ready in {time.time() - t0:.1f}s",
               flush=True)
-    gen = torch.Generator().manual_seed(args.seed)
     stopped = False
-    g0 = args.start_step * topo.drafters  # resuming: the data position is the global batch index
-    for g in range(g0 + (topo.rank - g0) % topo.targets, args.steps * topo.drafters, topo.targets):
-        d = g % topo.drafters
+    # This node's batches in order: l = step * D + d goes to local drafter d and is made by local target l % T.
+    n0 = args.start_step * topo.drafters
+    for nb in range(n0 + (topo.local - n0) % topo.targets, args.steps * topo.drafters, topo.targets):
+        step, d = divmod(nb, topo.drafters)
         slot = out[d].acquire()
         if slot is None:
             stopped = True
             break
-        maybe_crash(topo.rank, g // topo.drafters)
+        maybe_crash(topo.rank, step)
         t = time.perf_counter()
-        ids, loss_mask = data.batch(g, args.batch_size)
-        gen.manual_seed(args.seed * 7919 + g)
-        anchors, keep = dm.sample_anchors(loss_mask, args.num_anchors, args.block_size, gen)
+        first = first_sample(args, topo, step, topo.node * topo.drafters + d)
+        ids, loss_mask = data.rows(first, args.batch_size)
+        anchors, keep = row_anchors(loss_mask, first, args)
         buf = out[d].slots[slot]
         buf["meta"].copy_(pack_meta(ids, loss_mask, anchors, keep), non_blocking=True)
         with torch.no_grad():
@@ -669,10 +690,21 @@ def run_target(args, topo: Topo, groups) -> None:
             del o, hs
         if topo.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the slot must be complete before the drafter is told
-        out[d].send(slot, g, int((time.perf_counter() - t) * 1e6), topo.rank)
+        out[d].send(slot, first, int((time.perf_counter() - t) * 1e6), topo.rank)
     if not stopped:  # every batch sent has its drafter's receive coming; after a stop, nobody takes them
         for ob in out.values():
             ob.flush()
+
+
+def same_inputs(prov: dict) -> dict:
+    """What every node's target must agree on (dx.agree): the data, tokenizer and model by content, not path.
+    A node's other targets do not hash the model (None: not compared)."""
+    keys = ("data_sha256", "data_key", "tokenizer_sha256", "target_sha256", "mask_token_id", "vocab_size")
+    return {"_host": dx.host(), **{k: prov.get(k) for k in keys}}
+
+
+def per_node(topo: dx.Topo) -> str:
+    return f" per node x {topo.nodes} nodes" if topo.nodes > 1 else ""
 
 
 def transport(args) -> str:
@@ -761,10 +793,11 @@ class Evaluator:
             drafter.train()
 
 
-def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
-    lead = topo.rank == topo.targets
+def run_drafter(args, topo: dx.Topo, groups, t_start: float) -> None:
+    lead = topo.lead
     cfg, embed, head, shared = share_frozen(topo, groups["share"])
     prov = shared.get("provenance") or {}
+    dx.agree(topo, groups["exit"], same_inputs(prov), "data, tokenizer or model")
     dc = dm.DrafterConfig.from_target(cfg, args.drafter_layers, args.block_size, shared.get("mask_token_id"))
     evaluator = Evaluator(args, topo.device, shared.get("stop_ids") or []) if lead and args.eval_every else None
     torch.manual_seed(args.seed + 1)  # identical initial drafters
@@ -790,6 +823,11 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
             sched = state.get("scheduler") or {}
             note = (f"; --steps {args.steps} replaces the checkpoint's {sched['total_steps']} in the lr schedule"
                     if sched.get("total_steps") not in (None, args.steps) else "")
+            was = state.get("data") or {}
+            per_step = topo.drafters_total * args.batch_size
+            if was.get("drafters") is not None and was["drafters"] * was.get("batch_size", 0) != per_step:
+                note += (f"; {was['drafters']} drafter(s) x batch {was.get('batch_size')} per step in the checkpoint, "
+                         f"{topo.drafters_total} x {args.batch_size} now: the data continues at sample {args.sample0}")
             print(f"resumed from step {start} ({args.resume_path}){note}", flush=True)
     params = [p for p in drafter.parameters()]
     hs_dtype = torch.bfloat16 if topo.device.type == "cuda" else torch.float32
@@ -804,15 +842,15 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
             else "skipped on cpu (flex_attention has no CPU backward; SDPA with a dense mask)")
         print(f"drafter: {dm.param_count(drafter) / 1e6:.1f}M params, {dc.num_layers} layers, target layers "
               f"{list(dc.target_layers)}, block {dc.block_size}, mask token {dc.mask_token_id}, {args.drafters} "
-              f"drafter(s) on {topo.device}, compile {compile_note}", flush=True)
+              f"drafter(s){per_node(topo)} on {topo.device}, compile {compile_note}", flush=True)
         if evaluator:
             print(f"eval: accept_len every {args.eval_every} steps on {len(evaluator.prompts)} held-out prompts, "
                   f"{args.eval_tokens} tokens each, block {dc.block_size} (target copy ready in "
                   f"{evaluator.ready_s:.1f}s)", flush=True)
     cuda = topo.device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
-    s_len, n, nd = args.seq_len, args.num_anchors, args.drafters
-    me = topo.rank - topo.targets
+    s_len, n, nd = args.seq_len, args.num_anchors, topo.drafters_total
+    me = topo.drafter_index
     grad_dev = topo.device if groups["drafters_backend"] == "nccl" else torch.device("cpu")
     win = {"t": time.perf_counter(), "steps": 0, "busy": 0.0, "tgt_us": 0.0, "gpu": [],
            "loss": torch.zeros((), device=topo.device)}
@@ -826,7 +864,8 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
         sched = {"kind": "dflash_model.lr_at (linear warm-up, cosine to 10%)", "total_steps": args.steps,
                  "peak_lr": args.lr, "warmup_ratio": args.warmup_ratio, "next_step": step}
         position = {"next_global_batch": step * nd, "batch_size": args.batch_size, "drafters": nd,
-                    "samples_seen": step * nd * args.batch_size, "data_key": prov.get("data_key")}
+                    "samples_seen": first_sample(args, topo, step, 0), "data_key": prov.get("data_key"),
+                    "nodes": topo.nodes, "targets_per_node": topo.targets, "drafters_per_node": topo.drafters}
         ck.save_full(out / "checkpoints", step, drafter, opt, scheduler=sched, data=position,
                      args={k: v for k, v in vars(args).items() if k != "gpu_list"}, provenance=prov)
 
@@ -920,9 +959,9 @@ def run_drafter(args, topo: Topo, groups, t_start: float) -> None:
 def log_step(args, metrics, win, step, lr, loss, depths, t_start, topo, stopping, result=None) -> None:
     dt = max(1e-9, time.perf_counter() - win["t"])
     n = max(1, win["steps"])
-    tok_s = win["steps"] * topo.drafters * args.batch_size * args.seq_len / dt
-    dft_bps = topo.drafters / max(1e-9, win["busy"] / n)
-    tgt_bps = topo.targets / max(1e-9, win["tgt_us"] / n / 1e6)
+    tok_s = win["steps"] * topo.drafters_total * args.batch_size * args.seq_len / dt  # every node's tokens
+    dft_bps = topo.drafters_total / max(1e-9, win["busy"] / n)
+    tgt_bps = topo.targets_total / max(1e-9, win["tgt_us"] / n / 1e6)
     elapsed = time.time() - t_start
     eta = (args.steps - step) * dt / n
     if args.max_minutes is not None:
@@ -944,32 +983,59 @@ def log_step(args, metrics, win, step, lr, loss, depths, t_start, topo, stopping
 # ------------------------------------------------------------------------------------------------- main
 
 
-def setup(args) -> tuple[Topo, dict]:
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != args.targets + args.drafters:
-        raise UsageError(f"torchrun started {world} processes, but --targets {args.targets} + --drafters "
-                         f"{args.drafters} = {args.targets + args.drafters}: set --nproc-per-node to the sum")
+NODE_LOCAL_ARGS = {"out", "cache_dir", "compile_cache", "resume", "resume_path", "resume_manifest", "gpus",
+                   "gpu_list", "data", "tokenizer"}  # paths may differ between nodes; contents are compared
+
+
+def same_command(args) -> dict:
+    """What every node's command line must agree on (dx.agree): the arguments that shape the training, and the
+    resumed checkpoint by its files' hashes."""
+    view = {k: v for k, v in sorted(vars(args).items()) if k not in NODE_LOCAL_ARGS}
+    if args.model not in ("tiny", "1b"):
+        view.pop("model")
+    if args.resume_manifest:
+        view["resume_files"] = {k: f.get("sha256") for k, f in args.resume_manifest["files"].items()}
+    return {"_host": dx.host(), **view}
+
+
+def setup(args) -> tuple[dx.Topo, dict]:
+    rank, world, node, nodes = dx.placement(args.targets, args.drafters)
+    local = rank - node * (args.targets + args.drafters)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise UsageError("--device cuda, but torch sees no CUDA device")
-        ordinal = args.gpu_list[rank] if args.gpu_list else rank % torch.cuda.device_count()
+        ordinal = args.gpu_list[local] if args.gpu_list else local % torch.cuda.device_count()
         torch.cuda.set_device(ordinal)
         device = torch.device("cuda", ordinal)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        # The cores this process may run on (a container's cpuset, taskset), not the host's: os.cpu_count().
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // (args.targets + args.drafters)))
     timeout = timedelta(seconds=args.timeout_s)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    topo = Topo(rank, world, args.targets, args.drafters, device)
+    topo = dx.Topo(rank, world, args.targets, args.drafters, device, node, nodes)
     dgpus = args.gpu_list[args.targets:] if args.gpu_list else None
     distinct = args.device == "cuda" and (dgpus is None or len(set(dgpus)) == len(dgpus))
-    backend = "nccl" if distinct and args.drafters > 1 else "gloo"
-    # Every rank creates every group, in the same order.
-    groups = {"share": dist.new_group([0, *topo.drafter_ranks], backend="gloo", timeout=timeout),
+    backend = "nccl" if distinct and topo.drafters_total > 1 else "gloo"
+    # Every rank creates every group, in the same order. Hidden states stay on their node (targets send to the
+    # node's drafters over the default group); the gradient all-reduce spans every node's drafters.
+    shares = [dist.new_group([n * topo.per_node, *topo.node_drafter_ranks(n)], backend="gloo", timeout=timeout)
+              for n in range(nodes)]
+    groups = {"share": shares[node],
               "exit": dist.new_group(list(range(world)), backend="gloo", timeout=timeout),
               "drafters": dist.new_group(topo.drafter_ranks, backend=backend, timeout=timeout),
-              "drafters_backend": backend}
+              "drafters_backend": backend,
+              "watch": dist.new_group(topo.leaders, backend="gloo", timeout=timeout) if nodes > 1 else None}
+    dx.agree(topo, groups["exit"], same_command(args), "their command lines")
+    seen = ((args.resume_manifest or {}).get("data") or {}).get("samples_seen")
+    args.sample0 = int(seen) if seen is not None else args.start_step * topo.drafters_total * args.batch_size
+    if nodes > 1 and topo.local == 0:
+        print(f"node {node} of {nodes} ({dx.host()}): ranks {topo.base}..{topo.base + topo.per_node - 1}, "
+              f"targets {[topo.target_rank(t) for t in range(topo.targets)]}, drafters "
+              f"{[topo.drafter_rank(d) for d in range(topo.drafters)]} (slices {node * topo.drafters}.."
+              f"{(node + 1) * topo.drafters - 1} of {topo.drafters_total} per step); metrics, checkpoints and the "
+              f"summary {'here' if node == 0 else 'on node 0'}", flush=True)
     return topo, groups
 
 
@@ -978,11 +1044,13 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    role = "target" if rank < args.targets else "drafter"
-    everywhere = True  # until the process group forms, every rank finds the same problems: rank 0 says them
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    role = "target" if local < args.targets else "drafter"
+    everywhere = True  # until the process group forms, every rank of a node finds the same problems: its first says
+    watchdog = None
     try:
         check_args(args)
-        if args.resume and rank == 0:
+        if args.resume and local == 0:  # each node its own copy of the checkpoint
             try:
                 ck.verify(Path(args.resume_path))
             except ck.CheckpointError as e:
@@ -990,6 +1058,8 @@ def main(argv=None) -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         everywhere = False
         topo, groups = setup(args)
+        watchdog = dx.Watchdog(topo, groups["watch"], args.peer_timeout_s, f"rank {rank} ({role})")
+        watchdog.start()
         if topo.is_target:
             run_target(args, topo, groups)
         else:
@@ -997,18 +1067,23 @@ def main(argv=None) -> int:
         # Nobody exits (freeing IPC-shared memory) while a peer may still read it. Its own group: the default
         # one still holds receives nobody will answer after an early stop.
         dist.all_reduce(torch.zeros(1), group=groups["exit"])
+        watchdog.close()
         code = 0
     except AlreadyDone as e:
         if rank == 0:
             print(f"done steps={args.steps} ({e})", flush=True)
         code = 0
     except UsageError as e:
-        if rank == 0 or not everywhere:
+        if watchdog:
+            watchdog.close()
+        if local == 0 or not (everywhere or isinstance(e, dx.Mismatch)):
             print(f"error: {e}", file=sys.stderr, flush=True)
-        else:  # exiting first would have torchrun stop rank 0 before it says why
+        else:  # exiting first would have torchrun stop the node's first process before it says why
             time.sleep(5)
         code = EXIT_USAGE
     except Exception as e:  # one line for the controller; the traceback with DFLASH_TRACEBACK=1
+        if watchdog:
+            watchdog.close()
         peer = isinstance(e, (PeerLost, dist.DistError)) or any(
             s in str(e) for s in ("Connection closed by peer", "Connection reset", "Timed out", "timed out"))
         print(f"error: rank {rank} ({role}): {'peer lost: ' if peer else ''}{type(e).__name__}: "

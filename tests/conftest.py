@@ -63,6 +63,31 @@ def ctl_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # --------------------------------------------------------------------------------------------
+# Persistent host sessions (on by default): each test's state directory has its own, ended at its teardown
+
+
+def end_sessions(state: Path) -> None:
+    """Stop the persistent sessions of a test's state directory (`ctl mux stop`, no grace), then kill by pid any
+    that did not go (one stopped with SIGSTOP by a test, one that no longer answers): none outlives its test."""
+    from controller.transport import mux
+
+    with contextlib.suppress(Exception):
+        mux.stop(timeout=5, grace=0, state=state)
+    d = state / "mux"
+    for info in d.glob("*.json") if d.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ProcessLookupError):
+            doc = json.loads(info.read_text())
+            pid = int(doc["pid"])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"controller.transport.mux.daemon" in cmdline:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+                sock = Path(doc["socket"])  # killed: nobody else removes it (the socket dir is shared)
+                if sock.is_socket() and sock.stat().st_uid == os.getuid():
+                    sock.unlink()
+
+
+# --------------------------------------------------------------------------------------------
 # The local Proxmox test host (tests/pvehost), once per session
 
 

@@ -171,10 +171,20 @@ def test_shipped_inventory_is_valid() -> None:
     assert {"ct200", "local"} <= set(inv.model.containers)
 
 
-def test_host_persist_is_whole_seconds_at_least_0(tmp_path: Path) -> None:
-    assert load(write(tmp_path, GOOD)).model.hosts["kpro6"].persist == 0  # off unless asked for
-    ok = GOOD.replace("    port: 22\n", "    port: 22\n    persist: 60\n")
-    assert load(write(tmp_path, ok)).model.hosts["kpro6"].persist == 60
+def test_host_persist_is_whole_seconds_at_least_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from controller import settings
+    from controller.transport.pool import Pool
+
+    monkeypatch.delenv(settings.PERSIST, raising=False)
+    monkeypatch.setenv(settings.CONFIG, str(tmp_path / "no-config.yaml"))
+    inv = load(write(tmp_path, GOOD))
+    assert inv.model.hosts["kpro6"].persist is None  # unset: the default applies
+    assert Pool(inv).persist("kpro6") == settings.DEFAULT_PERSIST == 60  # sessions are on by default
+    for text, want in (("persist: 0", 0), ("persist: 90", 90)):
+        inv = load(write(tmp_path, GOOD.replace("    port: 22\n", f"    port: 22\n    {text}\n")))
+        assert inv.model.hosts["kpro6"].persist == want and Pool(inv).persist("kpro6") == want
+    monkeypatch.setenv(settings.PERSIST, "0")
+    assert Pool(inv).persist("kpro6") == 0  # CTL_PERSIST wins over the host's key
     msg = error_of(tmp_path, GOOD.replace("    port: 22\n", "    port: 22\n    persist: -5\n"))
     assert msg.startswith("INV:5: hosts.kpro6.persist:"), msg
     assert ">= 0" in msg or "greater than or equal to 0" in msg, msg

@@ -60,6 +60,9 @@ class _LocalHost:
     def close(self) -> None:
         pass
 
+    def _why(self) -> str:
+        return ""  # an SshEndpoint's reason for a dropped connection (its keepalive's); none here
+
 
 @pytest.fixture
 def relay() -> Iterator[tuple[HostRelay, _LocalHost]]:

@@ -48,10 +48,9 @@ def render(d: Path) -> None:
                   "    vars:", "      python: python3",
                   f"      train_args: {json.dumps({**TRAIN_ARGS, **over})}"]
     lines += ["payload:"]
-    for src, dest in (("remote_payload/dflash_model.py", "/root/dflash_model.py"),
-                      ("remote_payload/train_dflash_pipeline.py", "/root/train_dflash_pipeline.py"),
-                      ("remote_payload/warmup_compile.py", "/root/warmup_compile.py")):
-        lines.append(f"  - {{src: {ROOT / src}, dest: {dest}}}")
+    for name in ("dflash_model.py", "dflash_data.py", "dflash_eval.py", "dflash_ckpt.py", "dflash_dist.py",
+                 "train_dflash_pipeline.py", "warmup_compile.py"):  # every module the pipeline imports
+        lines.append(f"  - {{src: {ROOT / 'remote_payload' / name}, dest: /root/{name}}}")
     lines.append(f"  - {{template: {ROOT / 'templates/start_training.sh.j2'}, dest: /root/start_training.sh, "
                  "mode: \"0755\"}")
     lines.append('runs: {series: fresh, session: dflash, log: "/workspace/train_stdout_{run}.log", '

@@ -153,7 +153,7 @@ def session(inv: Any = None) -> Iterator[Any]:
     how it reached each host (relay or not, persistent session or not, and why)."""
     from controller.transport.pool import Pool
 
-    with Pool(inv if inv is not None else _inv(), note=_note) as pool:
+    with Pool(inv if inv is not None else _inv(), note=_note, warn=lambda line: _warn([line])) as pool:
         yield pool
 
 

@@ -31,6 +31,10 @@ def inventory_cmd(ctx: typer.Context) -> None:
         groups = ",".join(g for g, members in m.groups.items() if name in members)
         rows.append([name, c.transport, where, split, groups])
     _table("containers", ["container", "transport", "where", "gpus", "groups"], rows)
+    if m.jobs:
+        _table("jobs (runs across several containers)", ["job", "nodes", "rendezvous", "nproc/node"],
+               [[name, ", ".join(j.nodes), inv.job(name).rdzv_endpoint, j.nproc_per_node]
+                for name, j in m.jobs.items()])
 
 
 @app.command("ping")

@@ -1,14 +1,17 @@
 """The `ctl` command line: thin typer commands that call one commands.* function and render its result.
 
-Every CtlError is caught in `main` and printed as one line; `--debug` shows the traceback. Heavy modules
-(paramiko, jinja2, matplotlib) are imported inside commands, so that `ctl --help` stays fast. The app,
-its global options and the output helpers live in cli/app.py; each verb group in its own module, which
-registers its commands on the app when `load_app` imports it. A shell's completion request (a TAB) is answered
-by cli/complete.py before any of that is imported.
+Every CtlError is caught in `main` and printed as one line; `--debug` shows the traceback. Start-up stays thin:
+heavy modules (paramiko, jinja2, rich, pydantic, matplotlib) are imported inside commands, a command line imports
+only the cli module of its verb (COMMANDS), `ctl --help` prints the text typer renders for it (helptext.py, kept
+equal to typer's by tests/test_cli_startup.py) without importing typer at all, and a shell's completion request
+(a TAB) is answered by cli/complete.py before any of that is imported. The app, its global options and the
+output helpers live in cli/app.py; each verb group in its own module, which registers its commands on the app
+when imported (`load`, `load_app`).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -18,21 +21,53 @@ if TYPE_CHECKING:
 
 __all__ = ["load_app", "main"]  # also `app` and `OPTS`, loaded on first use (__getattr__)
 
+# verb -> the cli module that registers it (tests/test_cli_startup.py checks it against the modules).
+COMMANDS: dict[str, str] = {
+    "deploy": "deploy", "ping": "inventory", "inventory": "inventory",
+    "mark-good": "metrics", "status": "metrics", "watch": "metrics", "plot": "metrics", "metrics": "metrics",
+    "launch": "runs", "tail": "runs", "runs": "runs", "show": "runs", "stop": "runs", "attach": "runs",
+    "diff": "runs", "rollback": "snapshot", "snapshot": "snapshot", "supervise": "supervise",
+    "events": "supervise", "config": "config", "env": "env", "cache": "env", "mux": "mux", "runbook": "runbook",
+    "store": "store", "dashboard": "dashboard",
+}
+MODULES = ("config", "dashboard", "deploy", "env", "inventory", "metrics", "mux", "runbook", "runs", "snapshot",
+           "store", "supervise")  # in the order `ctl --help` lists their commands
+_GLOBAL_VALUE = ("-i", "--inventory")  # global options that take a value
+HELP_WIDTH = 80  # click renders help at min(terminal width, 80)
+
+
+def verb(argv: list[str]) -> str | None:
+    """The verb of a command line (its first word after the global options); None when there is none."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if a in _GLOBAL_VALUE:
+            i += 2
+            continue
+        if not a.startswith("-"):
+            return a
+        i += 1
+    return None
+
+
+def load(argv: list[str]) -> Any:
+    """Register the commands this command line may run: its verb's module, or all (help, an unknown verb).
+    Returns the app."""
+    v = verb(argv)
+    if v in COMMANDS and not {"--help", "--version"} & set(argv[:argv.index(v)]):
+        importlib.import_module(f"controller.cli.{COMMANDS[v]}")
+        from controller.cli.app import app
+
+        return app
+    return load_app()
+
 
 def load_app() -> Any:
     """The typer app with every verb group registered (each module registers its commands when imported)."""
-    from controller.cli import config as _config  # noqa: F401
-    from controller.cli import dashboard as _dashboard  # noqa: F401
-    from controller.cli import deploy as _deploy  # noqa: F401
-    from controller.cli import env as _env  # noqa: F401
-    from controller.cli import inventory as _inventory  # noqa: F401
-    from controller.cli import metrics as _metrics  # noqa: F401
-    from controller.cli import mux as _mux  # noqa: F401
-    from controller.cli import runbook as _runbook  # noqa: F401
-    from controller.cli import runs as _runs  # noqa: F401
-    from controller.cli import snapshot as _snapshot  # noqa: F401
-    from controller.cli import store as _store  # noqa: F401
-    from controller.cli import supervise as _supervise  # noqa: F401
+    for m in MODULES:
+        importlib.import_module(f"controller.cli.{m}")
     from controller.cli.app import app
 
     return app
@@ -49,12 +84,38 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
+def _plain_help(argv: list[str]) -> bool:
+    """`ctl --help` on a terminal at least as wide as click renders: the text typer would print, without typer."""
+    if argv != ["--help"]:
+        return False
+    import shutil
+
+    if shutil.get_terminal_size().columns < HELP_WIDTH:
+        return False
+    from controller.cli.helptext import TEXT
+
+    sys.stdout.write(TEXT)
+    return True
+
+
+def render_help() -> str:
+    """What typer prints for `ctl --help` on a terminal of HELP_WIDTH columns (the source of helptext.py)."""
+    import subprocess
+
+    code = "from controller.cli.main import load_app; load_app()(['--help'], prog_name='ctl')"
+    env = {**os.environ, "COLUMNS": str(HELP_WIDTH), "PYTHONPATH": os.path.dirname(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__))))}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+
+
 def main() -> None:
     if os.environ.get("_CTL_COMPLETE", "").startswith("complete_"):
         # A TAB in the shell: answered before typer, pydantic and the commands are imported (cli/complete.py).
         from controller.cli.complete import answer
 
         sys.exit(answer())
+    if _plain_help(sys.argv[1:]):
+        sys.exit(0)
     _main()
 
 
@@ -65,7 +126,6 @@ def _main() -> None:
     from controller.core.terminal import clean_line
     from controller.errors import CtlError, ExitCode
 
-    app = load_app()
     # Global flags are accepted anywhere on the line (`ctl deploy ct200 --json`), not only before the verb.
     argv = sys.argv[1:]
     head, sep, tail = (argv[: argv.index("--")], ["--"], argv[argv.index("--") + 1:]) if "--" in argv else (
@@ -74,6 +134,7 @@ def _main() -> None:
         if flag in head[1:]:
             head = [a for a in head if a != flag]
             head.insert(0, flag)
+    app = load(head + sep + tail)
     try:
         rc = app(args=head + sep + tail, prog_name="ctl", standalone_mode=False)
     except CtlError as e:

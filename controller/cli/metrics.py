@@ -79,8 +79,21 @@ def pull_cmd(
     inv = _inv()
     reg = _registry()
     rec = reg.find_run(run)
-    ct = inv.container(rec.ct)
     glob = checkpoint_glob(checkpoints)
+    if rec.multi:  # every node's log, in parallel
+        with session(inv) as pool:
+            pulled = monitor.pull_many(inv, reg, pool, [rec], glob)
+        members = {m.id: m for m in reg.members(rec.id)}
+        if OPTS.json:
+            _out([{"node": members[i].ct, **(r.to_json() if not isinstance(r, str) else {"error": r})}
+                  for i, r in pulled.items()])
+        else:
+            for i, r in pulled.items():
+                _console().print(f"{members[i].ct}: " + (r if isinstance(r, str) else
+                                 f"{r.fetched:,} new log bytes, {r.new_points} new point(s)"
+                                 + (f", crash signature: {r.crash}" if r.crash else "")), markup=False)
+        raise typer.Exit(1 if any(isinstance(r, str) for r in pulled.values()) else 0)
+    ct = inv.container(rec.ct)
     with session(inv) as pool:
         res = monitor.pull(pool.container(ct), reg, rec, chunk=max(1, int(chunk_mib * 2**20)),
                                checkpoints=glob, hashes=not no_hashes)
@@ -237,11 +250,13 @@ def status_cmd(
     glob = checkpoint_glob(checkpoints)
     inv = _inv()
     reg = _registry()
+    from controller.commands.runs import whole_runs
+
     recs: list[Any] = []
     for ct in inv.select(containers or []):
-        mine = reg.runs(ct.name, limit=50)
+        mine = whole_runs(reg, reg.runs(ct.name, limit=50))  # a node's part of a run stands for the whole run
         live = [r for r in mine if r.state.live]
-        recs.extend(live or mine[:1])
+        recs.extend(r for r in (live or mine[:1]) if r.id not in {x.id for x in recs})
     if not recs:
         if OPTS.json:
             _out([])
@@ -288,7 +303,10 @@ def watch_cmd(
     inv = _inv()
     reg = _registry()
     rec = reg.find_run(run)
-    inv.container(rec.ct)  # refused when the run's container left the inventory
+    if rec.multi:
+        inv.job(rec.ct)  # refused when the run's job left the inventory
+    else:
+        inv.container(rec.ct)  # refused when the run's container left the inventory
     con = _console()
 
     def tick(st: Any) -> None:

@@ -1,7 +1,8 @@
-"""`ctl mux status|stop`: the user's persistent host sessions (CTL_PERSIST, controller/transport/mux/).
+"""`ctl mux status|stop`: the user's persistent host sessions (controller/transport/mux/).
 
-A session is started on demand by the first command that needs a host while CTL_PERSIST, or that host's
-`persist:` in the inventory, is set; these commands only list and stop them. They read no inventory.
+A session is started on demand by the first command that needs a host, unless CTL_PERSIST=0 (or the config
+file's `persist: 0`, or the host's `persist: 0` in the inventory) turns them off; these commands only list and
+stop the sessions of the state directory. They read no inventory.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from controller.cli import complete as _c
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
 
-mux_app = typer.Typer(help="Persistent host sessions (CTL_PERSIST=SECONDS or a host's persist:): list or stop them.",
-                      no_args_is_help=True)
+mux_app = typer.Typer(help="Persistent host sessions (on by default, 60 idle seconds; CTL_PERSIST=0 turns them "
+                      "off): list or stop them.", no_args_is_help=True)
 app.add_typer(mux_app, name="mux")
 
 
@@ -31,19 +32,23 @@ def status_cmd() -> None:
         _cli._out(docs)
         return
     now = time.time()
-    _cli._table(f"persistent host sessions ({mux.mux_dir()})", ["host", "address", "pid", "idle", "age", "state"],
+    _cli._table(f"persistent host sessions ({mux.mux_dir()})",
+                ["host", "address", "pid", "idle", "age", "state", "socket"],
                 [[d.get("host"), f"{d.get('user')}@{d.get('address')}:{d.get('port')}", d.get("pid"),
                   f"{d.get('idle')}s", f"{now - float(d.get('started', now)):.0f}s",
-                  "live" if d["live"] else "gone"] for d in docs])
+                  "live" if d["live"] else "gone", d.get("socket")] for d in docs])
 
 
 @mux_app.command("stop")
 def stop_cmd(host: str = typer.Argument(None, autocompletion=_c.hosts,
-                                        help="Only the session of this host (default: all).")) -> None:
-    """Stop sessions: each closes its relay (children see the end of their stdin) and its SSH connection."""
+                                        help="Only the session of this host (default: all)."),
+             grace: float = typer.Option(30.0, "--grace", min=0, help="Seconds the commands still using a session "
+                                         "get to finish before it ends them (0: end them now).")) -> None:
+    """Stop sessions: each takes no new command, lets the running ones finish (up to --grace), then closes its
+    relay (children see the end of their stdin) and its SSH connection."""
     from controller.transport import mux
 
-    stopped = mux.stop(host)
+    stopped = mux.stop(host, grace=grace)
     if OPTS.json:
         _cli._out([{"host": d.get("host"), "pid": d.get("pid")} for d in stopped])
         return

@@ -19,7 +19,6 @@ from controller.cli.app import (
     _one_ct,
     _out,
     _registry,
-    _run_and_ct,
     _session,
     _table,
     _warn,
@@ -39,10 +38,15 @@ def launch_cmd(
     allow_env_mismatch: bool = typer.Option(
         False, "--allow-env-mismatch", help="Launch although the environment differs from its lock."),
 ) -> None:
-    """Preflight, then start the run in a detached tmux session with its own, never-reused log."""
+    """Preflight, then start the run in a detached tmux session with its own, never-reused log. A job of the
+    inventory starts on all its nodes (torchrun's c10d rendezvous), or on none."""
     from controller.commands import runs
 
     reg = _registry()
+    inv = _inv()
+    if container in inv.model.jobs:
+        raise typer.Exit(_launch_job(inv, reg, container, run, allow_drift=allow_drift, force=force,
+                                     allow_env_mismatch=allow_env_mismatch, follow=follow))
     with _session(container) as (inv, ct, pool):
         t = pool.container(ct)
         rec, checks = runs.launch(inv, ct, t, reg, run, allow_drift=allow_drift, force=force,
@@ -57,6 +61,53 @@ def launch_cmd(
         con.print(f"launched {rec.name} on {ct.name}: tmux session {rec.session}, log {rec.log_path}")
         if follow:
             raise typer.Exit(_follow(t, reg, rec, -1, True))
+
+
+def _launch_job(inv: Any, reg: Any, job: str, run: str | None, *, allow_drift: bool, force: bool,
+                allow_env_mismatch: bool, follow: bool) -> int:
+    from controller.commands import jobs
+
+    with session(inv) as pool:
+        got = jobs.launch(inv, pool, reg, job, run, allow_drift=allow_drift, force=force,
+                          allow_env_mismatch=allow_env_mismatch)
+        if OPTS.json and not follow:
+            _out({"run": _redacted(got.run), "nodes": [_redacted(m) for m in got.nodes],
+                  "checks": {n: [c.__dict__ for c in cs] for n, cs in got.checks.items()},
+                  "seconds": round(got.seconds, 3)})
+            return 0
+        con = _console()
+        for node, cs in got.checks.items():
+            for c in cs:
+                mark = "ok" if c.ok else "[yellow]FORCED[/yellow]"
+                con.print(f"  {node:<10} {c.name:<10} {mark:<6} {_esc(c.detail)}")
+        con.print(f"launched {got.run.name} on {len(got.nodes)} node(s) of {job} "
+                  f"({', '.join(m.ct for m in got.nodes)}): tmux session {got.run.session}, log {got.run.log_path} "
+                  f"on each ({got.seconds:.1f}s)")
+        if follow:
+            return _follow_job(inv, pool, reg, got.run, -1, True, None)
+    return 0
+
+
+def _follow_job(inv: Any, pool: Any, reg: Any, rec: Any, lines: int, follow: bool, node: str | None) -> int:
+    from controller.commands import jobs
+    from controller.core import metrics
+
+    con = _console()
+    width = max(len(m.ct) for m in reg.members(rec.id))
+
+    def emit(n: str, line: str) -> None:
+        con.print(f"[{n}]".ljust(width + 3) + line, markup=False)
+
+    end = jobs.follow(inv, pool, reg, rec, lines=lines, follow=follow, emit=emit, detect=metrics.detect_crash,
+                      node=node, note=lambda text: _warn([text]))
+    if follow:
+        if end.state.live:
+            con.print(f"run {rec.name}: still running")
+        elif end.crash or end.state.name in ("CRASHED", "FAILED"):
+            con.print(f"[red]run {rec.name}: {end.state}: {_esc(end.crash or '')}[/red]")
+        else:
+            con.print(f"run {rec.name}: {end.state}")
+    return end.exit_code
 
 
 def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool) -> int:
@@ -99,17 +150,32 @@ def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool) -> int:
 @app.command("tail")
 def tail_cmd(
     container: str = typer.Argument(..., autocompletion=_c.container_or_run,
-                                    help="Container (its latest run) or a run as CT/NAME."),
+                                    help="Container or job (its latest run), or a run as CT/NAME or NAME."),
     run: str | None = typer.Option(None, "--run", help="Run name (default: the container's latest run).",
                                    autocompletion=_c.runs),
     lines: int = typer.Option(20, "-n", "--lines", help="Lines of history to show first."),
     follow: bool = typer.Option(False, "-f", "--follow", help="Follow until the run ends or crashes."),
+    node: str | None = typer.Option(None, "--node", help="A run across several containers: only this node "
+                                                         "(its container or its index in the job)."),
 ) -> None:
-    """Show the run's log; with -f follow it until the run ends (exit status) or crashes (non-zero)."""
+    """Show the run's log; with -f follow it until the run ends (exit status) or crashes (non-zero). A run
+    across several containers: the nodes' logs merged in the order they were written, each line after [node]."""
     inv = _inv()
     reg = _registry()
-    if "/" in container:
-        rec, ct = _run_and_ct(inv, reg, container)
+    rec = None
+    if container in inv.model.jobs:
+        rec = reg.find_run(f"{container}/{run}") if run else next(iter(reg.runs(container, limit=1)), None)
+        if rec is None:
+            raise CtlError(f"{container}: no runs recorded; `ctl launch {container}` starts one")
+    elif "/" in container or (container not in inv.model.containers and container not in inv.model.groups):
+        rec = reg.find_run(container)
+    if rec is not None and rec.multi:
+        with session(inv) as pool:
+            raise typer.Exit(_follow_job(inv, pool, reg, rec, lines, follow, node))
+    if node is not None:
+        raise InputError("--node is for a run across several containers")
+    if rec is not None:
+        ct = inv.container(rec.ct)
     else:
         ct = _one_ct(inv, container)
         if run:
@@ -152,11 +218,13 @@ def runs_cmd(
     if OPTS.json:
         _out([{**_redacted(r), "unreachable": silent.get(r.id)} for r in recs])
         raise typer.Exit(code)
-    rows = [[r.ct, r.name + (" *" if r.good else ""), f"UNREACHABLE ({r.state})" if r.id in silent else r.state,
+    rows = [[r.ct, r.name + (" *" if r.good else ""), r.nodes or 1,
+             f"UNREACHABLE ({r.state})" if r.id in silent else r.state + (f": {r.crash}" if r.multi and r.crash
+                                                                           and not r.state.live else ""),
              "" if r.exit_status is None else r.exit_status,
              _ago(r.started or r.created), (r.commit_sha or "-")[:10] + ("+dirty" if r.dirty else ""), r.log_path]
             for r in recs]
-    _table(None, ["ct", "run", "state", "exit", "started", "commit", "log"], rows)
+    _table(None, ["ct", "run", "nodes", "state", "exit", "started", "commit", "log"], rows)
     if any(r.good for r in recs):
         _console().print("* marked good (baseline)")
     raise typer.Exit(code)
@@ -194,7 +262,7 @@ def show_cmd(run: str = typer.Argument(..., autocompletion=_c.runs, help="Run as
     rec = reg.find_run(run)
     data = _redacted(rec)
     if OPTS.json:
-        _out(data)
+        _out({**data, "members": [_redacted(m) for m in reg.members(rec.id)]} if rec.multi else data)
         return
     con = _console()
     for k in ("ct", "name", "state", "exit_status", "crash", "host", "session", "log_path", "run_dir", "commit_sha",
@@ -205,6 +273,11 @@ def show_cmd(run: str = typer.Argument(..., autocompletion=_c.runs, help="Run as
     for dest, sha in sorted(rec.files.items()):
         con.print(f"  {sha[:16]}  {dest}", markup=False)
     con.print(f"command:\n  {rec.command}", markup=False)
+    for m in reg.members(rec.id):  # a run across several containers: its nodes
+        con.print(f"node {m.node_rank}: {m.ct} on {m.host or '-'}: {m.state}"
+                  + (f", exit {m.exit_status}" if m.exit_status is not None else "")
+                  + (f", {m.crash}" if m.crash else "") + (f" ({m.note})" if m.note else "")
+                  + f", log {m.log_path}", markup=False)
 
 
 @app.command("stop")
@@ -217,7 +290,23 @@ def stop_cmd(
 
     inv = _inv()
     reg = _registry()
-    rec, ct = _run_and_ct(inv, reg, run)
+    rec = reg.find_run(run)
+    if rec.multi:
+        from controller.commands import jobs
+
+        with session(inv) as pool:
+            rec = runs.refresh_all(inv, reg, pool, [rec]).runs[0]
+            rec, stopped = jobs.stop(inv, pool, reg, rec, grace=grace)
+        if OPTS.json:
+            _out({**_redacted(rec), "nodes": [_redacted(m) for m in reg.members(rec.id)]})
+        else:
+            con = _console()
+            for o in stopped:
+                if o.value is not None:
+                    con.print(f"  {o.ct:<10} {o.value.state} ({_esc(o.value.note)})")
+            con.print(f"{rec.ct}/{rec.name}: {rec.state} ({_esc(rec.note)})")
+        return
+    ct = inv.container(rec.ct)
     with session(inv) as pool:
         t = pool.container(ct)
         rec = runs.refresh(inv, ct, t, reg, [rec])[0]
@@ -229,14 +318,28 @@ def stop_cmd(
 
 
 @app.command("attach")
-def attach_cmd(run: str = typer.Argument(..., autocompletion=_c.runs, help="Run as NAME, CT/NAME or #ID.")) -> None:
+def attach_cmd(
+    run: str = typer.Argument(..., autocompletion=_c.runs, help="Run as NAME, CT/NAME or #ID."),
+    node: str | None = typer.Option(None, "--node", help="A run across several containers: the node to attach "
+                                                         "to (its container or its index; default: node 0)."),
+) -> None:
     """Attach to the run's tmux session interactively (ssh -t + pct exec; detach with C-b d). A run that has
     ended has no session left: ctl says how it ended and points to `ctl tail`."""
     from controller.commands import runs
 
     inv = _inv()
     reg = _registry()
-    rec, ct = _run_and_ct(inv, reg, run)
+    rec = reg.find_run(run)
+    if rec.multi:
+        members = reg.members(rec.id)
+        pick = [m for m in members if node in (m.ct, str(m.node_rank))] if node is not None else members[:1]
+        if not pick:
+            raise InputError(f"run {rec.name} has no node {node!r} (nodes: "
+                             + ", ".join(f"{m.node_rank}={m.ct}" for m in members) + ")")
+        rec = pick[0]
+    elif node is not None:
+        raise InputError("--node is for a run across several containers")
+    ct = inv.container(rec.ct)
     with session(inv) as pool:
         t = pool.container(ct)
         rec = runs.refresh(inv, ct, t, reg, [rec])[0]
@@ -264,7 +367,8 @@ def diff_cmd(
 
     reg = _registry()
     a, b = reg.find_run(run_a), reg.find_run(run_b)
-    d = rundiff.diff(a, b)
+    multi = a.multi or b.multi  # runs across several containers: node by node
+    d = rundiff.diff_nodes(a, reg.members(a.id), b, reg.members(b.id)) if multi else rundiff.diff(a, b)
     if OPTS.json:
         _out(d.to_json())
     else:

@@ -27,7 +27,10 @@ from controller.core.metrics import (
     MetricPoint,
     RunState,
     Verdict,
+    combine_nodes,
     parse_line,
+    steady_state,
+    verdict,
     verdict_of_window,
     warmup_skip,
 )
@@ -213,7 +216,10 @@ def _store_hashes(reg: Registry, run: RunRecord, header: dict[str, Any]) -> tupl
 
 
 def stored_points(reg: Registry, run: RunRecord) -> list[MetricPoint]:
-    """The run's points from the registry, as MetricPoints (their JSON-lines form read back)."""
+    """The run's points from the registry, as MetricPoints (their JSON-lines form read back). A run across
+    several containers: its nodes' points, one per step, tok/s summed (metrics.combine_nodes)."""
+    if run.multi:
+        return combine_nodes([stored_points(reg, m) for m in reg.members(run.id)])
     out = []
     for rec in reg.points(run.id):
         p = parse_line(json.dumps(rec))
@@ -272,10 +278,12 @@ class RunStatus:
     baseline: str | None
     pull: PullResult | None = None
     error: str | None = None
+    nodes: tuple[dict[str, Any], ...] = ()  # a run across several containers: each node's state, step, tok/s
 
     def to_json(self) -> dict[str, Any]:
         v = self.verdict
         return {
+            "nodes": list(self.nodes) or None,
             "ct": self.run.ct, "run": self.run.name, "state": self.run.state, "verdict": v.state.label,
             "reason": v.reason, "exit_code": int(v.exit_code), "step": v.step, "tok_s": v.tok_s,
             "baseline": self.baseline, "baseline_tok_s": v.baseline_tok_s, "ratio": v.ratio,
@@ -347,6 +355,9 @@ def baseline_rate(reg: Registry, base: Baseline | None) -> tuple[str, float] | N
     """(label, steady-state tok/s) of the baseline's stored points; None without points."""
     if base is None:
         return None
+    if base.run.multi:  # its nodes' points, combined
+        whole = steady_state(stored_points(reg, base.run))
+        return (base.label, whole) if whole else None
     n = reg.point_count(base.run.id)
     rates = reg.steady_rates(base.run.id, skip=warmup_skip(n))  # steady_state of its points, without decoding them
     rate = statistics.median(rates) if rates else None
@@ -380,6 +391,7 @@ class Polled:
     #: containers whose host did not answer (connection refused, dropped, past its deadline: exit 5), with why
     unreachable: dict[str, str]
     warnings: tuple[str, ...]
+    failed: frozenset[str] = frozenset()  # containers whose call failed, for whatever reason
 
 
 def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], checkpoints: str | None, *,
@@ -435,7 +447,8 @@ def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], 
 
     unreachable: dict[str, str] = {}
     warnings: list[str] = []
-    for o in fanout(pool, [inv.container(c) for c in by_ct], one):
+    outcomes = fanout(pool, [inv.container(c) for c in by_ct], one)
+    for o in outcomes:
         if o.value is not None:
             runs.update({r.id: r for r in o.value[0]})
             pulls.update(o.value[1])
@@ -446,13 +459,15 @@ def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], 
         if o.exit_code == int(ExitCode.CONNECTION):
             unreachable[o.ct] = why
         pulls.update({r.id: why for r in by_ct[o.ct] if r.log_path})
-    return Polled(runs, pulls, unreachable, tuple(warnings))
+    return Polled(runs, pulls, unreachable, tuple(warnings), frozenset(o.ct for o in outcomes if not o.ok))
 
 
 def pull_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], checkpoints: str | None
               ) -> dict[int, PullResult | str]:
     """Pull every run whose container is in the inventory: {run id: PullResult, or why it was not pulled}.
-    One agent call per container (poll_many without the state refresh)."""
+    One agent call per container (poll_many without the state refresh). A run across several containers is
+    pulled node by node (the answers are keyed by the nodes' ids)."""
+    recs = [m for r in recs for m in (reg.members(r.id) if r.multi else [r])]
     polled = poll_many(inv, reg, pool, recs, checkpoints, states=False)
     return {r.id: polled.pulls[r.id] for r in recs if r.id in polled.pulls}
 
@@ -481,38 +496,126 @@ def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *
              stall_after_s: float, checkpoints: str | None) -> StatusReport:
     """`ctl status` and each poll of `ctl supervise`: refresh the runs' states, pull their new log bytes (and
     those of any baseline with no points stored yet) and judge each run against its baseline, in one agent call
-    per container over one connection per host.
+    per container over one connection per host. A run across several containers is polled through its nodes,
+    then settled (commands/jobs.py: a node that ended badly makes it CRASHED, its surviving nodes are stopped)
+    and judged whole.
 
     A live run whose container did not answer, or whose log could not be read, is UNREACHABLE: judged on stale
     points it would look stalled, and nothing is known of it but that."""
+    from controller.commands import jobs
+
     bases = {r.id: resolve_baseline(inv, reg, r) for r in recs}
-    asked = {r.id: r for r in recs}
+    members = {r.id: reg.members(r.id) for r in recs if r.multi}
+    asked = {m.id: m for r in recs for m in members.get(r.id) or ([] if r.multi else [r])}
     for b in bases.values():  # a baseline with no points is read in the same calls
-        if b is not None and b.run.id not in asked and not reg.points(b.run.id):
-            asked[b.run.id] = b.run
+        nodes = reg.members(b.run.id) if b is not None and b.run.multi else [b.run] if b is not None else []
+        if nodes and not any(m.id in asked for m in nodes) and not any(reg.point_count(m.id) for m in nodes):
+            asked.update({m.id: m for m in nodes})
     polled = poll_many(inv, reg, pool, list(asked.values()), checkpoints)
     warnings = list(polled.warnings)
     rates: dict[int, tuple[str, float] | None] = {}
     for b in {b.run.id: b for b in bases.values() if b is not None}.values():
-        got = polled.pulls.get(b.run.id)
-        if isinstance(got, str) and not reg.points(b.run.id):
-            warnings.append(f"baseline {b.label}: no points stored and pull failed: {got}")
+        got = [polled.pulls.get(m.id) for m in (reg.members(b.run.id) if b.run.multi else [b.run])]
+        bad = next((g for g in got if isinstance(g, str)), None)
+        if bad is not None and not any(reg.point_count(m.id) for m in (reg.members(b.run.id) if b.run.multi
+                                                                       else [b.run])):
+            warnings.append(f"baseline {b.label}: no points stored and pull failed: {bad}")
         rates[b.run.id] = baseline_rate(reg, b)
+    job_silent: dict[int, str] = {}
+    for r in recs:  # runs across several containers: settled from what their nodes said
+        ms = [polled.runs.get(m.id, m) for m in members.get(r.id, [])]
+        if not ms or not (r.state.live or any(m.state.live for m in ms)):
+            continue
+        quiet = [m for m in ms if m.ct in polled.unreachable and m.state.live]
+        if quiet:  # one node unknown: the whole run is (its recorded state is kept)
+            job_silent[r.id] = f"host did not answer: node {quiet[0].ct}: {polled.unreachable[quiet[0].ct]}"
+            continue
+        if any(m.ct in polled.failed for m in ms):
+            continue  # a node could not be asked: nothing is concluded from the others alone
+        try:
+            jobs.settle(inv, reg, pool, r, ms)
+        except CtlError as e:
+            warnings.append(f"{r.ct}/{r.name}: not settled: {e}")
     out = []
     for r in (reg.run_by_id(r.id) for r in recs):  # re-read: states and crash signatures the poll recorded
-        res = polled.pulls.get(r.id)
         base = bases[r.id]
+        rate = rates[base.run.id] if base is not None else None
+        if r.multi:
+            silent = job_silent.get(r.id) if r.state.live else None
+            st = job_status(r, reg, rate, polled.pulls, slow_ratio=slow_ratio, stall_after_s=stall_after_s,
+                            unreachable=silent)
+            if st.error and r.state.live and silent is None:
+                warnings.append(f"{r.ct}/{r.name}: metrics not pulled: {st.error}")
+            out.append(st)
+            continue
+        res = polled.pulls.get(r.id)
         silent = None
         if r.state.live and r.ct in polled.unreachable:
             silent = f"host did not answer: {polled.unreachable[r.ct]}"
         elif isinstance(res, str) and r.state.live:
             silent = f"its log could not be read: {res}"
             warnings.append(f"{r.ct}/{r.name}: metrics not pulled: {res}")
-        st = status_of(r, reg, rates[base.run.id] if base is not None else None,
-                       pull=None if isinstance(res, str) else res, slow_ratio=slow_ratio,
+        st = status_of(r, reg, rate, pull=None if isinstance(res, str) else res, slow_ratio=slow_ratio,
                        stall_after_s=stall_after_s, error=res if isinstance(res, str) else silent, unreachable=silent)
         out.append(st)
     return StatusReport(tuple(out), tuple(warnings))
+
+
+def job_status(run: RunRecord, reg: Registry, baseline: tuple[str, float] | None,
+               pulled: dict[int, PullResult | str], *, slow_ratio: float, stall_after_s: float,
+               unreachable: str | None = None) -> RunStatus:
+    """A run across several containers, judged whole: its nodes' points combined (tok/s summed), against the
+    run's baseline; STALLED by the node whose log has been quiet longest, CRASHED by the node that ended it (or
+    whose log shows a crash), each named."""
+    members = reg.members(run.id)
+    points = stored_points(reg, run)
+    crash = run.crash
+    stopped_crash = None
+    if run.state == Lifecycle.STOPPED:
+        stopped_crash, crash = crash, None
+    if crash is None and run.state.live:
+        for m in members:
+            res = pulled.get(m.id)
+            seen = m.crash or (res.crash if isinstance(res, PullResult) else None)
+            if seen:
+                crash = f"{m.ct}: {seen}"
+                break
+    if crash is None and run.state in (Lifecycle.CRASHED, Lifecycle.LOST, Lifecycle.FAILED):
+        crash = "a node ended badly"
+    exit_status = 0 if run.state in (Lifecycle.FINISHED, Lifecycle.STOPPED) else None
+    idle: dict[str, float] = {}
+    # The DFlash payload logs metric lines on node 0 alone (its tok/s covers every node); the other nodes' logs go
+    # quiet after their first lines by design. Once any node has logged a point, only such nodes can stall the run.
+    reporting = {m.id for m in members if stored_points(reg, m)}
+    for m in members:
+        res = pulled.get(m.id)
+        if reporting and m.id not in reporting:
+            continue
+        if isinstance(res, PullResult) and res.remote_now is not None and res.log_mtime is not None and m.state.live:
+            idle[m.ct] = res.remote_now - res.log_mtime  # each on its own container's clock
+    stalest = max(idle, key=lambda c: idle[c]) if idle else None
+    v = verdict(points, baseline_tok_s=baseline[1] if baseline else None,
+                now=idle[stalest] if stalest else time.time(), last_step_time=0.0 if stalest else None,
+                slow_ratio=slow_ratio, stall_after_s=stall_after_s, exit_status=exit_status, crash=crash,
+                baseline_name=baseline[0] if baseline else None)
+    nodes = f"{len(members)} nodes: "
+    if v.state == RunState.STALLED and stalest:
+        v = replace(v, reason=f"{stalest}: {v.reason}")
+    elif run.state == Lifecycle.STOPPED and v.state == RunState.FINISHED:
+        v = replace(v, reason=v.reason.replace("finished", "stopped by ctl stop", 1)
+                    + (f" (log shows {stopped_crash})" if stopped_crash else ""))
+    v = replace(v, reason=nodes + v.reason)
+    errors = [f"{m.ct}: {res}" for m in members if isinstance(res := pulled.get(m.id), str)]
+    if unreachable is not None:
+        v = replace(v, state=RunState.UNREACHABLE, idle_s=None,
+                    reason=f"{unreachable}; recorded state {run.state} kept")
+    per_node = tuple({"ct": m.ct, "node_rank": m.node_rank, "state": str(m.state), "exit_status": m.exit_status,
+                      "crash": m.crash, "idle_s": idle.get(m.ct),
+                      "step": max((p.step for p in stored_points(reg, m)), default=None),
+                      "tok_s": steady_state(stored_points(reg, m))} for m in members)
+    last = max(points, key=lambda p: p.step) if points else None
+    return RunStatus(run, v, last, tuple(p.tok_s for p in points[-20:]), baseline[0] if baseline else None,
+                     None, "; ".join(errors) or unreachable, per_node)
 
 
 def watch(inv: Inventory, reg: Registry, pool: Pool, rec: RunRecord, *, until_step: int | None,
@@ -520,15 +623,21 @@ def watch(inv: Inventory, reg: Registry, pool: Pool, rec: RunRecord, *, until_st
           checkpoints: str | None, tick: Callable[[RunStatus], None] | None = None) -> tuple[RunStatus, str]:
     """Pull every `every_s` until the step, the time limit, the run's end or a stall: (RunStatus, why it ended).
     Shared by `ctl watch` and the runbook's `watch` step, so both judge a run the same way."""
-    ct = inv.container(rec.ct)
-    t = pool.container(ct)
+    multi = rec.multi
+    ct = None if multi else inv.container(rec.ct)
+    t = None if ct is None else pool.container(ct)
     t0 = time.monotonic()
     base, _warning = baseline_for(inv, reg, pool, rec, checkpoints)
     while True:
-        rec = refresh(inv, ct, t, reg, [reg.run_by_id(rec.id)])[0]
-        res = pull(t, reg, rec, checkpoints=checkpoints)
-        rec = reg.run_by_id(rec.id)
-        st = status_of(rec, reg, base, pull=res, slow_ratio=slow_ratio, stall_after_s=stall_s)
+        if ct is None or t is None:  # a run across several containers: its nodes, settled and judged whole
+            st = statuses(inv, reg, pool, [reg.run_by_id(rec.id)], slow_ratio=slow_ratio, stall_after_s=stall_s,
+                          checkpoints=checkpoints).statuses[0]
+            rec = st.run
+        else:
+            rec = refresh(inv, ct, t, reg, [reg.run_by_id(rec.id)])[0]
+            res = pull(t, reg, rec, checkpoints=checkpoints)
+            rec = reg.run_by_id(rec.id)
+            st = status_of(rec, reg, base, pull=res, slow_ratio=slow_ratio, stall_after_s=stall_s)
         v = st.verdict
         if tick is not None:
             tick(st)

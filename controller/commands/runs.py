@@ -80,13 +80,15 @@ def _series_glob(inv: Inventory) -> str:
     return runs.log.replace("{run}", runs.series + "*")
 
 
-def _name_after(inv: Inventory, ct: Container, reg: Registry, series_logs: list[str]) -> str:
-    """The next of the series after every run known to the registry AND every log in the container."""
+def _name_after(inv: Inventory, ct: Container | list[str], reg: Registry, series_logs: list[str]) -> str:
+    """The next of the series after every run known to the registry AND every log in the container (or in
+    every one of several: the nodes of a job, and the job's own runs)."""
     runs = inv.model.runs
     log_prefix, log_suffix = posixpath.basename(runs.log).split("{run}", 1)
     from_logs = [n[len(log_prefix):len(n) - len(log_suffix) if log_suffix else None]
                  for n in series_logs if n.startswith(log_prefix) and n.endswith(log_suffix)]
-    nums = _series_numbers(runs.series, reg.names(ct.name) + from_logs)
+    names = [ct.name] if isinstance(ct, Container) else ct
+    nums = _series_numbers(runs.series, [n for c in names for n in reg.names(c)] + from_logs)
     return f"{runs.series}{max(nums, default=0) + 1}"
 
 
@@ -108,12 +110,15 @@ class Check:
     forced: bool = False
 
 
-def _probe(inv: Inventory, ct: Container, t: Transport, manifest: Manifest, rp: RunPaths | None
-           ) -> dict[str, Any]:
+def _probe(inv: Inventory, ct: Container, t: Transport, manifest: Manifest, rp: RunPaths | None,
+           rdzv: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything the preflight needs in one agent round trip. Without a run name yet (rp None), the same
-    round trip lists the series' logs and every tmux session, so the name is chosen from its answer."""
+    round trip lists the series' logs and every tmux session, so the name is chosen from its answer. `rdzv`:
+    a node of a job also checks the rendezvous endpoint in it (listens on it, or connects to it)."""
     args: dict[str, Any] = {"files": [f.dest for f in manifest.files], "gpus": bool(ct.spec.gpus.all),
                             "follow": list(ct.spec.follow_symlinks)}
+    if rdzv is not None:
+        args["rdzv"] = rdzv
     if rp is None:
         runs = inv.model.runs
         args.update(series_glob=_series_glob(inv), sessions=True, log=runs.log.replace("{run}", runs.series + "0"))
@@ -229,14 +234,30 @@ def _gpu_check(ct: Container, info: dict[str, Any], threshold: float, force: boo
 # --- launch --------------------------------------------------------------------------------------
 
 
-def launcher_script(t: Transport, rp: RunPaths, start_script: str, env: dict[str, str]) -> str:
+def start_script(inv: Inventory, manifest: Manifest) -> str:
+    """Where the pinned start_training.sh goes (the payload must have one)."""
+    start = [f for f in manifest.files if posixpath.basename(f.dest) == START_SCRIPT]
+    if not start:
+        raise InputError(f"{inv.path}: payload has no {START_SCRIPT} (a template entry whose dest ends in it)")
+    return start[0].dest
+
+
+def launcher_script(t: Transport, rp: RunPaths, start_script: str, env: dict[str, str], *,
+                    times: bool = False) -> str:
     """What tmux runs: log opened with noclobber, training in its own process group, exit status kept.
 
     The run's variables are exported by the script itself: a tmux server that is already running gives
     new sessions ITS environment, not the launching client's, so CTL_RUN would be a previous run's.
+    With `times` (a node of a run across several containers), LOG.times gets "SIZE EPOCH" whenever the log
+    grew, sampled every half second, so `ctl tail` can merge the nodes' logs in the order they were written.
     """
     log = shlex.quote(t.path(rp.log))
     start = shlex.quote(t.path(start_script))
+    sampler = [
+        f'(last=-1; while :; do s=$(stat -c %s {log} 2>/dev/null) && [ "$s" != "$last" ] && '
+        f'echo "$s ${{EPOCHREALTIME:-$(date +%s.%N)}}" >> {log}.times && last=$s; '
+        'kill -0 $pid 2>/dev/null || break; sleep 0.5; done) &',
+    ] if times else []
     return "\n".join([
         *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
         "set -m -C",
@@ -247,6 +268,7 @@ def launcher_script(t: Transport, rp: RunPaths, start_script: str, env: dict[str
         f's=$(cat /proc/$pid/stat 2>/dev/null) && s=${{s##*) }} && set -- $s && echo "${{20}}" > {log}.pid.start',
         f"echo $pid > {log}.pid",
         "exec 3>&-",
+        *sampler,
         f"tail -n +1 -F --pid=$pid {log} 2>/dev/null &",
         "wait $pid; rc=$?",
         f"echo $rc > {log}.exit.tmp && mv -f {log}.exit.tmp {log}.exit",
@@ -268,10 +290,12 @@ def launch(
             raise InputError(f"{key!r} is not a CTL_* variable name")
     if name is not None:
         check_name(name, "run name")
+    job = inv.job_of(ct.name)
+    if job is not None and job.nnodes > 1:
+        raise InputError(f"{ct.name} is node {job.rank(ct.name)} of job {job.name!r}: its start script is rendered "
+                         f"for that job's rendezvous; launch the job (`ctl launch {job.name}`)")
     manifest = pin(inv, ct)
-    start = [f for f in manifest.files if posixpath.basename(f.dest) == START_SCRIPT]
-    if not start:
-        raise InputError(f"{inv.path}: payload has no {START_SCRIPT} (a template entry whose dest ends in it)")
+    start = start_script(inv, manifest)
     agent = Agent(t)
     probed = None
     if name is None:  # one round trip picks the name and answers the preflight
@@ -284,7 +308,7 @@ def launch(
         checks = preflight(inv, ct, t, rp, manifest, allow_drift=allow_drift, force=force, doc=probed)
         env = environment.probe_for_launch(inv, ct, t, allow_mismatch=allow_env_mismatch) if probe_env else None
         run_env = {**(extra_env or {}), "CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
-        script = launcher_script(t, rp, start[0].dest, run_env)
+        script = launcher_script(t, rp, start, run_env)
         command = shlex.join(["tmux", "new-session", "-d", "-s", rp.session, "bash", "-c", script])
         record = {
             "run": name, "ct": ct.name, "host": ct.host_name, "vmid": ct.spec.vmid, "created": rec.created,
@@ -362,8 +386,14 @@ def record_states(reg: Registry, runs: list[RunRecord], live: list[RunRecord], s
         state, code = _state_from(st)
         if state != r.state:
             updated[r.id] = reg.update_run(r.id, state=state, exit_status=code,
-                                           ended=st.get("log_mtime") if state != Lifecycle.RUNNING else None)
+                                           ended=_ended(st) if state != Lifecycle.RUNNING else None)
     return [updated.get(r.id, r) for r in runs]
+
+
+def _ended(st: dict[str, Any]) -> float | None:
+    """When a run ended, by the container's clock: its exit status file's time (a torchrun killed alone leaves
+    workers that still write the log), else the log's last write."""
+    return st.get("exit_mtime") or st.get("log_mtime")
 
 
 def _reconcile(reg: Registry, r: RunRecord, st: dict[str, Any]) -> RunRecord | None:
@@ -393,7 +423,7 @@ def _reconcile(reg: Registry, r: RunRecord, st: dict[str, Any]) -> RunRecord | N
                   "dirty": bool(record.get("dirty")), "files": record.get("files") or {},
                   "vars": record.get("vars") or {}, "env_fingerprint": record.get("env_fingerprint")}
     return reg.update_run(r.id, state=state, exit_status=code, started=r.started or r.created,
-                          ended=st.get("log_mtime") if state != Lifecycle.RUNNING else None,
+                          ended=_ended(st) if state != Lifecycle.RUNNING else None,
                           note=f"reconciled from the container{was}", **fields)
 
 
@@ -405,12 +435,18 @@ def live(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> list[Run
     return [r for r in refresh(inv, ct, t, reg, candidates) if r.state.live]
 
 
-def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRecord, grace: float = 30) -> RunRecord:
+def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRecord, grace: float = 30, *,
+         term_first: bool = False) -> RunRecord:
+    """SIGINT the training's process group, `grace` seconds, SIGTERM, SIGKILL; then whatever of the run is left
+    in the container (torchrun's workers, each in a session of its own). `term_first`: no SIGINT (a node whose
+    peer died cannot finish a step anyway)."""
     if not run.state.live:
         raise InputError(f"run {run.name} on {ct.name} is not running (state: {run.state})")
     deadline = limit(None, t.request_timeout)  # the agent waits up to `grace` after SIGINT and after SIGTERM
-    doc = Agent(t).call("stop", {"log": run.log_path, "session": run.session, "grace": grace, "run": run.name},
-                        timeout=None if deadline is None else deadline + 3 * grace)
+    args = {"log": run.log_path, "session": run.session, "grace": grace, "run": run.name}
+    if term_first:
+        args["term_first"] = True
+    doc = Agent(t).call("stop", args, timeout=None if deadline is None else deadline + 3 * grace + 30)
     if doc.get("alive"):
         raise CtlError(f"{ct.name}: run {run.name} survived SIGINT, SIGTERM and SIGKILL")
     note = "stopped by ctl stop (" + " -> ".join(doc.get("signals", [])) + ")"
@@ -436,7 +472,7 @@ class FollowEnd:
 def follow(
     t: Transport, reg: Registry, run: RunRecord, *, lines: int, follow: bool, emit: Callable[[str], None],
     detect: Callable[[str], str | None], reconnect_s: float | None = None, crash_grace: float = 3.0,
-    note: Callable[[str], None] | None = None,
+    note: Callable[[str], None] | None = None, start_offset: int | None = None,
 ) -> FollowEnd:
     """Print the last `lines` lines (all of them when negative), then (with follow) new ones until the run
     ends or crashes.
@@ -449,11 +485,13 @@ def follow(
     if reconnect_s is None:
         reconnect_s = follow_reconnect()
     assert run.log_path is not None
-    agent = Agent(t)
     crash = None
     offset = 0  # lines < 0: the whole log, from its first byte
-    # Following all of it (`launch -f`) needs no history first: the first runstate below says the log exists.
-    if lines >= 0 or not follow:
+    # Following all of it (`launch -f`) needs no history first: the first runstate below says whether the log exists.
+    if start_offset is not None:  # the caller showed the history (several nodes' logs merged)
+        offset = start_offset
+    elif lines >= 0 or not follow:
+        agent = Agent(t)
         info = agent.call("tailinfo", {"log": run.log_path, "lines": max(lines, 0)}, check=False)
         if not info.get("ok"):
             raise InputError(f"{run.ct}: cannot read {run.log_path}: {info.get('error')}")
@@ -515,8 +553,10 @@ def follow(
     state, code = _state_from(st)
     if crash is not None and state == Lifecycle.RUNNING:
         state = Lifecycle.CRASHED
-    if state not in (Lifecycle.RUNNING, Lifecycle.CRASHED) and run.state.live:
-        reg.update_run(run.id, state=state, exit_status=code, ended=time.time())
+    # Recorded only if nothing else recorded its end meanwhile (`ctl stop`, or the teardown of a run across
+    # several containers, says STOPPED: the exit status that stop caused is no failure of its own)
+    if state not in (Lifecycle.RUNNING, Lifecycle.CRASHED) and reg.run_by_id(run.id).state.live:
+        reg.update_run(run.id, state=state, exit_status=code, ended=_ended(st) or time.time())
     if crash:
         reg.update_run(run.id, crash=crash)
     return FollowEnd(code, crash, state)
@@ -574,9 +614,16 @@ class Refreshed:
 
 
 def refresh_all(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord]) -> Refreshed:
-    """Ask each container with a live run about its runs: one round trip per container, one exec per host."""
+    """Ask each container with a live run about its runs: one round trip per container, one exec per host. A
+    live run across several containers is asked through its nodes and then settled (commands/jobs.py): a node
+    that ended badly makes it CRASHED and its surviving nodes are stopped."""
+    from controller.commands import jobs
+
+    members = {r.id: ms for r in recs if r.multi and (ms := reg.members(r.id))
+               and (r.state.live or any(m.state.live for m in ms))}  # also a crashed run whose teardown is due
+    flat = [r for r in recs if not r.multi] + [m for ms in members.values() for m in ms]
     by_ct: dict[str, list[RunRecord]] = {}
-    for r in recs:
+    for r in flat:
         by_ct.setdefault(r.ct, []).append(r)
     live_cts = [c for c, rs in by_ct.items() if any(r.state.live for r in rs) and c in inv.model.containers]
     if not live_cts:
@@ -584,10 +631,24 @@ def refresh_all(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord]
     results = fanout(pool, [inv.container(c) for c in live_cts],
                      lambda ct, t: refresh(inv, ct, t, reg, by_ct[ct.name]))
     fresh = {r.id: r for o in results if o.value for r in o.value}
-    warnings = tuple(f"{o.ct}: state not refreshed: {o.error}" for o in results if not o.ok)
+    warnings = [f"{o.ct}: state not refreshed: {o.error}" for o in results if not o.ok]
     unreachable = {o.ct: o.error or "unreachable" for o in results
                    if not o.ok and o.exit_code == int(ExitCode.CONNECTION)}
-    return Refreshed(tuple(fresh.get(r.id, r) for r in recs), warnings, unreachable)
+    for r in recs:
+        if r.id not in members:
+            continue
+        ms = [fresh.get(m.id, m) for m in members[r.id]]
+        silent = [m for m in ms if m.ct in unreachable and m.state.live]
+        if silent:  # one node unknown: the whole run is (its recorded state is kept)
+            unreachable[r.ct] = f"node {silent[0].ct}: {unreachable[silent[0].ct]}"
+            continue
+        if any(m.ct in {o.ct for o in results if not o.ok} for m in ms):
+            continue  # a node could not be asked: nothing is concluded from the others alone
+        try:
+            fresh[r.id] = jobs.settle(inv, reg, pool, r, ms)
+        except CtlError as e:
+            warnings.append(f"{r.ct}/{r.name}: not settled: {e}")
+    return Refreshed(tuple(fresh.get(r.id, r) for r in recs), tuple(warnings), unreachable)
 
 
 def recorded(inv: Inventory, reg: Registry, container: str | None, *, limit: int) -> list[RunRecord]:
@@ -599,10 +660,19 @@ def recorded(inv: Inventory, reg: Registry, container: str | None, *, limit: int
     m = inv.model
     if container in m.containers or container in m.groups:
         names = [ct.name for ct in inv.select([container])]
-    elif reg.names(container):
+    elif container in m.jobs or reg.names(container):
         names = [container]
     else:
         inv.container(container)  # raises: unknown container, naming the known ones
         names = []
-    recs = [r for n in names for r in reg.runs(n, limit=limit)]
-    return sorted(recs, key=lambda r: r.created, reverse=True)[:limit]
+    return whole_runs(reg, [r for n in names for r in reg.runs(n, limit=limit)])[:limit]
+
+
+def whole_runs(reg: Registry, recs: list[RunRecord]) -> list[RunRecord]:
+    """Records as runs: a node's row of a run across several containers stands for that run (once), newest
+    first."""
+    out: dict[int, RunRecord] = {}
+    for r in recs:
+        w = reg.whole(r)
+        out.setdefault(w.id, w)
+    return sorted(out.values(), key=lambda r: r.created, reverse=True)

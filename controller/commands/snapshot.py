@@ -183,7 +183,7 @@ def target(inv: Inventory, ct: Container, pool: Pool) -> Target:
     if ct.host.api is not None:
         backend = PveApi(ct.host, base_dir=inv.base_dir)
     else:
-        backend = PctSnapshots(pool.host(ct.host_name), pct=ct.host.pct)
+        backend = PctSnapshots(pool.host_exec(ct.host_name), pct=ct.host.pct)
     return Target(ct.name, ct.label, ct.host_name, ct.spec.vmid, backend)
 
 

@@ -78,6 +78,8 @@ class Supervisor:
                  on_event: Callable[[Event], None] | None = None) -> None:
         self.inv, self.reg, self.s, self.open_pool = inv, reg, settings, open_pool
         self.targets = {c.name for c in targets}
+        # A run across several containers is watched when all its job's nodes are (and restarted whole)
+        self.targets |= {j for j, spec in inv.model.jobs.items() if set(spec.nodes) <= self.targets}
         self.on_event = on_event
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.deliverer = Deliverer(list(settings.sinks), settings.secret, self._delivery_failed)
@@ -121,7 +123,7 @@ class Supervisor:
             if r.ct in self.targets and r.state.live:
                 self.watching.add(r.id)
         recs = [self.reg.run_by_id(i) for i in sorted(self.watching)]
-        recs = [r for r in recs if r.ct in self.inv.model.containers]
+        recs = [r for r in recs if r.ct in self.inv.model.containers or (r.multi and r.ct in self.inv.model.jobs)]
         with self.open_pool() as pool:
             if recs:
                 report = statuses(self.inv, self.reg, pool, recs, slow_ratio=self.s.slow_ratio,
@@ -174,6 +176,10 @@ class Supervisor:
             self.watching.discard(run.id)
 
     def _last_lines(self, pool: Pool, run: RunRecord) -> list[str]:
+        if run.multi:  # the node that ended it (named first in its crash), else node 0
+            members = self.reg.members(run.id)
+            named = [m for m in members if run.crash and run.crash.startswith(f"{m.ct}: ")]
+            run = (named or members or [run])[0]
         if not run.log_path:
             return []
         try:
@@ -223,7 +229,7 @@ class Supervisor:
             if row["state"] == "planned" and time.time() < float(doc.get("not_before", 0)):
                 continue
             failed = self.reg.run_by_id(row["failed_run_id"])
-            if failed.ct not in self.inv.model.containers:
+            if failed.ct not in self.inv.model.containers and not (failed.multi and failed.ct in self.inv.model.jobs):
                 continue
             try:
                 self._relaunch(pool, failed, row, doc, out)
@@ -245,7 +251,55 @@ class Supervisor:
                    f"{failed.ct}/{failed.name}: not relaunched: {why}", why)
         self._record(failed.id, ev)
 
+    def _relaunch_job(self, pool: Pool, failed: RunRecord, row: dict[str, Any], out: Poll) -> None:
+        """A run across several containers is restarted whole: every node, from the newest complete checkpoint
+        any node holds, copied first to the nodes that lack it (each resumes from its own copy)."""
+        from controller.commands import jobs
+
+        if row["state"] == "launching" and row["new_name"]:
+            name = str(row["new_name"])
+            adopted = self._adopt_job(pool, failed.ct, name)
+            if adopted is not None:
+                self._launched(failed, adopted, out)
+                return
+        else:
+            if failed.state.live:  # a stalled run still holds its GPUs: stop it first
+                failed, _stopped = jobs.stop(self.inv, pool, self.reg, failed, grace=30)
+            name = jobs.next_name(self.inv, pool, self.reg, failed.ct)
+            self.reg.set_restart(failed.id, state="launching", new_name=name)
+            _die_if("launching")
+        found = jobs.find_checkpoint(self.inv, pool, self.reg, failed)
+        env = {"CTL_PARENT_RUN": failed.name}
+        lineage: dict[str, Any] = {"parent_id": failed.id}
+        if found is not None:
+            jobs.spread_checkpoint(self.inv, pool, failed.ct, found)
+            env["CTL_RESUME_FROM"] = str(found["dir"])
+            lineage.update(resumed_from=found["dir"], resumed_step=int(found["step"]))
+        got = jobs.launch(self.inv, pool, self.reg, failed.ct, name, extra_env=env, lineage=lineage)
+        _die_if("launched")
+        self._launched(failed, got.run, out)
+
+    def _adopt_job(self, pool: Pool, job: str, name: str) -> RunRecord | None:
+        """The job's run of that name if it started (refreshed), else None: a claim that reached no node is
+        forgotten, so the launch is made again under the same name."""
+        try:
+            rec = self.reg.find_run(f"{job}/{name}")
+        except InputError:
+            return None
+        if rec.state == Lifecycle.STARTING:
+            states = []
+            for m in self.reg.members(rec.id):
+                states.append(runs.state_of(pool.container(self.inv.container(m.ct)), m)[0])
+            if all(s == Lifecycle.LOST for s in states):  # nothing ever ran under that claim
+                self.reg.forget_job_claim(rec.id)
+                return None
+            return runs.refresh_all(self.inv, self.reg, pool, [rec]).runs[0]
+        return rec
+
     def _relaunch(self, pool: Pool, failed: RunRecord, row: dict[str, Any], doc: dict[str, Any], out: Poll) -> None:
+        if failed.multi:
+            self._relaunch_job(pool, failed, row, out)
+            return
         ct = self.inv.container(failed.ct)
         t = pool.container(ct)
         if row["state"] == "launching" and row["new_name"]:

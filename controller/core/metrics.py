@@ -409,6 +409,33 @@ def steady_state(
     return statistics.median(rates) if rates else None
 
 
+def combine_nodes(per_node: Sequence[Sequence[MetricPoint]]) -> list[MetricPoint]:
+    """The points of a run across several containers, one per step: tok/s summed over the nodes that logged
+    that step (each node logs its own throughput; a node that logs none adds nothing), the other fields from
+    the first node that has them (loss, lr, ETA are global: rank 0 logs them), the latest time."""
+    by_step: dict[int, list[MetricPoint]] = {}
+    for points in per_node:
+        seen: set[int] = set()
+        for p in points:
+            if p.step not in seen:  # a node's restarted log repeats steps: count each node once per step
+                seen.add(p.step)
+                by_step.setdefault(p.step, []).append(p)
+    out = []
+    for step in sorted(by_step):
+        ps = by_step[step]
+        rates = [p.tok_s for p in ps if p.tok_s is not None]
+        times = [p.time for p in ps if p.time is not None]
+
+        def first(name: str, ps: list[MetricPoint] = ps) -> Any:
+            return next((getattr(p, name) for p in ps if getattr(p, name) is not None), None)
+
+        out.append(MetricPoint(step, loss=first("loss"), lr=first("lr"), elapsed_s=first("elapsed_s"),
+                               tgt_bps=first("tgt_bps"), dft_bps=first("dft_bps"),
+                               tok_s=sum(rates) if rates else None, eta_s=first("eta_s"), q_hs=first("q_hs"),
+                               time=max(times) if times else None, accept_len=first("accept_len")))
+    return out
+
+
 class RunState(IntEnum):
     """A run's state, ordered by severity so that the worst of several runs is `max()`.
 

@@ -32,6 +32,12 @@ def context(inv: Inventory, ct: Container) -> dict[str, Any]:
     gpus = ct.spec.gpus
     order = gpus.all
     runs = inv.model.runs
+    job = inv.job_of(ct.name)
+    nproc = (len(gpus.target) or 1) + (len(gpus.drafter) or 1)
+    nccl = dict(job.spec.nccl.env()) if job is not None and job.spec.nccl is not None else {}
+    nccl.update(ct.spec.nccl.env() if ct.spec.nccl is not None else {})
+    if job is not None and isinstance(job.spec.nproc_per_node, int):
+        nproc = job.spec.nproc_per_node
     ctx.update(
         {
             "ct": {"name": ct.name, "vmid": ct.spec.vmid, "host": ct.host_name, "transport": ct.spec.transport},
@@ -42,10 +48,19 @@ def context(inv: Inventory, ct: Container) -> dict[str, Any]:
             "rank_gpus": ",".join(str(order.index(i)) for i in [*gpus.target, *gpus.drafter]),
             "n_targets": len(gpus.target) or 1,
             "n_drafters": len(gpus.drafter) or 1,
-            "nproc": (len(gpus.target) or 1) + (len(gpus.drafter) or 1),
+            "nproc": nproc,
             "device": "cuda" if order else "cpu",
             "runs": {"series": runs.series, "session": runs.session, "log": runs.log, "dir": runs.dir},
             "payload": {posixpath.basename(e.dest): e.dest for e in inv.model.payload},
+            # NCCL_SOCKET_IFNAME (and gloo's), NCCL_IB_DISABLE, NCCL_P2P_DISABLE from `nccl:` (job, then container)
+            "nccl_env": nccl,
+            # A node of a multi-node job: torchrun's c10d rendezvous (the run name, CTL_RUN, is its id); None for
+            # a container of its own, whose script runs torchrun --standalone.
+            "job": None if job is None else {
+                "name": job.name, "nnodes": job.nnodes, "node_rank": job.rank(ct.name),
+                "nodes": [c.name for c in job.nodes], "rdzv_endpoint": job.rdzv_endpoint,
+                "rdzv_port": job.spec.rdzv_port, "master_addr": job.master_addr, "address": ct.spec.address,
+            },
         }
     )
     return ctx

@@ -96,3 +96,32 @@ def diff(a: RunRecord, b: RunRecord) -> RunDiff:
         env = [c.message for c in envlock.diff_probes(pa, pb)]
     return RunDiff(f"{a.ct}/{a.name}", f"{b.ct}/{b.name}", (a.commit_sha, b.commit_sha), files, rendered, vars_, env,
                    (a.env_fingerprint, b.env_fingerprint))
+
+
+def diff_nodes(a: RunRecord, a_nodes: list[RunRecord], b: RunRecord, b_nodes: list[RunRecord]) -> RunDiff:
+    """Runs across several containers (or one of each kind), node by node: node i of A against node i of B,
+    each difference named `nodeI`; a run of one container counts as one node. Different node counts or
+    containers show as variables (`nodes`, `nodeI.ct`)."""
+    xs, ys = a_nodes or [a], b_nodes or [b]
+    out = RunDiff(f"{a.ct}/{a.name}", f"{b.ct}/{b.name}", (a.commit_sha, b.commit_sha))
+    if len(xs) != len(ys):
+        out.vars.append(("nodes", len(xs), len(ys)))
+    fps: tuple[list[str], list[str]] = ([], [])
+    for i in range(max(len(xs), len(ys))):
+        x, y = (xs[i] if i < len(xs) else None), (ys[i] if i < len(ys) else None)
+        tag = f"node{i}"
+        if x is None or y is None:
+            out.vars.append((f"{tag}.ct", x.ct if x else None, y.ct if y else None))
+            continue
+        if x.ct != y.ct:
+            out.vars.append((f"{tag}.ct", x.ct, y.ct))
+        d = diff(x, y)
+        out.files.extend((f"{tag}:{dest}", p, q) for dest, p, q in d.files)
+        out.rendered.update({f"{tag}:{dest}": text for dest, text in d.rendered.items()})
+        out.vars.extend((f"{tag}.{k}", p, q) for k, p, q in d.vars)
+        out.env.extend(f"{tag}: {line}" for line in d.env)
+        fps[0].append(x.env_fingerprint or "-")
+        fps[1].append(y.env_fingerprint or "-")
+    fa, fb = ",".join(fps[0]), ",".join(fps[1])
+    return RunDiff(out.a, out.b, out.commit, out.files, out.rendered, out.vars, out.env,
+                   (fa if fa.strip("-,") else None, fb if fb.strip("-,") else None))

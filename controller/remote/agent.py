@@ -36,6 +36,8 @@ Verbs (each prints one JSON document on stdout; exit 0 when "ok" is true):
   envfacts JSON-ARGS               venv symlink/dir, where uv is, which paths are taken (ctl env sync)
   writefile JSON-ARGS              stdin -> a new file (refuses to replace one)
   ckptscan JSON-ARGS               newest complete checkpoint (manifest present, sha256s match) under given dirs
+  packdir  JSON-ARGS               a checkpoint directory as a tar stream in base64 lines (between JSON lines)
+  unpackdir JSON-ARGS              stdin (a tar stream) -> a new checkpoint directory, verified by its manifest
 """
 
 import hashlib
@@ -543,7 +545,102 @@ def probe(args):
             os.path.basename(p) for p in glob.glob(_under(root, pattern)))
     if args.get("gpus"):
         out["gpus"] = _gpus()
+    if args.get("rdzv"):
+        out["rdzv"] = _rdzv_check(args["rdzv"])
     return out
+
+
+def _rdzv_check(spec):
+    """A run across several containers, before anything starts: the rendezvous node listens on the rendezvous
+    port (as torchrun's TCPStore will: every address), each other node connects to ADDRESS:PORT from here and
+    reads the nonce ctl gave the listener, so reaching something else at that address does not count. Both ends
+    give up at the deadline; the connecting side closes first, so the listener's port is not left in TIME_WAIT."""
+    import socket
+    timed_out = socket.timeout  # TimeoutError only from Python 3.10; the agent runs on 3.8
+    deadline = time.time() + float(spec.get("timeout", 10))
+    nonce = str(spec["nonce"]).encode()
+    if "listen" in spec:
+        port = int(spec["listen"])
+        srv = None
+        try:
+            try:
+                srv = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+                srv.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                srv.bind(("::", port))
+            except OSError as e:
+                if srv is not None:
+                    srv.close()
+                if e.errno == 98:  # EADDRINUSE: no need to try IPv4
+                    raise
+                srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                srv.bind(("0.0.0.0", port))
+            srv.listen(64)
+        except OSError as e:
+            if srv is not None:
+                srv.close()
+            return {"listen": port, "bound": False, "error": e.strerror or str(e), "in_use": e.errno == 98}
+        peers = 0
+        want = int(spec.get("expect", 0))
+        try:
+            while peers < want and time.time() < deadline:
+                srv.settimeout(max(0.05, deadline - time.time()))
+                try:
+                    conn, _addr = srv.accept()
+                except OSError:  # a timeout too
+                    continue
+                try:
+                    conn.settimeout(max(0.05, deadline - time.time()))
+                    conn.sendall(nonce + b"\n")
+                    if conn.recv(16).startswith(b"ok"):
+                        peers += 1
+                    while conn.recv(16):  # until the peer closes (it closes first)
+                        pass
+                except OSError:
+                    pass
+                finally:
+                    conn.close()
+        finally:
+            srv.close()
+        return {"listen": port, "bound": True, "peers": peers}
+    host, port = spec["connect"][0], int(spec["connect"][1])
+    t0 = time.time()
+    last = "no attempt"
+    while time.time() < deadline:
+        try:
+            conn = socket.create_connection((host, port), timeout=max(0.05, deadline - time.time()))
+        except timed_out:
+            last = "timed out"
+            break
+        except socket.gaierror as e:
+            last = "cannot resolve %s: %s" % (host, e.strerror or e)
+            break
+        except OSError as e:
+            last = e.strerror or str(e)
+            time.sleep(0.1)  # refused: the listener may not be up yet
+            continue
+        try:
+            conn.settimeout(max(0.05, deadline - time.time()))
+            got = b""
+            while not got.endswith(b"\n") and len(got) < 256:
+                chunk = conn.recv(256)
+                if not chunk:
+                    break
+                got += chunk
+            if not got:
+                last = "the connection was closed without an answer"
+                continue
+            if got.strip() == nonce:
+                conn.sendall(b"ok\n")
+                return {"connect": "%s:%d" % (host, port), "ok": True, "seconds": round(time.time() - t0, 3)}
+            return {"connect": "%s:%d" % (host, port), "ok": False,
+                    "error": "something else answers there (not the rendezvous node's check)"}
+        except OSError as e:
+            last = e.strerror or str(e)
+        finally:
+            conn.close()
+    return {"connect": "%s:%d" % (host, port), "ok": False, "error": last, "seconds": round(time.time() - t0, 3)}
 
 
 def _gpus():
@@ -670,6 +767,11 @@ def runstate(args):
             st["log_mtime"] = s.st_mtime
         except OSError:
             st["log_size"] = None
+        if st["exit"] is not None:
+            try:
+                st["exit_mtime"] = os.stat(log + ".exit").st_mtime  # when it ended: which node went first
+            except OSError:
+                pass
         if r.get("record"):
             st["record"] = _read_json(log + ".ctl.json")
         out.append(st)
@@ -736,7 +838,10 @@ def stop(args):
                     "error": "%s.pid names pid %d (%s), which is not run %s's training: %s; refusing to signal it"
                     % (args["log"], pid, _proc_cmd(pid), args["run"], why)}
     if pid and _pid_alive(pid):
-        for sig, wait in ((signal.SIGINT, args.get("grace", 30)), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        escalation = [(signal.SIGINT, args.get("grace", 30)), (signal.SIGTERM, 10), (signal.SIGKILL, 5)]
+        if args.get("term_first"):  # a node whose peer died: no step can finish, SIGINT would only wait
+            escalation = [(signal.SIGTERM, args.get("grace", 10)), (signal.SIGKILL, 5)]
+        for sig, wait in escalation:
             try:
                 os.killpg(pid, sig)
             except ProcessLookupError:
@@ -754,8 +859,42 @@ def stop(args):
     if _tmux_has(args["session"]):
         subprocess.run(["tmux", "kill-session", "-t", "=" + args["session"]], capture_output=True)
         steps.append("kill-session")
-    return {"ok": True, "signals": steps, "exit": _read_int(log + ".exit"),
+    swept = _sweep(args["run"], log) if args.get("run") else []
+    if swept:
+        steps.append("swept %d straggler(s)" % len(swept))
+    return {"ok": True, "signals": steps, "exit": _read_int(log + ".exit"), "swept": swept,
             "alive": _pid_alive(pid) if pid else False}
+
+
+def _sweep(run, log):
+    """Processes of this run still alive outside the training's process group (torchrun starts each worker in a
+    session of its own, so a killed torchrun leaves them running, waiting on a collective): every process whose
+    environment names this run and this log (CTL_RUN, CTL_LOG) gets SIGTERM, then SIGKILL."""
+    import signal
+    me = os.getpid()
+
+    def ours():
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != me:
+                env = _proc_env(int(entry))
+                if env and env.get("CTL_RUN") == run and env.get("CTL_LOG") == log and _pid_alive(int(entry)):
+                    found.append(int(entry))
+        return found
+
+    pids = ours()
+    for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 2)):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + wait
+        while time.time() < deadline and any(_pid_alive(p) for p in pids):
+            time.sleep(0.05)
+        if not any(_pid_alive(p) for p in pids):
+            break
+    return pids
 
 
 # A log's tail as `ctl tail` shows it: at most TAIL_WINDOW bytes are read from the end, lines end at \n, \r\n
@@ -765,10 +904,11 @@ TAIL_WINDOW = 1 << 20
 LINE_CAP = 4096
 
 
-def _tail_lines(data, partial_first):
+def _tail_lines(data, partial_first, ends=None):
     """Lines of `data` (no separators), the unfinished last one included, each cut to LINE_CAP bytes; an
     empty line ended by a bare \r (a progress bar's redraw) is left out. With `partial_first`, the first
-    line started before `data` did: only its last LINE_CAP bytes are kept, marked."""
+    line started before `data` did: only its last LINE_CAP bytes are kept, marked. `ends`, when given, gets
+    each line's end offset in `data`."""
     out = []
     pos = 0
     seps = [*re.finditer(b"\r\n|\r|\n", data), None]
@@ -782,6 +922,8 @@ def _tail_lines(data, partial_first):
             elif len(seg) > LINE_CAP:
                 seg = seg[:LINE_CAP] + b" ... [cut: %d bytes]" % (len(seg) - LINE_CAP)
             out.append(seg)
+            if ends is not None:
+                ends.append(m.end() if m is not None else len(data))
         if m is not None:
             pos = m.end()
     return out
@@ -800,12 +942,63 @@ def tailinfo(args):
             data = f.read(size - start)
     except OSError as e:
         return {"ok": False, "error": _describe(e)}
-    lines = _tail_lines(data, start > 0 and not data.startswith((b"\n", b"\r"))) if n > 0 else []
+    ends = []
+    lines = _tail_lines(data, start > 0 and not data.startswith((b"\n", b"\r")), ends) if n > 0 else []
     if start > 0 and len(lines) > n:
-        lines = lines[1:]  # the partial first line is only shown when fewer than N lines follow it
-    lines = lines[-n:] if n > 0 else []
+        lines, ends = lines[1:], ends[1:]  # the partial first line is only shown when fewer than N lines follow it
+    lines, ends = (lines[-n:], ends[-n:]) if n > 0 else ([], [])
     text = b"".join(line + b"\n" for line in lines)
-    return {"ok": True, "size": size, "text": text.decode("utf-8", "replace")}
+    out = {"ok": True, "size": size, "text": text.decode("utf-8", "replace")}
+    if args.get("times"):
+        out["times"] = _line_times(path, [start + e for e in ends])
+    return out
+
+
+def _line_times(log, ends):
+    """When each line (by its end offset) reached the log, from LOG.times, the launcher's samples of the log's
+    size (one line "SIZE EPOCH" whenever it grew, every half second): the first sample at or past a line's end.
+    Only the samples from the end back to the first line are read. None where there are no samples."""
+    if not ends:
+        return []
+    samples = []
+    try:
+        if not stat.S_ISREG(os.lstat(log + ".times").st_mode):  # the container's file: no FIFO, device, symlink
+            return [None] * len(ends)
+        with open(log + ".times", "rb") as f:
+            pos = f.seek(0, 2)
+            tail = b""
+            while pos > 0 and len(tail) < 4 * TAIL_WINDOW:  # the container's file: read a bounded part
+                step = min(pos, 1 << 16)
+                pos -= step
+                f.seek(pos)
+                tail = f.read(step) + tail
+                rows = tail.split(b"\n", 2)
+                if pos > 0 and len(rows) > 2:  # rows[0] may be cut; rows[1] is whole: before the first line?
+                    try:
+                        if int(rows[1].split()[0]) < ends[0]:
+                            break
+                    except (IndexError, ValueError):
+                        pass
+            for row in tail.splitlines()[1 if pos > 0 else 0:]:
+                parts = row.split()
+                if len(parts) == 2:
+                    try:
+                        samples.append((int(parts[0]), float(parts[1].replace(b",", b"."))))  # locale radix
+                    except ValueError:
+                        pass
+    except OSError:
+        return [None] * len(ends)
+    try:
+        mtime = os.stat(log).st_mtime
+    except OSError:
+        mtime = None
+    out = []
+    i = 0
+    for end in ends:
+        while i < len(samples) and samples[i][0] < end:
+            i += 1
+        out.append(samples[i][1] if i < len(samples) else mtime)  # written since the last sample
+    return out
 
 
 _HEAD = 4096  # bytes of the log's start that identify it (with the inode) across pulls
@@ -1283,6 +1476,96 @@ def writefile(args, stream):
     return {"ok": True, "path": args["path"], "sha256": _sha(path)}
 
 
+_PACK_LINE = 48 << 10  # raw bytes per base64 line of packdir (64 KiB a line): ctl reads lines, bounded
+
+
+def packdir(args):
+    """A checkpoint directory's regular files as a tar stream, base64 in lines of 64 KiB on stdout, after a JSON
+    header line; the last line is the JSON answer (main writes it). Symlinks are not followed or carried. How ctl
+    carries a checkpoint from the node that wrote it to the other nodes of a run, through the controller."""
+    import base64
+    d = _under(args.get("root", "/"), args["dir"])
+    names = []
+    for dirpath, dirnames, filenames in os.walk(d):
+        dirnames[:] = sorted(n for n in dirnames if not os.path.islink(os.path.join(dirpath, n)))
+        for f in sorted(filenames):
+            path = os.path.join(dirpath, f)
+            if not os.path.islink(path) and os.path.isfile(path):
+                names.append(os.path.relpath(path, d))
+    if not names:
+        return {"ok": False, "code": "missing", "error": "%s: no files (not a checkpoint directory)" % args["dir"]}
+    out = sys.stdout.buffer
+    out.write((json.dumps({"ok": True, "files": len(names)}) + "\n").encode())
+    sent = [0]
+
+    class Lines:
+        buf = b""
+
+        def write(self, data):
+            self.buf += data
+            while len(self.buf) >= _PACK_LINE:
+                out.write(base64.b64encode(self.buf[:_PACK_LINE]) + b"\n")
+                self.buf = self.buf[_PACK_LINE:]
+            sent[0] += len(data)
+            return len(data)
+
+        def flush(self):
+            if self.buf:
+                out.write(base64.b64encode(self.buf) + b"\n")
+                self.buf = b""
+
+    lines = Lines()
+    with tarfile.open(fileobj=lines, mode="w|") as tar:
+        for n in names:
+            tar.add(os.path.join(d, n), arcname=n, recursive=False)
+    lines.flush()
+    out.flush()
+    return {"ok": True, "files": len(names), "bytes": sent[0]}
+
+
+def unpackdir(args, stream):
+    """A tar stream on stdin (packdir's, decoded by ctl) into a new checkpoint directory: unpacked beside it,
+    checked against its manifest.json's sha256s, then renamed into place. An existing directory is never
+    replaced; the parent is walked without following symlinks."""
+    root = args.get("root", "/")
+    parent, name = args["dir"].rstrip("/").rsplit("/", 1)
+    try:
+        dfd = _opendir(root, parent or "/", args.get("follow", ()), [])
+    except Refused as e:
+        return {"ok": False, "code": "symlink", "error": "%s: %s" % (args["dir"], e)}
+    except OSError as e:
+        return {"ok": False, "error": _describe(e)}
+    os.close(dfd)
+    dest = _under(root, args["dir"])
+    if os.path.lexists(dest):
+        return {"ok": False, "code": "clobber", "error": "%s already exists (never replaced)" % args["dir"]}
+    tmp = os.path.join(os.path.dirname(dest), ".%s.ctl-%d" % (name, os.getpid()))
+    os.mkdir(tmp, 0o700)
+    try:
+        with tarfile.open(fileobj=stream, mode="r|") as tar:
+            for m in tar:
+                parts = [p for p in m.name.split("/") if p not in ("", ".")]
+                if m.name.startswith("/") or ".." in parts or not m.isfile():
+                    raise ValueError("unexpected member in the checkpoint stream: %r" % m.name)
+                target = os.path.join(tmp, *parts)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                src = tar.extractfile(m)
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+                with os.fdopen(fd, "wb") as f:
+                    shutil.copyfileobj(src, f)
+        why = _ckpt_problem(tmp)
+        if why is not None:
+            raise ValueError("the copy does not match its manifest: %s" % why)
+        os.chmod(tmp, 0o755)
+        if os.path.lexists(dest):
+            raise FileExistsError(dest)
+        os.rename(tmp, dest)
+    except (OSError, ValueError, tarfile.TarError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return {"ok": False, "code": "verify" if isinstance(e, ValueError) else _code(e), "error": _describe(e)}
+    return {"ok": True, "dir": args["dir"]}
+
+
 def ckptscan(args):
     """The newest complete checkpoint under the given directories, tried in order (a failed run's own, then its
     ancestors'): a step_N/ directory whose manifest.json is there and whose files match its sha256s. A
@@ -1346,6 +1629,10 @@ def main(argv):
                "cacherestore": cacherestore, "envfacts": envfacts}[verb](json.loads(argv[1]))
     elif verb == "ckptscan":
         out = ckptscan(json.loads(argv[1]))
+    elif verb == "packdir":
+        out = packdir(json.loads(argv[1]))
+    elif verb == "unpackdir":
+        out = unpackdir(json.loads(argv[1]), sys.stdin.buffer)
     elif verb == "writefile":
         out = writefile(json.loads(argv[1]), sys.stdin.buffer)
     elif verb in ("storelist", "storeprune"):

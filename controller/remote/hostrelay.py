@@ -9,6 +9,8 @@ same as over a direct exec, while the host's login shell and the SSH channel are
 
 Frame: 7-byte header (kind: 1 byte, stream id: 2 bytes, length: 4 bytes, big-endian), then the data.
   controller -> relay  S start (data: JSON argv)   I stdin data   C close that stdin
+                       K abandon: close its stdin and stop reading its output (its next write fails, as
+                         when an SSH channel closes under a command); its X frame still comes
   relay -> controller  H hello (stream 0, JSON)    O stdout data  E stderr data  X exit status (ASCII)
 A child that cannot be started answers E (the reason) and X 127, as a shell would. A stream id is
 forgotten before its X frame goes out, so the controller may reuse it as soon as it has read that X (ids
@@ -20,6 +22,7 @@ for the children (an agent that sees its stdin end leaves every old file whole) 
 import json
 import os
 import queue
+import select
 import struct
 import subprocess
 import sys
@@ -62,6 +65,7 @@ class Child:
         self.inbox = queue.Queue(maxsize=256)  # bounded: a slow reader holds the relay back, not its memory
         self.threads = []
         self.closed = False
+        self.abandoned = False  # K: the controller stopped reading; our read ends close, the child's writes fail
         self._close_lock = threading.Lock()
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -85,11 +89,14 @@ class Child:
 
     def _pump(self, pipe, kind):
         fd = pipe.fileno()
-        while True:
+        while not self.abandoned:
             try:
-                b = os.read(fd, _CHUNK)
-            except OSError:
+                ready = select.select([fd], [], [], 0.5)[0]
+                b = os.read(fd, _CHUNK) if ready else None
+            except (OSError, ValueError):
                 b = b""
+            if b is None:
+                continue
             if not b:
                 break
             _emit(kind, self.sid, b)
@@ -136,6 +143,10 @@ class Child:
             self.closed = True
         self.inbox.put(None)
 
+    def abandon(self):
+        self.abandoned = True
+        self.close_stdin()
+
     def join(self):
         for t in self.threads:
             t.join()
@@ -143,7 +154,7 @@ class Child:
 
 def main():
     stdin = sys.stdin.buffer
-    _emit(b"H", 0, json.dumps({"relay": 1, "pid": os.getpid(), "python": sys.version.split()[0]}).encode())
+    _emit(b"H", 0, json.dumps({"relay": 2, "pid": os.getpid(), "python": sys.version.split()[0]}).encode())
     while True:
         head = _read_exact(stdin, HEADER.size)
         if head is None:
@@ -163,6 +174,8 @@ def main():
             child.send(data)
         elif kind == b"C" and child is not None:
             child.close_stdin()
+        elif kind == b"K" and child is not None:
+            child.abandon()
     with _children_lock:
         left = list(_live)
     for c in left:

@@ -4,6 +4,10 @@
 the host's login shell, by SshEndpoint. pct's own failures (missing CT, stopped CT) are told apart
 from the command's exit status by their messages (shared/pve-facts.md) and raised as such.
 `pct push` is neither atomic nor honest about failure, so `put` verifies the content afterwards.
+
+With a relay (the user's persistent host session, or the one exec several containers share) every request
+goes through it: exec, conversations, follows (`stream`), `pct status`, put and get; the host's own SSH
+connection is opened only when there is none (or the host cannot run it).
 """
 
 from __future__ import annotations
@@ -60,8 +64,25 @@ class PctContainer(Transport):
         """`ssh -t host pct exec VMID -- argv`."""
         return self.host.interactive_argv(self.exec_argv(argv))
 
+    def _relay(self) -> HostRelay | None:
+        return self.relay if self.relay is not None and self.relay.available() else None
+
+    def _host_run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None) -> Result:
+        """argv on the host: through the relay when there is one, else over the host's own exec."""
+        relay = self._relay()
+        if relay is not None:
+            return relay.run(argv, stdin=stdin, timeout=timeout)
+        return self.host.run(argv, stdin=stdin, timeout=timeout)
+
+    def _host_stream(self, argv: Sequence[str], *, timeout: float | None = None,
+                     idle: float | None = None) -> Iterator[tuple[str, bytes]]:
+        relay = self._relay()
+        if relay is not None:
+            return relay.stream(argv, timeout=timeout, idle=idle)
+        return self.host.stream(argv, timeout=timeout, idle=idle)
+
     def status(self) -> Status:
-        res = self.host.run(self.pct_argv("status", str(self.vmid)))
+        res = self._host_run(self.pct_argv("status", str(self.vmid)))
         if res.returncode == 0:
             return "running" if "status: running" in res.out else "stopped"
         if _NO_CONFIG.search(res.err):
@@ -88,13 +109,7 @@ class PctContainer(Transport):
     def run(
         self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None
     ) -> Result:
-        if self.relay is not None and self.relay.available():
-            session = self.relay.open(self.exec_argv(argv))
-            if stdin:
-                session.send(stdin)
-            res = session.finish(timeout)
-        else:
-            res = self.host.run(self.exec_argv(argv), stdin=stdin, timeout=timeout)
+        res = self._host_run(self.exec_argv(argv), stdin=stdin, timeout=timeout)
         self._raise_pct(res)
         return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)
 
@@ -102,7 +117,7 @@ class PctContainer(Transport):
         self, argv: Sequence[str], *, timeout: float | None = None, idle: float | None = None
     ) -> Iterator[tuple[str, bytes]]:
         err = b""
-        for kind, data in self.host.stream(self.exec_argv(argv), timeout=timeout, idle=idle):
+        for kind, data in self._host_stream(self.exec_argv(argv), timeout=timeout, idle=idle):
             if kind == "err":
                 err += data[:4096]
             if kind == "exit" and data != b"0":
@@ -110,8 +125,9 @@ class PctContainer(Transport):
             yield kind, data
 
     def open(self, argv: Sequence[str]) -> Duplex:
-        if self.relay is not None and self.relay.available():
-            return _PctDuplex(self, self.relay.open(self.exec_argv(argv)), tuple(argv))
+        relay = self._relay()
+        if relay is not None:
+            return _PctDuplex(self, relay.open(self.exec_argv(argv)), tuple(argv))
         return _PctDuplex(self, self.host.open(self.exec_argv(argv)), tuple(argv))
 
     def script(self, argv: Sequence[str]) -> str:
@@ -119,21 +135,32 @@ class PctContainer(Transport):
         return self.host.script(self.exec_argv(argv))
 
     def put(self, local_path: str, remote_path: str) -> None:
-        """Stage on the host (private dir), `pct push`, then verify the sha256 inside the container."""
+        """Stage on the host (private dir), `pct push`, then verify the sha256 inside the container. Through a
+        relay the file travels on the stdin of that one host command; without one, over SFTP first."""
         stage = f"{self.stage_dir.rstrip('/')}/ctl-stage-{uuid.uuid4().hex}"
         staged = f"{stage}/file"
-        try:
-            with self.host.sftp() as sftp:
-                sftp.mkdir(stage, mode=0o700)
-                sftp.put(local_path, staged)
-        except TimeoutError:
-            raise self.host._sftp_silent(f"staging {local_path} in {stage}") from None
-        except OSError as e:
-            raise ConnectionFailed(f"{self.host.name}: staging {local_path} in {stage} failed: {e}") from None
         push = shlex.join(self.pct_argv("push", str(self.vmid), staged, remote_path))
         verify = shlex.join(self.exec_argv(["sha256sum", "--", remote_path]))
         script = f"{push}; rc=$?; rm -rf {shlex.quote(stage)}; [ $rc -eq 0 ] || exit $rc; {verify}"
-        res = self.host.run(["sh", "-c", script])
+        relay = self._relay()
+        if relay is not None:
+            receive = (f"mkdir -m 700 -- {shlex.quote(stage)} || exit 1; cat > {shlex.quote(staged)} "
+                       f"|| {{ rm -rf {shlex.quote(stage)}; exit 1; }}; ")
+            d = relay.open(["sh", "-c", receive + script])
+            with open(local_path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    d.send(block)
+            res = d.finish()
+        else:
+            try:
+                with self.host.sftp() as sftp:
+                    sftp.mkdir(stage, mode=0o700)
+                    sftp.put(local_path, staged)
+            except TimeoutError:
+                raise self.host._sftp_silent(f"staging {local_path} in {stage}") from None
+            except OSError as e:
+                raise ConnectionFailed(f"{self.host.name}: staging {local_path} in {stage} failed: {e}") from None
+            res = self.host.run(["sh", "-c", script])
         self._raise_pct(res)
         want = file_sha256(local_path)
         got = res.out.split(" ", 1)[0] if res.returncode == 0 else ""
@@ -150,7 +177,7 @@ class PctContainer(Transport):
         code = b"-1"
         quiet = self.request_timeout  # a download may be long; silence longer than the deadline is not
         with open(local_path, "wb") as f:
-            for kind, data in self.host.stream(self.exec_argv(["cat", "--", remote_path]), idle=quiet):
+            for kind, data in self._host_stream(self.exec_argv(["cat", "--", remote_path]), idle=quiet):
                 if kind == "idle":
                     raise DeadlineExceeded(f"{self.name}: download of {remote_path}: no data for {quiet:g}s")
                 if kind == "out":

@@ -1,4 +1,10 @@
-"""Connections for one ctl command: one SSH connection per host, shared by its containers."""
+"""Connections for one ctl command: one SSH connection per host, shared by its containers.
+
+By default each host (and each container with its own sshd) is reached through the user's persistent session
+for it (controller/transport/mux/): every request of the command goes over that session's socket, and the SSH
+connection is opened by the session process, once for all commands within its idle timeout. With persistence
+off (CTL_PERSIST=0, or `persist: 0` on the host), a command opens its own connection, and containers of one
+host that it reaches together share one exec (the host relay)."""
 
 from __future__ import annotations
 
@@ -13,19 +19,22 @@ from controller.transport.base import Transport
 from controller.transport.local import LocalContainer
 from controller.transport.mux import MuxRelay
 from controller.transport.pct import PctContainer
-from controller.transport.relay import HostRelay
+from controller.transport.relay import HostRelay, RelayEndpoint
 from controller.transport.ssh import SshEndpoint
 
 
 class Pool:
     """Opens endpoints lazily and closes them all at the end (use as a context manager)."""
 
-    def __init__(self, inventory: Inventory, *, note: Callable[[str], None] | None = None) -> None:
+    def __init__(self, inventory: Inventory, *, note: Callable[[str], None] | None = None,
+                 warn: Callable[[str], None] | None = None) -> None:
         self.inventory = inventory
         self.note = note  # what --debug shows: relay used or not, and why
+        self.warn = warn  # what the user is told in one line (a session replaced, and why)
         self._hosts: dict[str, SshEndpoint] = {}
         self._direct: dict[str, SshEndpoint] = {}
         self._relays: dict[str, HostRelay] = {}
+        self._direct_relays: dict[str, MuxRelay] = {}
         self._lock = threading.Lock()
         self._persist_env = persist_seconds()  # CTL_PERSIST, when set, wins over the inventory's `persist:`
         # CTL_KEEPALIVE_INTERVAL / _COUNT, CTL_CONNECT_TIMEOUT, CTL_TIMEOUT win over each host's keys
@@ -48,18 +57,35 @@ class Pool:
             base["request_timeout"] = None  # 0: no deadline
         return base
 
-    def persist(self, host: str) -> int:
-        """Idle seconds of the user's persistent session for this host (0: none): CTL_PERSIST when set,
-        else the host's `persist:` in the inventory."""
+    def persist(self, host: str | None) -> int:
+        """Idle seconds of the user's persistent session for this host (0: none): CTL_PERSIST or the config
+        file's `persist` when set, else the host's `persist:` in the inventory, else DEFAULT_PERSIST. A container
+        with its own sshd (host None) follows the first two, else the default."""
         if self._persist_env is not None:
             return self._persist_env
-        return self.inventory.model.hosts[host].persist
+        own = self.inventory.model.hosts[host].persist if host is not None else None
+        return settings.DEFAULT_PERSIST if own is None else own
 
     def _new_relay(self, host: str) -> HostRelay:
         seconds = self.persist(host)
         if seconds:
-            return MuxRelay(self.host(host), seconds, note=self.note)
+            return MuxRelay(self.host(host), seconds, note=self.note, warn=self.warn)
         return HostRelay(self.host(host), note=self.note)
+
+    def host_exec(self, name: str) -> Transport:
+        """Commands on the host itself (`pct snapshot ...`): through its session when it has one."""
+        if self.persist(name):
+            return RelayEndpoint(self.host(name), self._relay(name))
+        return self.host(name)
+
+    def _relay(self, host: str) -> HostRelay:
+        with self._lock:
+            relay = self._relays.get(host)
+        if relay is None:
+            relay = self._new_relay(host)
+            with self._lock:
+                relay = self._relays.setdefault(host, relay)
+        return relay
 
     def share_exec(self, cts: Iterable[Container]) -> list[str]:
         """Hosts with two or more of these `pct` containers get one exec for all of them (ctl's host relay,
@@ -71,12 +97,7 @@ class Pool:
                 per_host[ct.host_name] = per_host.get(ct.host_name, 0) + 1
         shared = [h for h, n in per_host.items() if n > 1]
         for h in shared:
-            with self._lock:
-                if h in self._relays:
-                    continue
-            relay = self._new_relay(h)
-            with self._lock:
-                self._relays.setdefault(h, relay)
+            self._relay(h)
         return shared
 
     def __enter__(self) -> Pool:
@@ -119,12 +140,17 @@ class Pool:
                         **self.limits(None),
                     )
                     self._direct[ct.name] = ep
+            seconds = self.persist(None)
+            if not seconds:
                 return ep
-        assert ct.host_name is not None and ct.host is not None and spec.vmid is not None
-        if self.persist(ct.host_name) and ct.host_name not in self._relays:  # a lone container uses it too
-            relay = self._new_relay(ct.host_name)
             with self._lock:
-                self._relays.setdefault(ct.host_name, relay)
+                mux = self._direct_relays.get(ct.name)
+                if mux is None:
+                    mux = self._direct_relays[ct.name] = MuxRelay(ep, seconds, note=self.note, warn=self.warn)
+            return RelayEndpoint(ep, mux)
+        assert ct.host_name is not None and ct.host is not None and spec.vmid is not None
+        if self.persist(ct.host_name):  # a lone container uses the session too
+            self._relay(ct.host_name)
         return PctContainer(ct.name, self.host(ct.host_name), spec.vmid, pct=ct.host.pct,
                             stage_dir=ct.host.stage_dir, relay=self._relays.get(ct.host_name))
 
@@ -132,7 +158,7 @@ class Pool:
         return sum(ep.round_trips for ep in [*self._hosts.values(), *self._direct.values()])
 
     def close(self) -> None:
-        for relay in self._relays.values():
+        for relay in [*self._relays.values(), *self._direct_relays.values()]:
             relay.close()
         for ep in [*self._hosts.values(), *self._direct.values()]:
             ep.close()

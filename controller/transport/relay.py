@@ -21,16 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shlex
+import stat
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded, RelayExited
+from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded, RelayExited, RemoteCommandError
 from controller.remote import source
-from controller.transport.base import Duplex, Result, limit
+from controller.transport.base import Duplex, Result, Transport, limit
 from controller.transport.ssh import SshEndpoint
 
 HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/remote/hostrelay.py)
@@ -82,6 +84,7 @@ class _Stream:
         self.err = b""
         self.code: int | None = None
         self.dead: ConnectionFailed | None = None  # how the channel this stream ran on ended
+        self.abandoned = False  # the caller stopped reading (K sent): its output is dropped, its id kept until X
         self.t0 = time.monotonic()
 
 
@@ -213,7 +216,7 @@ class HostRelay:
             for kind, sid, payload in frames(iter(lambda: chan.recv(_CHUNK), b"")):
                 self._dispatch(kind, sid, payload)
         except (OSError, EOFError) as e:
-            self._fail(ConnectionDropped(f"SSH connection dropped: {e or type(e).__name__}"))
+            self._fail(ConnectionDropped(f"SSH connection dropped: {e or type(e).__name__}{self.host._why()}"))
             return
         except FrameError as e:  # nothing after a bad header can be trusted: end the channel and its streams
             self._fail(RelayExited(f"ctl's relay: {e.message}"))
@@ -221,13 +224,17 @@ class HostRelay:
                 chan.close()
             return
         status = chan.recv_exit_status() if chan.exit_status_ready() else -1
-        self._fail(ConnectionDropped("SSH connection dropped") if status == -1
+        self._fail(ConnectionDropped(f"SSH connection dropped{self.host._why()}") if status == -1
                    else RelayExited(f"ctl's relay exited with status {status}"))
 
     def _dispatch(self, kind: bytes, sid: int, payload: bytes) -> None:
         with self._cond:
             st = self._streams.get(sid)
             if st is None:
+                return
+            if st.abandoned:
+                if kind == b"X":  # the relay forgot the id: it is free again
+                    del self._streams[sid]
                 return
             if kind == b"O":
                 st.out += payload
@@ -251,14 +258,72 @@ class HostRelay:
 
     # --- streams ----------------------------------------------------------------------------------
 
-    def open(self, argv: Sequence[str]) -> Duplex:
+    def open(self, argv: Sequence[str]) -> _RelayDuplex:
         """Start argv on the host (no shell) through the relay; a conversation like a direct exec's."""
         with self._cond:
             sid = self._free_sid()
             self._streams[sid] = _Stream(tuple(argv))
         self.streams_opened += 1
-        self._send(b"S", sid, json.dumps(list(argv)).encode())
+        try:
+            self._send(b"S", sid, json.dumps(list(argv)).encode())
+        except ConnectionFailed:
+            with self._cond:
+                self._streams.pop(sid, None)
+            raise
         return _RelayDuplex(self, sid)
+
+    def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None) -> Result:
+        """argv on the host through the relay, waited for (SshEndpoint.run's contract, without a login shell)."""
+        d = self.open(argv)
+        if stdin:
+            d.send(stdin)
+        return d.finish(timeout)
+
+    def stream(self, argv: Sequence[str], *, timeout: float | None = None,
+               idle: float | None = None) -> Iterator[tuple[str, bytes]]:
+        """SshEndpoint.stream through the relay: ("out"|"err", chunk) as they arrive, then ("exit", b"<code>");
+        ("idle", b"") after `idle` seconds without output. No deadline unless `timeout` (a follow). A caller that
+        stops early abandons the stream (K): the child's next write fails, as when an SSH channel closes."""
+        d = self.open(argv)
+        d.close_stdin()
+        st = d.st
+        limit_s = limit(timeout, None)
+        deadline = None if limit_s is None else time.monotonic() + limit_s
+        done = False
+        try:
+            while True:
+                quiet_until = None if idle is None else time.monotonic() + idle
+                with self._cond:
+                    while not (st.out or st.err or st.code is not None or st.dead is not None):
+                        ends = [t for t in (quiet_until, deadline) if t is not None]
+                        left = min(ends) - time.monotonic() if ends else None
+                        if left is not None and left <= 0:
+                            break
+                        self._cond.wait(left)
+                    out, err, code, dead = st.out, st.err, st.code, st.dead
+                    st.out = st.err = b""
+                    if code is not None or dead is not None:
+                        done = True
+                        self._streams.pop(d.sid, None)
+                if out:
+                    yield "out", out
+                if err:
+                    yield "err", err
+                if code is not None:
+                    yield "exit", str(code).encode()
+                    return
+                if dead is not None:
+                    raise d._lost(dead)
+                if out or err:
+                    continue
+                if deadline is not None and time.monotonic() >= deadline:
+                    assert limit_s is not None
+                    raise d._late("reading from", limit_s)
+                if idle is not None:
+                    yield "idle", b""
+        finally:
+            if not done:
+                d.abandon()
 
     def _free_sid(self) -> int:
         """The next stream id (1..MAX_SID, round robin) that no open stream holds; under self._cond.
@@ -306,6 +371,26 @@ class _RelayDuplex(Duplex):
         for pos in range(0, len(view), _CHUNK):
             self.relay._send(b"I", self.sid, bytes(view[pos:pos + _CHUNK]))
 
+    def close_stdin(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.relay._send(b"C", self.sid)
+
+    def abandon(self) -> None:
+        """The caller stops here: drop the stream's output; the relay closes the child's pipes (K). Its id stays
+        taken until the relay's X frame frees it."""
+        with self.relay._cond:
+            st = self.relay._streams.get(self.sid)
+            if st is not self.st:
+                return  # already finished (or forgotten past a deadline)
+            if st.code is not None or st.dead is not None:
+                del self.relay._streams[self.sid]
+                return
+            st.abandoned = True
+            st.out = st.err = b""
+        with contextlib.suppress(ConnectionFailed):
+            self.relay._send(b"K", self.sid)
+
     def _late(self, doing: str, timeout: float) -> DeadlineExceeded:
         """Past the deadline: forget the stream (its late frames are dropped) and say who did not answer."""
         with self.relay._cond:
@@ -336,9 +421,7 @@ class _RelayDuplex(Duplex):
             return line + b"\n"
 
     def finish(self, timeout: float | None = None) -> Result:
-        if not self.closed:
-            self.closed = True
-            self.relay._send(b"C", self.sid)
+        self.close_stdin()
         timeout = limit(timeout, self.relay.host.request_timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         st = self.st
@@ -354,3 +437,89 @@ class _RelayDuplex(Duplex):
             self.relay._streams.pop(self.sid, None)
             out, st.out = st.out, b""
         return Result(st.argv, st.code, out, st.err, time.monotonic() - st.t0)
+
+
+class RelayEndpoint(Transport):
+    """An SSH endpoint (a host, or a container with its own sshd) whose requests go through a relay on it (the
+    user's persistent session) when it has one, else over the endpoint's own connection. The relay runs argv
+    with no login shell in between; files travel on a command's stdin/stdout (`cat`), not over SFTP."""
+
+    def __init__(self, ep: SshEndpoint, relay: HostRelay) -> None:
+        self.ep = ep
+        self.relay = relay
+        self.name = ep.name
+        self.request_timeout = ep.request_timeout
+
+    def _up(self) -> HostRelay | None:
+        return self.relay if self.relay.available() else None
+
+    def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None) -> Result:
+        relay = self._up()
+        if relay is None:
+            return self.ep.run(argv, stdin=stdin, timeout=timeout)
+        return relay.run(argv, stdin=stdin, timeout=timeout)
+
+    def stream(self, argv: Sequence[str], *, timeout: float | None = None,
+               idle: float | None = None) -> Iterator[tuple[str, bytes]]:
+        relay = self._up()
+        if relay is None:
+            return self.ep.stream(argv, timeout=timeout, idle=idle)
+        return relay.stream(argv, timeout=timeout, idle=idle)
+
+    def open(self, argv: Sequence[str]) -> Duplex:
+        relay = self._up()
+        return self.ep.open(argv) if relay is None else relay.open(argv)
+
+    def put(self, local_path: str, remote_path: str) -> None:
+        """Written under a temporary name beside remote_path with the local file's mode, then renamed."""
+        relay = self._up()
+        if relay is None:
+            return self.ep.put(local_path, remote_path)
+        mode = f"{stat.S_IMODE(os.stat(local_path).st_mode):o}"
+        script = ('umask 077; t="$1.ctl-part-$$"; '
+                  'cat > "$t" && chmod "$2" "$t" && mv -f "$t" "$1" || { rm -f "$t"; exit 1; }')
+        d = relay.open(["sh", "-c", script, "sh", remote_path, mode])
+        with open(local_path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                d.send(block)
+        res = d.finish()
+        if res.returncode != 0:
+            raise RemoteCommandError(self.name, ("put", remote_path), res.returncode, res.err, what="upload")
+        return None
+
+    def get(self, remote_path: str, local_path: str) -> None:
+        """`cat` through the relay (silence longer than the request deadline fails); the remote mode is kept."""
+        relay = self._up()
+        if relay is None:
+            return self.ep.get(remote_path, local_path)
+        mode = relay.run(["stat", "-c", "%a", "--", remote_path])
+        if mode.returncode != 0:
+            raise ConnectionFailed(f"{self.name}: {remote_path} does not exist ({mode.err.strip()[-200:]})")
+        quiet = self.request_timeout
+        code, err = b"-1", b""
+        with open(local_path, "wb") as f:
+            for kind, data in relay.stream(["cat", "--", remote_path], idle=quiet):
+                if kind == "idle":
+                    raise DeadlineExceeded(f"{self.name}: download of {remote_path}: no data for {quiet:g}s")
+                if kind == "out":
+                    f.write(data)
+                elif kind == "err":
+                    err += data[:4096]
+                else:
+                    code = data
+        if code != b"0":
+            raise RemoteCommandError(self.name, ("cat", remote_path), int(code), err.decode("utf-8", "replace"),
+                                     what="download")
+        got = mode.out.strip()
+        if got.isdigit() and len(got) <= 4 and set(got) <= set("01234567"):  # the far side's text: checked
+            os.chmod(local_path, int(got, 8) & 0o777)
+        return None
+
+    def script(self, argv: Sequence[str]) -> str:
+        return self.ep.script(argv)
+
+    def interactive_argv(self, argv: Sequence[str]) -> list[str]:
+        return self.ep.interactive_argv(argv)
+
+    def close(self) -> None:
+        self.relay.close()

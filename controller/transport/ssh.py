@@ -245,6 +245,7 @@ class SshEndpoint(Transport):
         self.keepalive_count = keepalive_count
         self.request_timeout = request_timeout
         self.dropped_why: str | None = None  # why the last connection was closed under us (keepalive)
+        self.server_key: dict[str, str] | None = None  # the host key the last connection verified: label, type, key
         self._keepalive: _Keepalive | None = None
         self._jump_ep: SshEndpoint | None = None
         self._conn: SSHClient | None = None
@@ -347,6 +348,11 @@ class SshEndpoint(Transport):
             client.close()
             reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
             raise ConnectionFailed(f"{self.name}: cannot reach {self.address}:{self.port}: {reason}") from None
+        transport = client.get_transport()
+        key = transport.get_remote_server_key() if transport is not None else None
+        if key is not None:  # what known_hosts vouched for, under the name paramiko looked it up by
+            self.server_key = {"label": host if self.port == 22 else f"[{host}]:{self.port}",
+                               "type": key.get_name(), "key": key.get_base64()}
         return client
 
     def _gateway(self, cfg: dict[str, Any], host: str) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import GOOD, add_dist, install_torch
+from tests.conftest import GOOD, add_dist, end_sessions, install_torch
 from tests.pvehost import PveHost
 
 # --------------------------------------------------------------------------------------------
@@ -59,13 +59,16 @@ class Env:
 
 
 @pytest.fixture
-def pve_env(pvehost: PveHost, tmp_path: Path) -> Iterator[Env]:
-    """An inventory with a fake-payload start script; runs log under a per-test directory."""
+def pve_env(pvehost: PveHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+    """An inventory with a fake-payload start script; runs log under a per-test directory. ctl runs and the Pools
+    a test makes share the test's state directory, whose persistent sessions end with the test."""
     tag = "t" + uuid.uuid4().hex[:8]
     (tmp_path / "templates").mkdir()
     (tmp_path / "templates" / "start_training.sh.j2").write_text(START_TEMPLATE)
     shutil.copy(FAKE, tmp_path / "emit_metrics.py")
     state = tmp_path / "state"
+    monkeypatch.setenv("CTL_STATE_DIR", str(state))
+    monkeypatch.delenv("CTL_PERSIST", raising=False)  # the default (sessions on) unless a test says otherwise
     env = dict(os.environ, CTL_STATE_DIR=str(state), PYTHONPATH=str(REPO))
     e = Env(tmp_path, tmp_path / "inventory.yaml", state, tag, pvehost, env)
     e.base_extra = {
@@ -80,7 +83,10 @@ def pve_env(pvehost: PveHost, tmp_path: Path) -> Iterator[Env]:
     e.write()
     for vmid in (200, 201, 300):
         pvehost.set_gpus(vmid, count=8)
-    yield e
+    try:
+        yield e
+    finally:
+        end_sessions(state)
     for vmid in (200, 201, 300):  # leave the shared containers as the fixture found them
         pvehost.clear_gpus(vmid)
         if not pvehost.running(vmid):

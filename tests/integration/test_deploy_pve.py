@@ -29,7 +29,7 @@ def sha(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
-def test_deploy_three_containers_then_nothing_travels(pve_env: Env) -> None:
+def test_deploy_three_containers_then_nothing_travels(pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     r = pve_env.ctl("deploy", "ct200", "ct201", "ct300", "--allow-dirty", "--json", check=True)
     results = json.loads(r.stdout)
     assert [x["ct"] for x in results] == ["ct200", "ct201", "ct300"]
@@ -40,13 +40,18 @@ def test_deploy_three_containers_then_nothing_travels(pve_env: Env) -> None:
         script = root / "start_training.sh"
         assert oct(script.stat().st_mode & 0o777) == "0o755"
         assert "--tok-s 12800" in script.read_text()
-    # Unchanged: one round trip per container, nothing sent.
+    # Unchanged: one round trip per container, nothing sent; through the host's persistent session (the
+    # default), that is one request on the session and no exec of the command's own.
     inv = load(pve_env.inventory)
     with Pool(inv) as pool:
         ct = inv.container("ct200")
         res = deploy_mod.deploy(inv, ct, pool.container(ct), None, allow_dirty=True)
         assert res.changed == 0 and res.bytes_sent == 0
-        assert pool.round_trips() == 1
+        assert pool.round_trips() == 0 and pool._relays["pve1"].streams_opened == 1
+    monkeypatch.setenv("CTL_PERSIST", "0")
+    with Pool(inv) as pool:  # persistence off: the command's own exec
+        res = deploy_mod.deploy(inv, ct, pool.container(ct), None, allow_dirty=True)
+        assert res.changed == 0 and pool.round_trips() == 1
 
 
 def test_dry_run_changes_nothing_and_prints_commands(pve_env: Env) -> None:

@@ -1,4 +1,5 @@
-"""Persistent host sessions (CTL_PERSIST) against the local Proxmox host: reuse, drops, idle exit, permissions."""
+"""Persistent host sessions (on by default; CTL_PERSIST) against the local Proxmox host: reuse, drops, idle exit,
+permissions. How they hold under failures: test_mux_failures_pve.py."""
 
 from __future__ import annotations
 
@@ -54,22 +55,23 @@ def _wait_gone(pid: int, timeout: float = 15) -> bool:
 
 @pytest.fixture
 def persist(pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
-    """CTL_PERSIST=60 for ctl runs and for Pools made here; every session started is stopped afterwards."""
-    pve_env.env["CTL_PERSIST"] = "60"
-    monkeypatch.setenv("CTL_PERSIST", "60")
-    monkeypatch.setenv("CTL_STATE_DIR", str(pve_env.state))
+    """The default (sessions on, 60 s) for ctl runs and Pools made here, whatever the caller's environment
+    says; pve_env stops the sessions afterwards, and every session process seen here is gone too."""
+    pve_env.env.pop("CTL_PERSIST", None)
+    monkeypatch.delenv("CTL_PERSIST", raising=False)
     yield pve_env
     mux_mod.stop(timeout=10)
-    d = pve_env.state / "mux"
-    for info in d.glob("*.json") if d.is_dir() else []:  # a session that did not answer: by its own pid
-        pid = json.loads(info.read_text())["pid"]
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
     for pid in _pids_seen:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
             _wait_gone(pid)
     _pids_seen.clear()
+
+
+def sockets(env: Env) -> list[Path]:
+    """The sockets of the live sessions of the test's state directory (their paths are in the info files)."""
+    d = env.state / "mux"
+    return [Path(json.loads(i.read_text())["socket"]) for i in d.glob("*.json")] if d.is_dir() else []
 
 
 _pids_seen: list[int] = []
@@ -82,14 +84,22 @@ def _session_pid(stderr: str) -> int:
     return int(m.group(2))
 
 
-def test_persistence_is_off_by_default(pve_env: Env) -> None:
+def test_persistence_is_on_by_default_for_60s_and_ctl_persist_0_turns_it_off(pve_env: Env) -> None:
     env = dict(pve_env.env)
     env.pop("CTL_PERSIST", None)
-    r = subprocess.run([sys.executable, "-m", "controller", "-i", str(pve_env.inventory), "--debug", "deploy",
-                        "ct200", "--allow-dirty"], capture_output=True, text=True, env=env, timeout=120)
+    argv = [sys.executable, "-m", "controller", "-i", str(pve_env.inventory), "--debug", "deploy", "ct200",
+            "--allow-dirty"]
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "persistent session" not in r.stderr
-    assert not (pve_env.state / "mux").exists()
+    pid = _session_pid(r.stderr)
+    assert "started ctl's persistent session" in r.stderr and "60s idle timeout" in r.stderr
+    (info,) = (pve_env.state / "mux").glob("*.json")
+    assert json.loads(info.read_text())["idle"] == 60
+    off = subprocess.run(argv, capture_output=True, text=True, env={**env, "CTL_PERSIST": "0"}, timeout=120)
+    assert off.returncode == 0 and "up to date" in off.stdout, off.stdout + off.stderr
+    assert "persistent session" not in off.stderr
+    again = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert f"reused ctl's persistent session (pid {pid}," in again.stderr
     env["CTL_PERSIST"] = "soon"
     bad = subprocess.run([sys.executable, "-m", "controller", "-i", str(pve_env.inventory), "deploy", "ct200",
                           "--allow-dirty"], capture_output=True, text=True, env=env, timeout=120)
@@ -143,7 +153,7 @@ def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env)
     stop = env.ctl("mux", "stop", check=True)
     assert f"pve1: stopped session (pid {pid})" in stop.stdout
     assert _wait_gone(pid)
-    assert not list((env.state / "mux").glob("*.sock"))
+    assert not sockets(env)
 
 
 def test_socket_directory_and_socket_are_private(persist: Env) -> None:
@@ -151,10 +161,12 @@ def test_socket_directory_and_socket_are_private(persist: Env) -> None:
     r = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
     pid = _session_pid(r.stderr)
     d = env.state / "mux"
-    st = d.stat()
-    assert (st.st_mode & 0o777, st.st_uid) == (0o700, os.getuid())
-    (sock,) = d.glob("*.sock")
+    (sock,) = sockets(env)
+    for private in (d, sock.parent):
+        st = private.stat()
+        assert (st.st_mode & 0o777, st.st_uid) == (0o700, os.getuid()), private
     assert (sock.stat().st_mode & 0o777, sock.stat().st_uid) == (0o600, os.getuid())
+    assert sock.parent == mux_mod.socket_dir(create=False)
     assert not any(str(env.dir) in line or "BEGIN" in line for line in (d / sock.with_suffix(".log").name)
                    .read_text().splitlines())
     # Someone else's socket under our name is refused, never used.
@@ -200,10 +212,11 @@ def test_killed_session_fails_open_streams_clearly_and_the_next_command_starts_a
     r = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
     assert f"reused ctl's persistent session (pid {new}," in r.stderr
     # The SSH connection under a live session drops: the session ends, its socket goes, the next one is fresh.
+    (sock,) = sockets(env)
     for p in sshd_sessions(env, "pve1"):
         os.kill(p, signal.SIGKILL)
     assert _wait_gone(new)
-    assert not list((env.state / "mux").glob("*.sock"))
+    assert not sock.exists()
     again = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
     assert "up to date" in again.stdout
     assert _session_pid(again.stderr) not in (pid, new)
@@ -214,30 +227,33 @@ def test_idle_session_exits_and_removes_its_socket(persist: Env) -> None:
     env.env["CTL_PERSIST"] = "1"
     r = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
     pid = _session_pid(r.stderr)
+    socks = sockets(env)
     assert _wait_gone(pid, timeout=10)
-    assert not list((env.state / "mux").glob("*.sock"))
+    assert socks and not any(s.exists() for s in socks) and not sockets(env)
     assert "ending: idle for 1s" in next((env.state / "mux").glob("*.log")).read_text()
 
 
-def test_inventory_persist_key_starts_the_session_and_ctl_persist_0_wins(persist: Env) -> None:
-    """`persist: SECONDS` on a host turns sessions on without the environment; CTL_PERSIST=0 turns them off."""
+def test_inventory_persist_key_sets_the_idle_time_or_turns_sessions_off_and_ctl_persist_wins(persist: Env) -> None:
+    """`persist: SECONDS` on a host sets its sessions' idle time, `persist: 0` turns them off for that host only;
+    CTL_PERSIST (and the config file's `persist`) win over it."""
     import yaml
 
     env = persist
     doc = yaml.safe_load(env.inventory.read_text())
-    doc["hosts"]["pve1"]["persist"] = 60
+    doc["hosts"]["pve1"]["persist"] = 0
+    doc["hosts"]["pve2"]["persist"] = 45
     env.inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
-    plain = {k: v for k, v in env.env.items() if k != "CTL_PERSIST"}
-    argv = [sys.executable, "-m", "controller", "-i", str(env.inventory), "--debug", "deploy", "ct200",
-            "--allow-dirty"]
-    r = subprocess.run(argv, capture_output=True, text=True, env=plain, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    pid = _session_pid(r.stderr)
-    again = subprocess.run(argv, capture_output=True, text=True, env=plain, timeout=120)
-    assert again.returncode == 0 and "up to date" in again.stdout, again.stdout + again.stderr
-    assert f"reused ctl's persistent session (pid {pid}" in again.stderr
-    off = subprocess.run(argv, capture_output=True, text=True, env={**plain, "CTL_PERSIST": "0"}, timeout=120)
-    assert off.returncode == 0 and "up to date" in off.stdout, off.stdout + off.stderr
+    r = env.ctl("--debug", "ping", "ct200", "ct300", check=True)
+    assert "pve1: started ctl's persistent session" not in r.stderr
+    assert "pve2: started ctl's persistent session" in r.stderr and "45s idle timeout" in r.stderr, r.stderr
+    _session_pid(r.stderr)
+    assert [d["host"] for d in mux_mod.sessions()] == ["pve2"]
+    env.env["CTL_PERSIST"] = "30"
+    on = env.ctl("--debug", "ping", "ct200", check=True)
+    assert "pve1: started ctl's persistent session" in on.stderr and "30s idle timeout" in on.stderr
+    _session_pid(on.stderr)
+    env.env["CTL_PERSIST"] = "0"
+    off = env.ctl("--debug", "ping", "ct200", "ct300", check=True)
     assert "persistent session" not in off.stderr
 
 
@@ -255,4 +271,76 @@ def test_session_process_gets_only_the_environment_it_needs(persist: Env) -> Non
     assert seen[b"CTL_STATE_DIR"] == str(env.state).encode()
     assert b"PATH" in seen
     assert set(seen) <= {b"PATH", b"HOME", b"USER", b"LOGNAME", b"LANG", b"TMPDIR", b"SSH_AUTH_SOCK", b"PYTHONPATH",
-                         b"PYTHONHOME", b"CTL_STATE_DIR"} | {k for k in seen if k.startswith(b"LC_")}
+                         b"PYTHONHOME", b"XDG_RUNTIME_DIR", b"CTL_STATE_DIR"} | {
+                             k for k in seen if k.startswith(b"LC_")}
+
+
+# Runs `ctl ARGS` and writes the modules it imported to OUT when it exits (tests/test_cli_startup.py's hook).
+_HOOK = ("import atexit, json, runpy, sys\n"
+         "out = sys.argv.pop(1)\n"
+         "atexit.register(lambda: open(out, 'w').write(json.dumps(sorted(sys.modules))))\n"
+         "sys.argv[0] = 'ctl'\n"
+         "runpy.run_module('controller', run_name='__main__')\n")
+
+
+def test_commands_through_a_session_never_import_paramiko(persist: Env) -> None:
+    """The client side of a command that has a session (warm, or one it starts: the session process connects)
+    imports no paramiko; with sessions off it does (the check can fail)."""
+    env = persist
+    out = env.dir / "modules.json"
+
+    def imported(*args: str, extra: dict[str, str] | None = None) -> set[str]:
+        r = subprocess.run([sys.executable, "-c", _HOOK, str(out), "-i", str(env.inventory), *args],
+                           capture_output=True, text=True, env={**env.env, **(extra or {})}, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return set(json.loads(out.read_text()))
+
+    cold = imported("--debug", "ping", "ct200")
+    assert "paramiko" not in cold
+    env.ctl("deploy", "ct200", "--allow-dirty", check=True)
+    for args in (("ping", "ct200", "ct201"), ("deploy", "ct200", "--check"), ("runs",)):
+        mods = imported(*args)
+        assert not {"paramiko", "proxmoxer", "cryptography", "nacl"} & mods, (args, {"paramiko"} & mods)
+    assert "paramiko" in imported("ping", "ct200", extra={"CTL_PERSIST": "0"})
+
+
+def test_every_operation_of_every_command_goes_through_the_one_session(persist: Env, tmp_path: Path) -> None:
+    """Deploy, exec, follows (launch -f, tail -f), status, metrics, the environment probe, a download (cache save
+    --local), pct on the host (snapshots) and several containers at once: one SSH login on the host, the session's.
+    A container with its own sshd gets one session of its own."""
+    from tests.conftest import fill_cache
+    from tests.integration.conftest import container_venv
+
+    env = persist
+    inside, _venv = container_venv(env)
+    cache, store = f"/workspace/{env.tag}/inductor", f"/workspace/{env.tag}/caches"
+    env.write(containers={"ct200": {"vars": {"venv": inside, "compile_cache_dir": cache, "cache_store": store}}})
+    fill_cache(env.host.rootfs(200) / cache.lstrip("/"))
+    logs = {"pve1": env.host.base / "pve1" / "sshd.log", "ct301": env.host.rootfs(301) / "var" / "log" / "sshd.log"}
+
+    def logins() -> dict[str, int]:
+        return {k: p.read_text(errors="replace").count("Accepted publickey") if p.exists() else 0
+                for k, p in logs.items()}
+
+    before = logins()
+    steps: list[tuple[tuple[str, ...], tuple[int, ...]]] = [
+        (("deploy", "ct200", "ct201", "ct301", "--allow-dirty"), (0,)),
+        (("ping", "ct200", "ct201", "ct301"), (0,)),
+        (("launch", "ct200", "--run", "one", "-f"), (0,)),
+        (("tail", "ct200", "--run", "one"), (0,)),
+        (("tail", "ct200", "--run", "one", "-f"), (0,)),
+        (("status", "ct200"), (0, 20, 21, 22)),
+        (("metrics", "pull", "one"), (0,)),
+        (("env", "probe", "ct200"), (0,)),
+        (("cache", "save", "ct200", "c1", "--local", str(tmp_path / "pulled")), (0,)),
+        (("snapshot", "list", "ct200"), (0,)),
+        (("deploy", "ct200", "ct301", "--check"), (0,)),
+    ]
+    for args, ok in steps:
+        r = env.ctl(*args)
+        assert r.returncode in ok, (args, r.stdout, r.stderr)
+    assert (tmp_path / "pulled" / "c1.tar.gz").stat().st_size > 0
+    time.sleep(0.5)  # sshd writes its log line as a login completes
+    after = logins()
+    assert {k: after[k] - before[k] for k in logs} == {"pve1": 1, "ct301": 1}, (before, after)
+    assert sorted(d["host"] for d in mux_mod.sessions()) == ["ct301", "pve1"]

@@ -14,7 +14,7 @@ import pytest
 from controller.inventory import load
 from controller.transport.mux import MuxRelay
 from controller.transport.mux.client import session_env
-from controller.transport.mux.sock import private_dir, session_key
+from controller.transport.mux.sock import private_dir, session_key, socket_dir
 from controller.transport.pool import Pool
 from controller.transport.relay import MAX_SID
 from tests.integration.conftest import REPO, Env
@@ -45,10 +45,11 @@ def test_a_session_runs_commands_after_its_stream_ids_wrap(pve_env: Env, monkeyp
     with Pool(inv) as pool:
         ep = pool.host("pve1")
         d = private_dir(create=True)
-        path = d / f"{session_key(ep)}.sock"
+        key = session_key(ep)
+        path = socket_dir(create=True) / f"{key}.sock"
         spec = {"name": ep.name, "address": ep.address, "port": ep.port, "user": ep.user,
                 "identity_file": ep.identity_file, "known_hosts": ep.known_hosts,
-                "connect_timeout": ep.connect_timeout, "idle": 60, "socket": str(path)}
+                "connect_timeout": ep.connect_timeout, "idle": 60, "socket": str(path), "info": str(d / f"{key}.json")}
         proc = subprocess.Popen([sys.executable, "-c", _DAEMON, json.dumps(spec)], stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, cwd=REPO,
                                 env={**session_env(os.environ, d.parent), "PYTHONPATH": str(REPO)},

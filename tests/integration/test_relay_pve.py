@@ -24,6 +24,14 @@ from tests.integration.conftest import Env, sshd_sessions
 pytestmark = pytest.mark.pvehost
 
 
+@pytest.fixture(autouse=True)
+def one_command_relay(pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay of one command, persistent sessions off (CTL_PERSIST=0): a session process runs the same relay
+    for many commands (test_mux_pve.py)."""
+    monkeypatch.setenv("CTL_PERSIST", "0")
+    pve_env.env["CTL_PERSIST"] = "0"
+
+
 def sha(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 

@@ -214,7 +214,9 @@ def test_tail_f_ends_on_a_crash_even_when_the_process_hangs(pve_env: Env) -> Non
     assert stop.returncode == 0, stop.stdout + stop.stderr
 
 
-def test_follow_survives_a_dropped_connection_without_losing_or_repeating_lines(pve_env: Env) -> None:
+@pytest.mark.parametrize("persist", [None, "0"])  # through the host's session (the default), and without one
+def test_follow_survives_a_dropped_connection_without_losing_or_repeating_lines(
+        pve_env: Env, monkeypatch: pytest.MonkeyPatch, persist: str | None) -> None:
     import threading
 
     from controller.commands import runs
@@ -230,11 +232,17 @@ def test_follow_survives_a_dropped_connection_without_losing_or_repeating_lines(
     rec = reg.find_run("drop1")
     listener = int((pve_env.host.base / "pve1" / "sshd.pid").read_text())
     lines: list[str] = []
+    sessions: list[int] = []  # the session process that followed before the cut
+    if persist is None:
+        monkeypatch.delenv("CTL_PERSIST", raising=False)
+    else:
+        monkeypatch.setenv("CTL_PERSIST", persist)
 
     def cut() -> None:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and len([x for x in lines if "step=" in x]) < 10:
             time.sleep(0.05)
+        sessions.extend(json.loads(p.read_text())["pid"] for p in (pve_env.state / "mux").glob("*.json"))
         out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(listener)], capture_output=True, text=True).stdout
         for pid in out.split():
             os.kill(int(pid), signal.SIGKILL)
@@ -242,9 +250,14 @@ def test_follow_survives_a_dropped_connection_without_losing_or_repeating_lines(
     cutter = threading.Thread(target=cut)
     cutter.start()
     with Pool(inv) as pool:
-        end = runs.follow(pool.container(inv.container("ct200")), reg, rec, lines=-1, follow=True,
-                          emit=lines.append, detect=metrics.detect_crash)
-        assert pool.host("pve1").connects >= 2  # the connection was really cut and re-opened
+        t = pool.container(inv.container("ct200"))
+        end = runs.follow(t, reg, rec, lines=-1, follow=True, emit=lines.append, detect=metrics.detect_crash)
+        if persist == "0":
+            assert pool.host("pve1").connects >= 2  # the connection was really cut and re-opened
+        else:  # the session's connection was cut: the follow went on through a new session
+            assert t.relay is not None and len(sessions) == 1, sessions
+            assert t.relay.hello["pid"] != sessions[0]  # type: ignore[attr-defined]
+            assert pool.host("pve1").connects == 0
     cutter.join()
     steps = [p.step for p in map(metrics.parse_line, lines) if isinstance(p, metrics.MetricPoint)]
     assert steps == list(range(1, 41)), steps
@@ -310,8 +323,9 @@ def test_env_sync_refuses_while_a_run_is_live(pve_env: Env) -> None:
 def test_status_and_supervise_of_many_runs_cost_one_connection_per_host_and_one_agent_call_per_container(
         pve_env: Env) -> None:
     """`ctl status` (and one `ctl supervise` poll) of five live runs in three containers on two hosts: each host is
-    connected to once (sshd's own log counts the logins) and each container gets exactly one agent exec (the test
-    host's pct journal counts them): the states and new log bytes of all of its runs in one `poll`."""
+    connected to once at most (sshd's own log counts the logins: none with the sessions the launches left, one with
+    sessions off) and each container gets exactly one agent exec (the test host's pct journal counts them): the
+    states and new log bytes of all of its runs in one `poll`."""
     deployed(pve_env, "ct200", steps=100000, interval=0.2)
     for ct in ("ct201", "ct300"):
         pve_env.ctl("deploy", ct, "--allow-dirty", check=True)
@@ -336,21 +350,25 @@ def test_status_and_supervise_of_many_runs_cost_one_connection_per_host_and_one_
         return out
 
     try:
-        for cmd in (["--json", "status", "ct200", "ct201", "ct300"],
-                    ["supervise", "--once", "ct200", "ct201", "ct300"]):
-            before, calls = logins(), {n: len(host.pct_calls(n)) for n in ("pve1", "pve2")}
-            r = pve_env.ctl(*cmd)
-            assert r.returncode in (0, 21, 22), r.stdout + r.stderr
-            if cmd[0] == "--json":
-                rows = {row["run"]: row for row in json.loads(r.stdout)}
-                assert set(rows) == {"a1", "a2", "b1", "c1", "c2"}
-                assert all(row["state"] == "running" and row["error"] is None for row in rows.values()), rows
-            else:
-                assert all(f"{ct}/{run}" in r.stdout for ct, names in runs.items() for run in names), r.stdout
-            time.sleep(0.5)  # sshd writes its log line as the login completes
-            after = logins()
-            assert {n: after[n] - before[n] for n in after} == {"pve1": 1, "pve2": 1}, cmd
-            assert agent_verbs(calls) == {"200": ["poll"], "201": ["poll"], "300": ["poll"]}, cmd
+        # Sessions on (the default): the launches' sessions serve these too, no new login; off: one login per host.
+        for persist, new_logins in ((None, 0), ("0", 1)):
+            env = pve_env.env if persist is None else {**pve_env.env, "CTL_PERSIST": persist}
+            for cmd in (["--json", "status", "ct200", "ct201", "ct300"],
+                        ["supervise", "--once", "ct200", "ct201", "ct300"]):
+                before, calls = logins(), {n: len(host.pct_calls(n)) for n in ("pve1", "pve2")}
+                r = subprocess.run([sys.executable, "-m", "controller", "-i", str(pve_env.inventory), *cmd],
+                                   capture_output=True, text=True, env=env, timeout=120)
+                assert r.returncode in (0, 21, 22), r.stdout + r.stderr
+                if cmd[0] == "--json":
+                    rows = {row["run"]: row for row in json.loads(r.stdout)}
+                    assert set(rows) == {"a1", "a2", "b1", "c1", "c2"}
+                    assert all(row["state"] == "running" and row["error"] is None for row in rows.values()), rows
+                else:
+                    assert all(f"{ct}/{run}" in r.stdout for ct, names in runs.items() for run in names), r.stdout
+                time.sleep(0.5)  # sshd writes its log line as the login completes
+                after = logins()
+                assert {n: after[n] - before[n] for n in after} == {"pve1": new_logins, "pve2": new_logins}, cmd
+                assert agent_verbs(calls) == {"200": ["poll"], "201": ["poll"], "300": ["poll"]}, (persist, cmd)
     finally:
         for names in runs.values():
             for run in names:

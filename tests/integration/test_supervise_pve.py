@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.integration.conftest import Env
+from tests.integration.conftest import Env, sshd_sessions
 
 pytestmark = pytest.mark.pvehost
 
@@ -31,11 +31,15 @@ def test_a_silent_host_is_unreachable_never_restarted_and_back_to_ok(pve_env: En
     listener = int((pve_env.host.base / "pve1" / "sshd.pid").read_text())
     try:
         assert supervise(pve_env).returncode == 0
-        os.kill(listener, signal.SIGSTOP)  # new connections are never answered: the host is silent
+        # The host goes silent: new connections are never answered, nor is the persistent session's own.
+        frozen = [listener, *sshd_sessions(pve_env, "pve1")]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
         try:
             r = supervise(pve_env)
         finally:
-            os.kill(listener, signal.SIGCONT)
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "-> UNREACHABLE" in r.stdout and "not a crash, not restarted" in r.stdout, r.stdout
         back = supervise(pve_env)

@@ -32,12 +32,13 @@ def tok(tok_dir):
     return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
 
 
-def test_patterns_are_deterministic_per_global_batch():
+def test_patterns_are_deterministic_per_sample():
     d = tp.Data(1024, 64, seed=3)
-    a, ma = d.batch(7, 2)
-    b, _ = tp.Data(1024, 64, seed=3).batch(7, 2)
+    a, ma = d.rows(14, 2)
+    b, _ = tp.Data(1024, 64, seed=3).rows(14, 2)
     assert torch.equal(a, b) and a.shape == (2, 64) and ma.all()
-    assert not torch.equal(a, d.batch(8, 2)[0])
+    assert not torch.equal(a, d.rows(16, 2)[0])
+    assert not torch.equal(d.rows(1, 1)[0], d.rows(-1, 1)[0])  # held-out patterns are not training ones
     assert int(a.max()) < 1023  # never the MASK id
 
 
@@ -77,7 +78,7 @@ def test_rows_are_one_sample_each_never_packed(tok, tmp_path):
     corpus, _ = dd.load_corpus(str(DEMO), tok, 128, tmp_path)
     data = tp.Data(1024, 128, 0, corpus, pad_id=tok.pad_token_id, eval_samples=8)
     assert len(data.heldout_idx) == 8 and not set(data.heldout_idx) & set(data.train_idx)
-    ids, mask = data.batch(5, 4)
+    ids, mask = data.rows(20, 4)
     starts = {int(corpus.sample(int(i))[0][0]) for i in data.train_idx}
     for row, m in zip(ids, mask, strict=True):
         assert int(row[0]) in starts  # a row is a sample's beginning
@@ -86,8 +87,9 @@ def test_rows_are_one_sample_each_never_packed(tok, tmp_path):
         if pad.any():
             first_pad = int(pad.nonzero()[0])
             assert pad[first_pad:].all()
-    again, _ = tp.Data(1024, 128, 0, corpus, tok.pad_token_id, 8).batch(5, 4)
-    assert torch.equal(ids, again)  # the data position is the global batch index
+    again, _ = tp.Data(1024, 128, 0, corpus, tok.pad_token_id, 8).rows(20, 4)
+    assert torch.equal(ids, again)  # the data position is the sample index alone
+    assert torch.equal(torch.cat([data.rows(20, 1)[0], data.rows(21, 3)[0]]), ids)  # however it is split
     prompts = data.heldout_prompts(3)
     assert len(prompts) == 3 and all(p[-1] != tok.eos_token_id for p in prompts)
 

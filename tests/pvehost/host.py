@@ -49,6 +49,7 @@ HOST_PATH_TAIL = "/usr/sbin:/usr/bin:/sbin:/bin"
 PRIVATE_DIRS = ("root", "workspace", "etc", "tmp", "run", "opt", "srv", "var")
 ETC_FILES = ("passwd", "group", "shadow", "hosts", "nsswitch.conf", "ld.so.cache", "profile", "bash.bashrc",
              "debian_version", "login.defs")
+_BIND_OPTS = "none ro,bind,create=dir 0 0"  # set_host_network's mount entries (the config has no others like it)
 REQUIRED_TOOLS = ("lxc-start", "lxc-attach", "lxc-stop", "lxc-info", "lxc-wait", "ssh", "ssh-keygen", "tmux")
 
 
@@ -317,6 +318,32 @@ class PveHost:
     def stop(self, vmid: int) -> None:
         if self.running(vmid):
             _run(self._lxc("lxc-stop", vmid, "-k"), f"stopping CT {vmid}")
+
+    def set_host_network(self, vmid: int, on: bool, binds: Sequence[str | Path] = ()) -> None:
+        """Restart CT `vmid` in the host's network namespace (`lxc.net.0.type = none`, as ct_ssh_vmid has) or back
+        in an empty one of its own (loopback only), with read-only bind mounts of these host directories at the same
+        paths (a venv with torch, and the python it links to). Containers that share the host's namespace reach
+        each other on any 127.0.0.x, as nodes of a job do on a real network. What runs in the CT is lost."""
+        ctdir = self.lxcpath(self.node_of(vmid).name) / str(vmid)
+        lines = [line for line in (ctdir / "config").read_text().splitlines()
+                 if not line.startswith("lxc.net.0.type") and not line.endswith(_BIND_OPTS)]
+        lines.insert(4, f"lxc.net.0.type = {'none' if on else 'empty'}")
+        for d in binds:
+            d = str(Path(d).resolve())
+            lines.append(f"lxc.mount.entry = {d} {d.lstrip('/')} {_BIND_OPTS}")
+        conf = self.conf_path(vmid)
+        pve = [line for line in conf.read_text().splitlines()
+               if not line.startswith(("net0:", "lxc.net.0.type:"))]
+        if on:
+            pve.append("lxc.net.0.type: none")
+        else:
+            pve.append(f"net0: name=eth0,bridge=vmbr0,firewall=1,hwaddr=BC:24:11:{vmid >> 8 & 255:02X}:"
+                       f"{vmid & 255:02X}:00,ip=dhcp,type=veth")
+        self.stop(vmid)
+        (ctdir / "config").write_text("\n".join(lines) + "\n")
+        conf.write_text("\n".join(sorted(p for p in pve if not p.startswith("lxc."))
+                                   + [p for p in pve if p.startswith("lxc.")]) + "\n")
+        self.start(vmid)
 
     def set_gpus(
         self,

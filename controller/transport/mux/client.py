@@ -1,18 +1,25 @@
 """The client side of ctl's persistent host session: `MuxRelay` (a HostRelay over the session socket), and
-`sessions()` / `stop()` for `ctl mux status|stop`. The frames are the relay's plus H, D and Q (sock.py).
+`sessions()` / `stop()` for `ctl mux status|stop`. The frames are the relay's plus H, D, N, K and Q (sock.py).
 
-A command that finds no session starts one: daemon.py with a JSON spec of the connection as its argument and
-only the environment it needs; the daemon answers one JSON line on its stdout once it listens ({"ready"}),
-when another starter won the race ({"ready", "existing"}), when the host cannot run the relay
-({"unavailable": why}) or on failure ({"error", "hint", "type"}).
+A command that finds no session starts one, under the state directory's spawn lock for that session (so 64
+commands started at once start one process, and the others wait and reuse it): daemon.py with a JSON spec of
+the connection as its argument and only the environment it needs; the daemon answers one JSON line on its stdout
+once it listens ({"ready"}), when the host cannot run the relay ({"unavailable": why}) or on failure
+({"error", "hint", "type"}).
+
+A session found is checked before use: one of another ctl build or protocol, or holding a host key that
+known_hosts no longer lists (or revokes), is replaced (asked to stop, killed if it does not), and the user is
+told in one line (the `warn` callback).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -24,19 +31,23 @@ from typing import Any
 
 from controller import settings
 from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded
-from controller.transport.base import Duplex
 from controller.transport.mux.sock import (
     PROTOCOL,
+    build,
+    check_length,
     connect,
     end_from,
     error_from,
     mux_dir,
+    peer,
     private_dir,
     recv_frames,
     send_frame,
     session_key,
+    socket_dir,
+    still_trusted,
 )
-from controller.transport.relay import HostRelay
+from controller.transport.relay import HostRelay, _RelayDuplex
 from controller.transport.ssh import SshEndpoint
 
 ENV = settings.PERSIST
@@ -45,12 +56,13 @@ ENV = settings.PERSIST
 # paths and locale, the ssh agent, the user's identity and home (ssh_config, keys, a ProxyCommand), and
 # where the Python packages and the state directory are. Never the starter's secrets (API tokens...).
 _SESSION_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR", "SSH_AUTH_SOCK",
-                          "PYTHONPATH", "PYTHONHOME"})
+                          "PYTHONPATH", "PYTHONHOME", "XDG_RUNTIME_DIR"})
+REPLACE_GRACE = 30.0  # seconds the commands of a replaced (older) session get to finish
 
 
 def session_env(environ: Mapping[str, str], state: Path) -> dict[str, str]:
     """The session process's environment: what it needs out of `environ`, and the state directory the starter
-    resolved (so both agree on the socket's directory whatever the XDG variables say). The session runs
+    resolved (so both agree on the session's files whatever the XDG variables say). The session runs
     `sys.executable -m controller...`: the interpreter that runs this ctl finds the same package."""
     env = {k: v for k, v in environ.items() if k in _SESSION_ENV or k.startswith("LC_")}
     env[settings.STATE_DIR] = str(state)
@@ -85,39 +97,58 @@ class _SockChan:
         return -1
 
 
+def _alive(pid: int) -> bool:
+    """pid runs (a zombie, our child that exited, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 class MuxRelay(HostRelay):
     """HostRelay through the user's persistent session for the host (started here when there is none)."""
 
-    def __init__(self, host: SshEndpoint, idle: int, *, note: Callable[[str], None] | None = None) -> None:
+    def __init__(self, host: SshEndpoint, idle: int, *, note: Callable[[str], None] | None = None,
+                 warn: Callable[[str], None] | None = None) -> None:
         super().__init__(host, note=note)
         self.idle = idle
+        self.warn = warn
         self.hello: dict[str, Any] = {}
         self.started_session = False  # this command started the session process (a cold session)
+        self.replaced: list[str] = []  # why sessions found were replaced (what `warn` was told)
         self._path: Path | None = None
+        self._info: Path | None = None
 
     def what(self) -> str:
         """The session process by pid (from its hello, else from what it wrote beside its socket)."""
         pid = self.hello.get("pid")
-        if pid is None and self._path is not None:
+        if pid is None and self._info is not None:
             with contextlib.suppress(OSError, ValueError, AttributeError):
-                pid = json.loads(self._path.with_suffix(".json").read_text()).get("pid")
+                pid = json.loads(self._info.read_text()).get("pid")
         return (f"ctl's session process for {self.host.name} (pid {pid if pid is not None else '?'}; "
                 f"`ctl mux stop {self.host.name}` or kill it)")
 
+    # --- finding, checking and starting the session ------------------------------------------------------
+
     def _start(self) -> None:
-        d = private_dir(create=True)
-        path = d / f"{session_key(self.host)}.sock"
-        self._path = path
+        meta = private_dir(create=True)
+        key = session_key(self.host, meta.parent)
+        path = socket_dir(create=True) / f"{key}.sock"
+        check_length(path)
+        self._path, self._info = path, meta / f"{key}.json"
         why = "no hello"
-        for _attempt in range(2):  # a session that reached its idle timeout as we connected: start another
+        for _attempt in range(4):  # a session ending as we connected, or one replaced: connect again
             sock = connect(path)
             if sock is None:
-                if not self._spawn(d, path):
-                    return
-                sock = connect(path)
+                sock = self._spawn_once(meta, key, path)
                 if sock is None:
-                    raise ConnectionFailed(f"{self.host.name}: ctl's session process started but {path} does "
-                                           f"not answer (see {path.with_suffix('.log')})")
+                    return  # the host cannot run the relay: one exec per container
             chan = _SockChan(sock)
             try:
                 hello = self._read_hello(chan)
@@ -126,16 +157,21 @@ class MuxRelay(HostRelay):
             except DeadlineExceeded:
                 sock.close()  # the session process accepts (the kernel does) but does not answer: stopped, hung
                 raise
-            if hello is not None and hello.get("mux") == PROTOCOL:
+            if hello is None:
+                sock.close()
+                time.sleep(0.05)
+                continue
+            stale = self._stale(hello)
+            if stale is None:
                 break
-            sock.close()
-            time.sleep(0.05)
+            self._replace(sock, path, *stale)
         else:
             raise ConnectionFailed(f"{self.host.name}: ctl's session at {path} did not answer ({why})",
                                    hint=f"`ctl mux stop`, or remove {path}")
         self.hello = hello
         self._chan = chan
         self._state = "up"
+        self.python = str(hello.get("python"))
         self._reader = threading.Thread(target=self._read_loop, name=f"mux-{self.host.name}", daemon=True)
         self._reader.start()
         if self.note is not None:
@@ -143,21 +179,92 @@ class MuxRelay(HostRelay):
             self.note(f"{self.host.name}: {how} ctl's persistent session (pid {hello.get('pid')}, "
                       f"{self.idle}s idle timeout, relay python {hello.get('python')})")
 
-    def _spawn(self, d: Path, path: Path) -> bool:
+    def _stale(self, hello: dict[str, Any]) -> tuple[str, float] | None:
+        """Why the session that said `hello` must not be used, and the grace its commands get (None: use it)."""
+        if hello.get("mux") != PROTOCOL or hello.get("build") != build():
+            return (f"it runs another ctl (session protocol {hello.get('mux')}, build {hello.get('build', '?')}; "
+                    f"this ctl: {build()})"), REPLACE_GRACE
+        key = hello.get("hostkey")
+        if not isinstance(key, dict) or not all(isinstance(key.get(k), str) for k in ("label", "type", "key")):
+            return "it did not say which host key it verified", 0.0
+        why = still_trusted(self.host.known_hosts, key["label"], key["type"], key["key"])
+        if why is not None:  # nothing more goes over that connection
+            return f"the host key it holds ({key['type']} for {key['label']}) is no longer trusted: {why}", 0.0
+        return None
+
+    def _replace(self, sock: socket.socket, path: Path, why: str, grace: float) -> None:
+        """Stop the session at the other end of sock (its commands get `grace` seconds), wait until its socket
+        is gone (SIGTERM, then SIGKILL, when it does not go), and tell the user."""
+        pid, uid = peer(sock)
+        line = f"{self.host.name}: replaced ctl's session process (pid {pid}): {why}"
+        self.replaced.append(line)
+        if self.warn is not None:
+            self.warn(line)
+        with contextlib.suppress(OSError):
+            send_frame(sock, b"Q", 0, json.dumps({"grace": grace}).encode())
+        sock.close()
+        ident = _ident(path)
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None and uid == os.getuid() and _alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if ident is None or _ident(path) != ident or (sig == signal.SIGKILL and not _alive(pid)):
+                    return
+                time.sleep(0.02)
+        # killed, its socket left behind: the next start finds it stale (nothing listens) and removes it
+
+    def _spawn_once(self, meta: Path, key: str, path: Path) -> socket.socket | None:
+        """Under the spawn lock: the session another command started meanwhile, else a new one (None when the
+        host cannot run the relay)."""
+        wait = self.host.connect_timeout + self.hello_timeout + 10
+        old = os.umask(0o077)
+        try:
+            lock = open(meta / f"{key}.spawn", "a+")  # noqa: SIM115 - closed below
+        finally:
+            os.umask(old)
+        try:
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise DeadlineExceeded(f"{self.host.name}: another ctl command has been starting the session "
+                                               f"for {wait:g}s (see {meta / (key + '.log')})") from None
+                    time.sleep(0.02)
+            sock = connect(path)
+            if sock is not None:
+                return sock
+            if not self._spawn(meta, key, path):
+                return None
+            sock = connect(path)
+            if sock is None:
+                raise ConnectionFailed(f"{self.host.name}: ctl's session process started but {path} does "
+                                       f"not answer (see {meta / (key + '.log')})")
+            return sock
+        finally:
+            lock.close()
+
+    def _spawn(self, meta: Path, key: str, path: Path) -> bool:
         """Start the session process; True once it listens, False when the host cannot run the relay."""
         ep = self.host
+        log = meta / f"{key}.log"
         spec = {"name": ep.name, "address": ep.address, "port": ep.port, "user": ep.user,
                 "identity_file": ep.identity_file, "known_hosts": ep.known_hosts,
                 "connect_timeout": ep.connect_timeout, "idle": self.idle, "socket": str(path),
+                "info": str(meta / f"{key}.json"),
                 "keepalive_interval": ep.keepalive_interval, "keepalive_count": ep.keepalive_count,
                 "request_timeout": ep.request_timeout}
         old = os.umask(0o077)
         try:
-            with open(path.with_suffix(".log"), "ab") as log:
+            with open(log, "ab") as logf:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "controller.transport.mux.daemon", json.dumps(spec)],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, cwd="/",
-                    env=session_env(os.environ, d.parent), start_new_session=True, close_fds=True)
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf, cwd="/",
+                    env=session_env(os.environ, meta.parent), start_new_session=True, close_fds=True)
         finally:
             os.umask(old)
         assert proc.stdout is not None
@@ -168,7 +275,7 @@ class MuxRelay(HostRelay):
         proc.stdout.close()
         if not ready:
             raise DeadlineExceeded(f"{ep.name}: ctl's session process (pid {proc.pid}) did not say it listens "
-                                   f"in {wait:g}s (see {path.with_suffix('.log')})")
+                                   f"in {wait:g}s (see {log})")
         try:
             doc = json.loads(line) if line.strip() else {}
         except json.JSONDecodeError:
@@ -186,7 +293,9 @@ class MuxRelay(HostRelay):
         if "error" in doc:
             raise error_from(doc)
         raise ConnectionFailed(f"{ep.name}: ctl's session process exited {proc.returncode} before it listened "
-                               f"(see {path.with_suffix('.log')})")
+                               f"(see {log})")
+
+    # --- frames and streams -----------------------------------------------------------------------------
 
     def _dispatch(self, kind: bytes, sid: int, payload: bytes) -> None:
         if sid == 0 and kind == b"D":
@@ -200,28 +309,44 @@ class MuxRelay(HostRelay):
                                     "the next ctl command starts a new one)")
         super()._fail(end)
 
-    def open(self, argv: Sequence[str]) -> Duplex:
-        """Like HostRelay.open; after the session ended, connect to a new one first, as a direct SshEndpoint
-        opens a new connection for the next exec after a drop (streams of the old one keep their error)."""
+    def _reconnect_if_ended(self) -> None:
         with self._lock:
             with self._cond:
                 ended = self._dead is not None
                 if ended:
                     self._streams = {}
-            if ended:
-                old, self._chan = self._chan, None
-                if old is not None:
-                    with contextlib.suppress(OSError):
-                        old.close()
-                if self._reader is not None:
-                    self._reader.join(timeout=5)
-                with self._cond:
-                    self._dead = None
-                self._state = "new"
-                self.started_session = False
-                self._start()
-                if self._state != "up":
-                    raise ConnectionFailed(f"{self.host.name}: ctl's session ended and no new one could start")
+            if not ended:
+                return
+            old, self._chan = self._chan, None
+            if old is not None:
+                with contextlib.suppress(OSError):
+                    old.close()
+            if self._reader is not None:
+                self._reader.join(timeout=5)
+            with self._cond:
+                self._dead = None
+            self._state = "new"
+            self.started_session = False
+            self._start()
+            if self._state != "up":
+                raise ConnectionFailed(f"{self.host.name}: ctl's session ended and no new one could start")
+
+    def open(self, argv: Sequence[str]) -> _RelayDuplex:
+        """Like HostRelay.open; after the session ended, connect to a new one first, as a direct SshEndpoint
+        opens a new connection for the next exec after a drop (streams of the old one keep their error). A
+        session that ends before this request reached it (its socket refused the start) is replaced and the
+        request sent once more: nothing of it ran."""
+        self._reconnect_if_ended()
+        try:
+            return super().open(argv)
+        except ConnectionFailed as e:
+            with self._cond:
+                gone = self._dead is not None
+            if not gone:
+                raise
+            if self.note is not None:
+                self.note(f"{self.host.name}: {e.message}; the request did not reach it: sending it again")
+        self._reconnect_if_ended()
         return super().open(argv)
 
     def close(self) -> None:
@@ -229,7 +354,7 @@ class MuxRelay(HostRelay):
         if chan is None:
             return
         with self._cond:
-            live = bool(self._streams)
+            live = any(not st.abandoned and st.code is None and st.dead is None for st in self._streams.values())
         if live:  # like a direct exec: end our input and let the children finish
             super().close()
             return
@@ -237,9 +362,18 @@ class MuxRelay(HostRelay):
         self._chan = None
 
 
-def sessions() -> list[dict[str, Any]]:
-    """The user's sessions (for `ctl mux status`): the info each wrote, and whether it answers."""
-    d = mux_dir()
+def _ident(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def sessions(state: Path | None = None) -> list[dict[str, Any]]:
+    """The sessions of the state directory (CTL_STATE_DIR's unless given; for `ctl mux status`): the info each
+    wrote, and whether it answers."""
+    d = mux_dir() if state is None else state / "mux"
     if not d.is_dir():
         return []
     out = []
@@ -248,32 +382,39 @@ def sessions() -> list[dict[str, Any]]:
             doc = json.loads(info.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        sock = connect(info.with_suffix(".sock"))
+        if not isinstance(doc, dict) or not isinstance(doc.get("socket"), str):
+            continue
+        try:
+            sock = connect(Path(doc["socket"]))
+        except ConnectionFailed:
+            sock = None
         doc["live"] = sock is not None
         if sock is not None:
             sock.close()
-        doc["socket"] = str(info.with_suffix(".sock"))
         out.append(doc)
     return out
 
 
-def stop(host: str | None = None, timeout: float = 10.0) -> list[dict[str, Any]]:
-    """Ask every live session (or those of `host`) to stop; wait until they are gone. Returns them."""
+def stop(host: str | None = None, timeout: float = 10.0, grace: float = 0.0,
+         state: Path | None = None) -> list[dict[str, Any]]:
+    """Ask every live session of the state directory (or those of `host`) to stop, giving the commands still
+    using it `grace` seconds; wait until each process is gone (up to grace + timeout). Returns them."""
     stopped = []
-    for doc in sessions():
+    for doc in sessions(state):
         if not doc["live"] or (host is not None and doc.get("host") != host):
             continue
         sock = connect(Path(doc["socket"]))
         if sock is None:
             continue
+        pid = peer(sock)[0]
         with contextlib.suppress(OSError):
-            send_frame(sock, b"Q", 0)
+            send_frame(sock, b"Q", 0, json.dumps({"grace": grace}).encode())
             sock.settimeout(timeout)
             for _ in recv_frames(sock):  # until the session closes us
                 pass
         sock.close()
-        deadline = time.monotonic() + timeout
-        while Path(doc["socket"]).exists() and time.monotonic() < deadline:
+        deadline = time.monotonic() + grace + timeout
+        while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
         stopped.append(doc)
     return stopped

@@ -1,23 +1,30 @@
-"""ctl's persistent session process for one host: `python -m controller.transport.mux.daemon SPEC_JSON`.
+"""ctl's persistent session process for one host and user: `python -m controller.transport.mux.daemon SPEC`.
 
-Started by client.py, never by hand. It holds the SSH connection and one exec of the host relay, listens
-on the socket (sock.py: place, permissions, frames) and maps each client's stream ids onto the relay's.
-It answers one JSON line on stdout (client.py says which), then writes nothing there; its stderr is
-`<key>.log`, where it says why it ended ("ending: idle for 60s").
+Started by a command's MuxRelay (client.py) when it finds no session; it connects to the host (host keys
+verified as always), starts ctl's host relay over one exec, listens on its Unix socket, says so on stdout
+(one JSON line), and serves every later command of the user: each client's streams are renumbered onto the one
+relay channel, and the relay's frames routed back to the client that owns them.
 
-It ends (each client still connected gets a D frame saying how, then its socket closes):
-  SessionEnded       idle for SECONDS with no client and no stream; or a Q frame (`ctl mux stop`)
-  ConnectionDropped  its SSH connection went away
-  RelayExited        the host relay exited by itself
-A client that leaves closes the stdin of its streams, as the end of an SSH exec would.
+It ends:
+- idle: no client connected and no stream of a live client for `idle` seconds. It first removes its socket, so
+  no new client can reach it, then serves the clients already queued on it (they connected as it decided),
+  and exits once they are done: a command that found the session is never cut by its idle timeout;
+- stopped (`ctl mux stop`, a newer ctl replacing it, SIGTERM): the same, except that clients still running
+  after the grace period get a D frame (SessionEnded) and their streams end;
+- at once when its SSH connection or relay drops (D frame: ConnectionDropped / RelayExited).
+Why it ended goes to its stderr (`<state>/mux/<key>.log`).
+
+A client that goes away (its process died: a send to it fails) abandons its streams (K): the relay closes
+their pipes, as the end of an SSH channel would. A client that only ended its input (shutdown) gets C for
+each of its streams and the rest of their output.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -28,17 +35,19 @@ from typing import Any
 from controller.errors import ConnectionFailed, CtlError, SessionEnded
 from controller.transport.mux.sock import (
     PROTOCOL,
-    address,
+    build,
     connect,
     end_payload,
     error_doc,
     peer_uid,
-    private_dir,
+    private,
     recv_frames,
     send_frame,
 )
 from controller.transport.relay import MAX_SID, HostRelay
 from controller.transport.ssh import SshEndpoint
+
+STOP_GRACE = 10.0  # seconds clients still running get after SIGTERM
 
 
 class _Client:
@@ -46,16 +55,19 @@ class _Client:
         self.sock = sock
         self.lock = threading.Lock()
         self.streams: dict[int, int] = {}  # client's stream id -> relay stream id
-        self.gone = False
+        self.eof = False  # it ended its input (or its connection)
+        self.gone = False  # a send to it failed: its process is gone; its streams are abandoned
 
-    def send(self, kind: bytes, sid: int, data: bytes = b"") -> None:
+    def send(self, kind: bytes, sid: int, data: bytes = b"") -> bool:
         with self.lock:
-            if self.gone and kind != b"D":
-                return
+            if self.gone:
+                return False
             try:
                 send_frame(self.sock, kind, sid, data)
             except OSError:
                 self.gone = True
+                return False
+            return True
 
 
 class _Mux(HostRelay):
@@ -68,8 +80,9 @@ class _Mux(HostRelay):
         self.owner: dict[int, tuple[_Client, int]] = {}  # relay stream id -> (client, its stream id)
         self.clients: set[_Client] = set()
         self.last_busy = time.monotonic()
-        self.ended = threading.Event()
+        self.ended = threading.Event()  # the relay or the SSH connection is gone: end now
         self.end_reason: ConnectionFailed | None = None
+        self.stop_asked: tuple[str, float] | None = None  # (why, deadline): take no client, end when done
         self.next_gsid = 1
 
     def _dispatch(self, kind: bytes, sid: int, payload: bytes) -> None:
@@ -82,11 +95,20 @@ class _Mux(HostRelay):
                 del self.owner[sid]
                 client.streams.pop(csid, None)
                 self.last_busy = time.monotonic()
-            close_now = client.gone and not client.streams
-        client.send(kind, csid, payload)
+            close_now = client.eof and not client.streams
+        if not client.send(kind, csid, payload):
+            self._abandon(client)
         if close_now:
             with contextlib.suppress(OSError):
                 client.sock.close()
+
+    def _abandon(self, client: _Client) -> None:
+        """The client's process is gone: its children see their pipes close (K), as when an SSH channel ends."""
+        with self.map_lock:
+            live = list(client.streams.values())
+        for gsid in live:
+            with contextlib.suppress(CtlError):
+                self._send(b"K", gsid)
 
     def _fail(self, end: ConnectionFailed) -> None:
         super()._fail(end)
@@ -104,26 +126,35 @@ class _Mux(HostRelay):
                     return gsid
         raise ConnectionFailed("no free relay stream id")
 
-    def serve_client(self, sock: socket.socket) -> None:
+    def admit(self, sock: socket.socket) -> None:
+        """A new client, counted as busy from this moment (before its thread runs)."""
         client = _Client(sock)
         with self.map_lock:
             self.clients.add(client)
             self.last_busy = time.monotonic()
+        threading.Thread(target=self.serve_client, args=(client,), daemon=True).start()
+
+    def serve_client(self, client: _Client) -> None:
+        sock = client.sock
         try:
-            client.send(b"H", 0, json.dumps({"mux": PROTOCOL, "pid": os.getpid(), "host": self.host.name,
-                                             "python": self.python or "?",
-                                             "connects": self.host.connects}).encode())
+            client.send(b"H", 0, json.dumps({"mux": PROTOCOL, "build": build(), "pid": os.getpid(),
+                                             "host": self.host.name, "python": self.python or "?",
+                                             "connects": self.host.connects, "idle": self.idle,
+                                             "hostkey": self.host.server_key}).encode())
             for kind, csid, data in recv_frames(sock):
                 if kind == b"Q":
-                    self.end_reason = SessionEnded("stopped by `ctl mux stop`")
-                    self.ended.set()
+                    try:
+                        grace = float(json.loads(data or b"{}").get("grace", STOP_GRACE))
+                    except (ValueError, AttributeError):
+                        grace = STOP_GRACE
+                    self.ask_stop("stopped by `ctl mux stop`", grace)
                     break
                 if kind == b"S":
                     if csid in client.streams:
                         client.send(b"E", csid, b"ctl mux: stream id reused\n")
                         continue
                     self._send(b"S", self._alloc(client, csid), data)
-                elif kind in (b"I", b"C"):
+                elif kind in (b"I", b"C", b"K"):
                     gsid = client.streams.get(csid)
                     if gsid is not None:
                         self._send(kind, gsid, data)
@@ -131,28 +162,45 @@ class _Mux(HostRelay):
             pass  # the relay channel is gone: _fail has set `ended`
         finally:
             with self.map_lock:
-                client.gone = True
+                client.eof = True
                 live = list(client.streams.values())
                 self.clients.discard(client)
                 self.last_busy = time.monotonic()
-            for gsid in live:  # the client left: its children see the end of their stdin, as over SSH
-                with contextlib.suppress(CtlError):
-                    self._send(b"C", gsid)
+            # Ended its input only (a command closing while its streams finish), or gone? A frame it ignores
+            # (N) tells: the kernel refuses it when the peer closed its socket.
+            if live and not client.send(b"N", 0):
+                self._abandon(client)
+            else:
+                for gsid in live:  # its children see the end of their stdin, as over SSH
+                    with contextlib.suppress(CtlError):
+                        self._send(b"C", gsid)
             if not live:
                 with contextlib.suppress(OSError):
                     sock.close()
 
-    def idle_for(self) -> float:
+    def ask_stop(self, why: str, grace: float) -> None:
+        """Take no new client; end once the clients are done, or `grace` seconds from now (the earliest asked)."""
+        deadline = time.monotonic() + max(0.0, grace)
         with self.map_lock:
-            if self.clients or self.owner:
-                return 0.0
+            if self.stop_asked is None or deadline < self.stop_asked[1]:
+                self.stop_asked = (self.stop_asked[0] if self.stop_asked else why, deadline)
+
+    def busy(self) -> bool:
+        """A client is connected, or a stream of a client that is still there runs."""
+        with self.map_lock:
+            return bool(self.clients) or any(not c.gone for c, _ in self.owner.values())
+
+    def idle_for(self) -> float:
+        if self.busy():
+            return 0.0
+        with self.map_lock:
             return time.monotonic() - self.last_busy
 
     def end(self) -> None:
         end = self.end_reason or SessionEnded("idle")
         with self.map_lock:
-            clients = list(self.clients)
-        for c in clients:
+            clients = list(self.clients) + [c for c, _ in self.owner.values()]
+        for c in set(clients):
             c.send(b"D", 0, end_payload(end))
             with contextlib.suppress(OSError):
                 c.sock.close()
@@ -166,21 +214,33 @@ def _say(doc: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _unlink_if(path: Path, ident: tuple[int, int]) -> None:
+    """Remove path only while it is still the file we made (a newer session may have bound the same name)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (st.st_dev, st.st_ino) == ident:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def serve(spec: dict[str, Any]) -> int:
     path = Path(spec["socket"])
-    d = private_dir(create=False)
-    if path.parent != d:
-        _say({"error": f"socket {path} is not in {d}", "type": "ConnectionFailed"})
+    info = Path(spec["info"])
+    try:
+        private(path.parent, create=False, what="ctl's socket directory")
+        private(info.parent, create=False, what="ctl's session directory")
+        existing = connect(path)
+    except CtlError as e:
+        _say(error_doc(e))
         return 1
-    lock = open(path.with_suffix(".lock"), "a+")  # noqa: SIM115 - held for the process's life
-    fcntl.flock(lock, fcntl.LOCK_EX)  # one session per key: a racing starter waits here, then reuses ours
-    existing = connect(path)
-    if existing is not None:
+    if existing is not None:  # started by hand next to a live one: keep that one
         existing.close()
         _say({"ready": True, "existing": True})
         return 0
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)  # stale: its process is gone (we hold the lock it held)
+        os.unlink(path)  # stale: nothing listens there (the starter holds the spawn lock)
     ep = SshEndpoint(spec["name"], spec["address"], port=spec["port"], user=spec["user"],
                      identity_file=spec["identity_file"], known_hosts=spec["known_hosts"],
                      connect_timeout=spec["connect_timeout"],
@@ -196,47 +256,73 @@ def serve(spec: dict[str, Any]) -> int:
         _say({"unavailable": mux.why_unavailable or "ctl's relay did not start"})
         return 1
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    fds: list[int] = []
     old = os.umask(0o177)
     try:
-        srv.bind(address(path, fds))
+        srv.bind(str(path))
     finally:
         os.umask(old)
-        for fd in fds:
-            os.close(fd)
     os.chmod(path, 0o600)
-    srv.listen(64)
+    st = os.lstat(path)
+    ident = (st.st_dev, st.st_ino)
+    srv.listen(128)
     srv.settimeout(0.2)
-    info = path.with_suffix(".json")
-    info.write_text(json.dumps({"host": ep.name, "address": ep.address, "port": ep.port, "user": ep.user,
-                                "pid": os.getpid(), "idle": mux.idle, "started": time.time()}))
+    part = info.with_name(f".{info.name}.{os.getpid()}")
+    part.write_text(json.dumps({"host": ep.name, "address": ep.address, "port": ep.port, "user": ep.user,
+                                "pid": os.getpid(), "idle": mux.idle, "started": time.time(), "socket": str(path),
+                                "build": build()}))
+    part.replace(info)
     mux.last_busy = time.monotonic()
+    signal.signal(signal.SIGTERM, lambda *_: mux.ask_stop("got SIGTERM", STOP_GRACE))
     _say({"ready": True})
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.close(devnull)
+
+    def admit(conn: socket.socket) -> None:
+        if peer_uid(conn) != os.getuid():
+            conn.close()
+            return
+        conn.settimeout(None)
+        mux.admit(conn)
+
+    why = "idle"
     try:
         while not mux.ended.is_set():
-            if mux.idle_for() >= mux.idle:
-                mux.end_reason = SessionEnded(f"idle for {mux.idle}s")
-                break
-            try:
-                conn, _ = srv.accept()
-            except TimeoutError:
+            asked = mux.stop_asked
+            if asked is None and mux.idle_for() < mux.idle:
+                try:
+                    conn, _ = srv.accept()
+                except TimeoutError:
+                    continue
+                admit(conn)
                 continue
-            if peer_uid(conn) != os.getuid():
-                conn.close()
-                continue
-            conn.settimeout(None)
-            threading.Thread(target=mux.serve_client, args=(conn,), daemon=True).start()
+            # Ending: first no new client can find us, then the ones already queued are served.
+            _unlink_if(path, ident)
+            srv.setblocking(False)
+            while True:
+                try:
+                    conn, _ = srv.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                admit(conn)
+            srv.close()
+            why = f"idle for {mux.idle}s" if asked is None else asked[0]
+            while not mux.ended.is_set() and mux.busy():
+                asked = mux.stop_asked  # a stop may come while the queued clients of an idle end run
+                if asked is not None and time.monotonic() >= asked[1]:
+                    why = f"{asked[0]}; ended the commands still using it"
+                    break
+                time.sleep(0.05)
+            break
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(info)
+        _unlink_if(path, ident)
         srv.close()
-        why = mux.end_reason.message if mux.end_reason is not None else "idle"
-        sys.stderr.write(f"ctl mux {ep.name} (pid {os.getpid()}): ending: {why}\n")
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(info.read_text()).get("pid") == os.getpid():
+                info.unlink()
+        if mux.end_reason is None:
+            mux.end_reason = SessionEnded(why)
+        sys.stderr.write(f"ctl mux {ep.name} (pid {os.getpid()}): ending: {mux.end_reason.message}\n")
         mux.end()
     return 0
 

@@ -1,0 +1,282 @@
+"""One run across two containers on two Proxmox nodes (CT 200 on pve1, CT 300 on pve2), end to end: the shipped
+start_training.sh template rendered per node, torchrun's real c10d rendezvous and a real gloo all-reduce
+(tests/fakepayload/allreduce.py, with the torch of the venv running these tests), through `ctl`.
+
+CT 200 and CT 300 share the host's network namespace for this module (`PveHost.set_host_network`), so node 0's
+rendezvous address 127.0.0.12 is reachable from CT 300 as a real network would make it; CT 201 keeps its own
+namespace, so a job whose rendezvous is there cannot be reached from CT 300: a firewall, as far as ctl can tell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.errors import ExitCode
+from tests.pvehost import PveHost
+
+pytestmark = pytest.mark.pvehost
+
+REPO = Path(__file__).resolve().parents[2]
+ADDRESS = {200: "127.0.0.12", 201: "127.0.0.11", 300: "127.0.0.13"}
+
+
+@pytest.fixture(scope="module")
+def shared_net(pvehost: PveHost) -> Iterator[PveHost]:
+    """CT 200 and CT 300 in the host's network namespace, the venv with torch bound read-only into them."""
+    if subprocess.run([sys.executable, "-c", "import torch.distributed"], capture_output=True).returncode != 0:
+        pytest.skip(f"{sys.executable} has no torch (the multi-node tests run torchrun in the containers)")
+    binds = sorted({sys.prefix, sys.base_prefix} - {"/usr"})
+    for vmid in (200, 300):
+        pvehost.set_host_network(vmid, True, binds)
+    try:
+        yield pvehost
+    finally:
+        for vmid in (200, 300):
+            pvehost.set_host_network(vmid, False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Job:
+    dir: Path
+    host: PveHost
+    tag: str
+    port: int
+    env: dict[str, str]
+
+    def ctl(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "controller", "-i", str(self.dir / "inventory.yaml"), *args],
+                              capture_output=True, text=True, timeout=timeout, env=self.env)
+
+    def ok(self, *args: str) -> str:
+        r = self.ctl(*args)
+        assert r.returncode == 0, f"ctl {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
+        return r.stdout
+
+    def write(self, nodes: tuple[int, ...] = (200, 300), **train_args: Any) -> None:
+        cts = {f"ct{v}": {"address": ADDRESS[v], "gpus": {}, "nccl": {"socket_ifname": "lo"}} for v in ADDRESS}
+        self.host.write_inventory(
+            self.dir / "inventory.yaml", containers=cts,
+            jobs={"pair": {"nodes": [f"ct{v}" for v in nodes], "rdzv_port": self.port, "nproc_per_node": 1,
+                           "preflight_timeout": 3}},
+            payload=[{"src": "allreduce.py", "dest": f"/root/{self.tag}/train_dflash_pipeline.py"},
+                     {"template": "templates/start_training.sh.j2", "dest": f"/root/{self.tag}/start_training.sh",
+                      "mode": "0755"}],
+            vars={"python": sys.executable, "train_args": {"steps": 0, "interval": 0.2, **train_args}},
+            runs={"series": "mn", "session": self.tag, "log": f"/workspace/{self.tag}/train_{{run}}.log",
+                  "dir": f"/workspace/{self.tag}/runs/{{run}}"})
+
+    def log(self, vmid: int, run: str, suffix: str = "") -> Path:
+        return self.host.rootfs(vmid) / "workspace" / self.tag / f"train_{run}.log{suffix}"
+
+    def steps(self, vmid: int, run: str) -> dict[int, tuple[float, int, int]]:
+        """step -> (all-reduce result, world size, global rank) as the node's log has them."""
+        out = {}
+        text = self.log(vmid, run).read_text(errors="replace") if self.log(vmid, run).exists() else ""
+        for m in re.finditer(r"step=(\d+) .* allreduce=([\d.]+) rank=(\d+) world=(\d+)", text):
+            out[int(m.group(1))] = (float(m.group(2)), int(m.group(4)), int(m.group(3)))
+        return out
+
+    def trainers(self, vmid: int) -> list[str]:
+        """This test's training processes in the container (torchrun and its workers)."""
+        node = self.host.node_of(vmid).name
+        ps = subprocess.run(["lxc-attach", "-P", str(self.host.lxcpath(node)), "-n", str(vmid), "--", "ps", "-eo",
+                             "pid,args"], capture_output=True, text=True, timeout=30).stdout
+        return [line for line in ps.splitlines() if f"/root/{self.tag}/" in line and "python" in line]
+
+    def attach(self, vmid: int, *argv: str) -> subprocess.CompletedProcess[str]:
+        node = self.host.node_of(vmid).name
+        return subprocess.run(["lxc-attach", "-P", str(self.host.lxcpath(node)), "-n", str(vmid), "--", *argv],
+                              capture_output=True, text=True, timeout=30)
+
+
+def wait_for(what: str, cond: Callable[[], Any], timeout: float = 120, every: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+@pytest.fixture
+def job(shared_net: PveHost, tmp_path: Path) -> Iterator[Job]:
+    tag = "mn" + uuid.uuid4().hex[:6]
+    shutil.copy(REPO / "tests" / "fakepayload" / "allreduce.py", tmp_path / "allreduce.py")
+    (tmp_path / "templates").mkdir()
+    shutil.copy(REPO / "templates" / "start_training.sh.j2", tmp_path / "templates" / "start_training.sh.j2")
+    env = dict(os.environ, CTL_STATE_DIR=str(tmp_path / "state"), PYTHONPATH=str(REPO))
+    j = Job(tmp_path, shared_net, tag, free_port(), env)
+    j.write()
+    yield j
+    for vmid in (200, 201, 300):  # nothing of this test may outlive it: its trainers, by pid
+        pids = [line.split()[0] for line in j.trainers(vmid)]
+        if pids:
+            j.attach(vmid, "kill", "-9", *pids)
+
+
+def both_training(job: Job, run: str, steps: int = 3) -> None:
+    wait_for(f"both nodes of {run} at step {steps}", lambda: all(
+        max(job.steps(v, run), default=0) >= steps for v in (200, 300)), timeout=150)
+
+
+def test_two_nodes_train_agree_tail_and_stop(job: Job) -> None:
+    job.ok("deploy", "pair", "--allow-dirty")
+    out = job.ok("launch", "pair", "--run", "two1")
+    assert f"ct300      rendezvous ok     reaches 127.0.0.12:{job.port}" in out
+    assert "ct200      rendezvous ok     listens on port" in out
+    assert "launched two1 on 2 node(s) of pair (ct200, ct300)" in out
+    both_training(job, "two1")
+    a, b = job.steps(200, "two1"), job.steps(300, "two1")
+    for step in set(a) & set(b):  # every rank sums 1 + 2 = 3 on every node, every step
+        assert a[step][:2] == b[step][:2] == (3.0, 2)
+    assert {a[1][2], b[1][2]} == {0, 1}  # one global rank on each node
+
+    merged = job.ok("tail", "two1", "-n", "30").splitlines()
+    assert {line.split("]")[0] + "]" for line in merged} == {"[ct200]", "[ct300]"}
+    for node in ("ct200", "ct300"):  # each node's own lines keep their order in the merge
+        steps = [int(m.group(1)) for line in merged if line.startswith(f"[{node}]")
+                 and (m := re.search(r"step=(\d+)", line))]
+        assert steps == sorted(steps) and steps
+    only = job.ok("tail", "pair", "--node", "1", "-n", "5").splitlines()
+    assert only and all(line.startswith("[ct300]") for line in only)
+
+    runs = json.loads(job.ok("--json", "runs"))
+    assert [(r["ct"], r["name"], r["nodes"], r["state"]) for r in runs] == [("pair", "two1", 2, "running")]
+    r = job.ctl("--json", "status", "pair")
+    assert r.returncode == 0, r.stderr
+    (st,) = json.loads(r.stdout)
+    assert st["run"] == "two1" and [n["ct"] for n in st["nodes"]] == ["ct200", "ct300"]
+    assert st["reason"].startswith("2 nodes: ")
+
+    out = job.ok("stop", "two1", "--grace", "10")
+    assert "pair/two1: stopped" in out
+    wait_for("no trainer left", lambda: not job.trainers(200) and not job.trainers(300), timeout=20)
+    shown = json.loads(job.ok("--json", "show", "two1"))
+    assert shown["state"] == "stopped" and [m["state"] for m in shown["members"]] == ["stopped", "stopped"]
+
+
+def test_a_node_killed_crashes_the_run_and_nothing_is_left(job: Job) -> None:
+    job.ok("deploy", "pair", "--allow-dirty")
+    job.ok("launch", "pair", "--run", "kill1")
+    both_training(job, "kill1", steps=2)
+    # `ctl tail -f` is what notices here (status and supervise settle a run the same way: see the supervise test)
+    follow = subprocess.Popen([sys.executable, "-m", "controller", "-i", str(job.dir / "inventory.yaml"), "tail",
+                               "kill1", "-f", "-n", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=job.env)
+    try:
+        wait_for("the follow to print both nodes' lines", lambda: max(job.steps(200, "kill1")) >= 4, timeout=60)
+        time.sleep(1)
+        pid = int(job.log(300, "kill1", ".pid").read_text())
+        assert job.attach(300, "kill", "-9", str(pid)).returncode == 0
+        t0 = time.monotonic()
+        out, err = follow.communicate(timeout=15)
+    finally:
+        follow.kill()
+    assert follow.returncode == int(ExitCode.RUN_FAILED), err
+    assert "[ct200] [0m] step=" in out and "[ct300] [0m] step=" in out
+    assert "run kill1: crashed: ct300: exit 137 (SIGKILL)" in out
+    wait_for("no trainer on either node", lambda: not job.trainers(200) and not job.trainers(300),
+             timeout=max(0.1, 15 - (time.monotonic() - t0)), every=0.2)
+    assert time.monotonic() - t0 <= 15
+    r = job.ctl("--json", "status", "pair")
+    (st,) = json.loads(r.stdout)
+    assert r.returncode == int(ExitCode.RUN_FAILED) and st["verdict"] == "crashed"
+    assert "ct300: exit 137 (SIGKILL)" in st["reason"]
+    (run,) = json.loads(job.ok("--json", "runs"))
+    assert run["state"] == "crashed" and run["crash"] == "ct300: exit 137 (SIGKILL)" and run["exit_status"] == 137
+    shown = json.loads(job.ok("--json", "show", "kill1"))
+    assert [(m["ct"], m["state"]) for m in shown["members"]] == [("ct200", "stopped"), ("ct300", "failed")]
+    assert "stopped by ctl: ct300: exit 137 (SIGKILL)" in shown["members"][0]["note"]
+
+
+def test_an_unreachable_rendezvous_is_refused_before_anything_starts(job: Job) -> None:
+    job.write(nodes=(201, 300))  # the rendezvous on CT 201, in a network namespace CT 300 cannot reach
+    job.ok("deploy", "pair", "--allow-dirty")
+    r = job.ctl("launch", "pair", "--run", "far1")
+    assert r.returncode == int(ExitCode.CONNECTION), r.stderr
+    assert f"ct300 cannot reach the rendezvous endpoint 127.0.0.11:{job.port}" in r.stderr
+    assert "nothing was started" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert json.loads(job.ok("--json", "runs")) == []
+    for vmid in (201, 300):
+        assert not job.log(vmid, "far1").exists() and not job.log(vmid, "far1", ".ctl.json").exists()
+        assert not job.trainers(vmid)
+
+
+def test_a_busy_node_is_refused_and_nothing_is_claimed_anywhere(job: Job) -> None:
+    job.ok("deploy", "pair", "--allow-dirty")
+    assert job.attach(300, "tmux", "new-session", "-d", "-s", f"{job.tag}-busy1", "sleep", "600").returncode == 0
+    r = job.ctl("launch", "pair", "--run", "busy1")
+    assert r.returncode == int(ExitCode.BUSY), r.stderr
+    assert f"pair: ct300: tmux session '{job.tag}-busy1' already exists" in r.stderr
+    assert "nothing was started or claimed" in r.stderr
+    assert json.loads(job.ok("--json", "runs")) == []
+    for vmid in (200, 300):
+        assert not job.log(vmid, "busy1").exists() and not job.log(vmid, "busy1", ".ctl.json").exists()
+    job.attach(300, "tmux", "kill-session", "-t", f"={job.tag}-busy1")
+
+
+def test_a_node_that_fails_to_start_gets_the_others_stopped(job: Job) -> None:
+    job.ok("deploy", "pair", "--allow-dirty")
+    record = job.log(300, "half1", ".ctl.json")  # a record of that name on CT 300: its start is refused
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("{}")
+    r = job.ctl("launch", "pair", "--run", "half1")
+    assert r.returncode == int(ExitCode.CLOBBER), r.stderr
+    assert "pair: " in r.stderr and "half1.log.ctl.json already exists" in r.stderr
+    assert "stopped the node(s) that had started (ct200)" in r.stderr
+    wait_for("no trainer on ct200", lambda: not job.trainers(200), timeout=20)
+    (run,) = json.loads(job.ok("--json", "runs"))
+    assert run["state"] == "failed" and "ct300 did not start" in run["note"]
+
+
+def test_supervise_restarts_the_whole_run_from_the_newest_checkpoint_on_every_node(job: Job) -> None:
+    job.write(**{"ckpt-every": 3})
+    job.ok("deploy", "pair", "--allow-dirty")
+    job.ok("launch", "pair", "--run", "sup1")
+
+    def ckpt(vmid: int, run: str = "sup1") -> list[int]:
+        d = job.host.rootfs(vmid) / "workspace" / job.tag / "runs" / run / "checkpoints"
+        return sorted(int(p.parent.name[5:]) for p in d.glob("step_*/manifest.json"))
+
+    holder = wait_for("a checkpoint", lambda: next((v for v in (200, 300) if ckpt(v)), None), timeout=150)
+    assert ckpt(500 - holder) == []  # only global rank 0 writes them: one node has them, the other not
+    victim = 500 - holder
+    assert job.attach(victim, "kill", "-9", job.log(victim, "sup1", ".pid").read_text().strip()).returncode == 0
+    once = ("supervise", "--once", "--restart", "on-failure:1", "--backoff", "1s")
+    job.ok(*once)  # sees the crash (and stops the survivor): the restart is planned
+    (crashed,) = json.loads(job.ok("--json", "runs"))
+    assert crashed["state"] == "crashed" and crashed["crash"].startswith(f"ct{victim}: exit 137")
+    time.sleep(1.2)
+    job.ok(*once)  # relaunches the whole run, every node from its own copy of the newest checkpoint
+    step = max(ckpt(holder))
+    assert ckpt(victim) == [step]  # carried to the node that lacked it, verified by its manifest
+    tree = json.loads(job.ok("--json", "runs", "--tree"))
+    assert [[(r["run"], r["state"], r["resumed_step"]) for r in chain] for chain in tree] == [
+        [("sup1", "crashed", None), ("mn1", "running", step)]]
+    both_training(job, "mn1", steps=step + 2)
+    assert min(min(job.steps(v, "mn1")) for v in (200, 300)) == step + 1  # both continued where it left off
+    resumed = [v for v in (200, 300) if f"resumed from step {step}" in job.log(v, "mn1").read_text()]
+    assert len(resumed) == 1  # said once, by global rank 0
+    job.ok("stop", "mn1", "--grace", "5")

@@ -1,0 +1,344 @@
+"""How persistent host sessions (on by default) hold under failures, against the local Proxmox host: the idle
+timeout or a stop arriving while commands use the session, 64 commands at once, a state directory too long for
+a socket path, a session of another ctl build, a host key known_hosts stopped trusting, a session killed -9,
+and two users on one machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controller.errors import ExitCode
+from controller.inventory import load
+from controller.transport import mux
+from controller.transport.mux.sock import session_key, socket_dir
+from controller.transport.pool import Pool
+from tests.integration.conftest import REPO, Env, sshd_sessions
+
+pytestmark = pytest.mark.pvehost
+
+_STARTED = re.compile(r"pve1: (started|reused) ctl's persistent session \(pid (\d+)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait(cond: object, timeout: float = 20, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what or cond}")
+
+
+def _session(r: subprocess.CompletedProcess[str]) -> tuple[str, int]:
+    m = _STARTED.search(r.stderr)
+    assert m, r.stdout + r.stderr
+    return m.group(1), int(m.group(2))
+
+
+def _infos(env: Env) -> list[dict[str, object]]:
+    d = env.state / "mux"
+    return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+
+
+def _queued(sock: Path) -> int:
+    """Connections waiting in the session socket's accept queue (the kernel's Recv-Q of a listening socket)."""
+    out = subprocess.run(["ss", "-xlH", "src", str(sock)], capture_output=True, text=True).stdout.split()
+    return int(out[2]) if len(out) > 2 else 0
+
+
+def _ctl(env: Env, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "controller", "-i", str(env.inventory), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env.env)
+
+
+@pytest.fixture
+def env(pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+    """The default settings (sessions on) whatever the caller's environment says; pve_env ends the sessions."""
+    pve_env.env.pop("CTL_PERSIST", None)
+    monkeypatch.delenv("CTL_PERSIST", raising=False)
+    yield pve_env
+
+
+# --------------------------------------------------------------------------------------------
+# The session ends while commands use it
+
+
+def test_idle_timeout_reached_as_commands_connect_never_cuts_them(env: Env) -> None:
+    """Commands queued on the session's socket when its idle timeout passes are served, not dropped: the session
+    stops listening first, then serves what was queued, then ends."""
+    env.env["CTL_PERSIST"] = "2"
+    _, pid = _session(env.ctl("--debug", "ping", "ct200", check=True))
+    (info,) = _infos(env)
+    sock = Path(str(info["socket"]))
+    os.kill(pid, signal.SIGSTOP)  # frozen: the kernel still queues connections, nobody accepts them
+    try:
+        procs = [_ctl(env, "--debug", "ping", "ct200") for _ in range(6)]
+        _wait(lambda: _queued(sock) == len(procs), 120, "6 commands queued on the session's socket")
+        time.sleep(2.5)  # past the idle timeout, counted from the last command
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    outs = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    assert all(rc == 0 for rc, _, _ in outs), outs
+    assert all("ct200        ok" in out for _, out, _ in outs), outs
+    assert all(f"reused ctl's persistent session (pid {pid}," in err for _, _, err in outs), outs
+    _wait(lambda: not _alive(pid), 20, "the idle session to end once its queued commands were done")
+    assert not sock.exists()
+    log = next((env.state / "mux").glob("*.log")).read_text()
+    assert "ending: idle for 2s" in log
+
+
+def test_stop_and_sigterm_let_a_request_in_flight_finish_and_new_commands_get_a_new_session(env: Env) -> None:
+    """`ctl mux stop` (and SIGTERM, at logout) end the session once the commands using it are done: one in
+    flight finishes; a command started meanwhile gets a session of its own."""
+    _, pid = _session(env.ctl("--debug", "ping", "ct200", check=True))
+    long_request = textwrap.dedent(f"""
+        import sys, time
+        from controller.inventory import load
+        from controller.transport.pool import Pool
+        inv = load({str(env.inventory)!r}); ct = inv.container("ct200")
+        with Pool(inv) as pool:
+            t = pool.container(ct)
+            t.run(["true"])
+            print("connected", flush=True)
+            res = t.run(["sh", "-c", "sleep 3; echo done"])
+            print(res.returncode, res.out.strip(), flush=True)
+        """)
+    for how in ("mux stop", "SIGTERM"):
+        proc = subprocess.Popen([sys.executable, "-c", long_request], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env.env, cwd=REPO)
+        assert proc.stdout is not None and proc.stdout.readline() == "connected\n"
+        time.sleep(0.5)  # the request is running on the host
+        if how == "mux stop":
+            stopper = _ctl(env, "mux", "stop")
+        else:
+            os.kill(pid, signal.SIGTERM)
+        # Stopping: no new command reaches it; the next one starts a session of its own at once.
+        _wait(lambda p=pid: not any(i.get("pid") == p and Path(str(i["socket"])).exists()  # type: ignore[misc]
+                                    for i in _infos(env)), 10, "the stopping session to leave its socket")
+        how_new, new = _session(env.ctl("--debug", "ping", "ct200", check=True))
+        assert how_new == "started" and new != pid
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and out == "0 done\n", (how, out, err)
+        if how == "mux stop":
+            assert stopper.wait(timeout=60) == 0
+            assert f"pve1: stopped session (pid {pid})" in stopper.communicate()[0]
+        _wait(lambda p=pid: not _alive(p), 20, f"the session stopped by {how} to end")  # type: ignore[misc]
+        pid = new
+
+
+def test_a_request_after_the_session_ended_under_the_command_goes_to_a_new_session(env: Env) -> None:
+    """A command connected to a session that ends before its next request (stopped, idle elsewhere, killed):
+    that request is sent to a new session, never a broken pipe."""
+    inv = load(env.inventory)
+    ct = inv.container("ct200")
+    with Pool(inv) as pool:
+        t = pool.container(ct)
+        assert t.run(["true"]).returncode == 0
+        pid = t.relay.hello["pid"]  # type: ignore[union-attr]
+        mux.stop(grace=0)  # another user of the session stops it now
+        _wait(lambda: not _alive(pid), 20, "the session to end")
+        res = t.run(["echo", "again"])
+        assert (res.returncode, res.out) == (0, "again\n")
+        assert t.relay.hello["pid"] != pid and t.relay.started_session  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------------------------------------
+# Many commands, long paths, stale sessions
+
+
+def test_64_concurrent_commands_from_cold_start_one_session_and_all_succeed(env: Env) -> None:
+    before = sshd_sessions(env, "pve1")
+    procs = [_ctl(env, "--debug", "ping", "ct200") for _ in range(64)]
+    outs = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+    failed = [(rc, out, err) for rc, out, err in outs if rc != 0]
+    assert not failed, failed[:3]
+    seen = [_session(subprocess.CompletedProcess([], rc, out, err)) for rc, out, err in outs]
+    assert sorted(how for how, _ in seen).count("started") == 1, seen
+    assert len({pid for _, pid in seen}) == 1  # one session process served all 64
+    assert len(sshd_sessions(env, "pve1") - before) == 1  # over one SSH connection
+    assert [i["host"] for i in _infos(env)] == ["pve1"]
+
+
+def test_state_directory_too_long_for_a_socket_path_puts_the_socket_under_a_short_one(
+        env: Env, tmp_path: Path) -> None:
+    state = tmp_path / ("s" * 100) / ("t" * 100)
+    env.env["CTL_STATE_DIR"] = str(state)
+    assert len(str(state / "mux" / "0123456789abcdef0123.sock")) > 108  # too long for any sockaddr_un
+    how, pid = _session(env.ctl("--debug", "ping", "ct200", check=True))
+    assert how == "started"
+    again = env.ctl("--debug", "ping", "ct200", check=True)
+    assert _session(again) == ("reused", pid)
+    (info,) = [json.loads(p.read_text()) for p in (state / "mux").glob("*.json")]
+    sock = Path(str(info["socket"]))
+    assert sock.parent == socket_dir(create=False) and len(os.fsencode(str(sock))) < 104
+    st = sock.parent.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (os.getuid(), 0o700)
+    mux.stop(state=state)
+    assert not _alive(pid)
+
+
+_OLDER_SESSION = """
+import json, sys
+from controller.transport.mux import daemon
+daemon.build = lambda: "2-0ld0ld0ld0ld0ld0"  # what an older ctl's session says in its hello
+sys.exit(daemon.serve(json.loads(sys.argv[1])))
+"""
+
+
+def test_session_of_an_older_ctl_is_replaced_and_the_user_told_in_one_line(env: Env) -> None:
+    inv = load(env.inventory)
+    with Pool(inv) as pool:
+        ep = pool.host("pve1")
+    meta = env.state / "mux"
+    meta.mkdir(mode=0o700, parents=True)
+    key = session_key(ep, env.state)
+    path = socket_dir(create=True) / f"{key}.sock"
+    spec = {"name": ep.name, "address": ep.address, "port": ep.port, "user": ep.user,
+            "identity_file": ep.identity_file, "known_hosts": ep.known_hosts, "connect_timeout": ep.connect_timeout,
+            "idle": 60, "socket": str(path), "info": str(meta / f"{key}.json")}
+    old = subprocess.Popen([sys.executable, "-c", _OLDER_SESSION, json.dumps(spec)], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, cwd=REPO,
+                           env={**env.env, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    try:
+        assert old.stdout is not None and json.loads(old.stdout.readline()) == {"ready": True}
+        r = env.ctl("--debug", "ping", "ct200", check=True)
+        warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("ctl: warning:")]
+        assert len(warnings) == 1, r.stderr
+        assert warnings[0].startswith(f"ctl: warning: pve1: replaced ctl's session process (pid {old.pid}): it runs "
+                                      "another ctl (session protocol 3, build 2-0ld0ld0ld0ld0ld0; this ctl: 3-")
+        assert old.wait(timeout=30) == 0  # it ended (its commands had a grace period; it had none)
+        how, pid = _session(r)
+        assert how == "started" and pid != old.pid
+        assert _session(env.ctl("--debug", "ping", "ct200", check=True)) == ("reused", pid)  # and told once
+    finally:
+        if old.poll() is None:
+            os.killpg(old.pid, signal.SIGKILL)
+            old.wait()
+
+
+def test_session_holding_a_host_key_known_hosts_no_longer_trusts_is_replaced_and_the_host_refused(
+        env: Env, tmp_path: Path) -> None:
+    known = tmp_path / "known_hosts"
+    shutil.copy(env.host.base / "keys" / "known_hosts", known)
+    doc = yaml.safe_load(env.inventory.read_text())
+    for h in doc["hosts"].values():
+        h["known_hosts"] = str(known)
+    env.inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
+    _, pid = _session(env.ctl("--debug", "ping", "ct200", check=True))
+    original = known.read_text()
+    label = f"[127.0.0.2]:{env.host.port}"
+    line = next(ln for ln in original.splitlines() if ln.startswith(label + " "))
+    _, ktype, key = line.split()[:3]
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+    other = (tmp_path / "other.pub").read_text().split()[1]
+    for changed, refusal in ((original.replace(key, other), "CHANGED"),
+                             (original + f"@revoked * {ktype} {key}\n", "REVOKED")):
+        known.write_text(changed)
+        r = env.ctl("ping", "ct200")
+        assert r.returncode == ExitCode.HOST_KEY, r.stdout + r.stderr  # the new session is refused the host
+        said = r.stdout + r.stderr
+        assert f"host key for {label}" in said and refusal in said, said
+        warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("ctl: warning:")]
+        assert warnings == [f"ctl: warning: pve1: replaced ctl's session process (pid {pid}): the host key it holds "
+                            f"({ktype} for {label}) is no longer trusted: {known} "
+                            + ("no longer lists it for " + label if refusal == "CHANGED" else "revokes it")], r.stderr
+        _wait(lambda p=pid: not _alive(p), 20, "the untrusted session to end")  # type: ignore[misc]
+        known.write_text(original)
+        _, pid = _session(env.ctl("--debug", "ping", "ct200", check=True))
+
+
+def test_session_killed_9_leaves_a_stale_socket_that_the_next_command_replaces(env: Env) -> None:
+    _, pid = _session(env.ctl("--debug", "ping", "ct200", check=True))
+    (info,) = _infos(env)
+    sock = Path(str(info["socket"]))
+    inode = sock.stat().st_ino
+    os.kill(pid, signal.SIGKILL)
+    _wait(lambda: not _alive(pid), 20, "the killed session to be gone")
+    assert sock.exists()  # nobody removed it: stale
+    how, new = _session(env.ctl("--debug", "ping", "ct200", check=True))
+    assert how == "started" and new != pid
+    assert sock.stat().st_ino != inode
+    st = env.ctl("mux", "status", "--json", check=True)
+    assert [(d["pid"], d["live"]) for d in json.loads(st.stdout)] == [(new, True)]
+
+
+# --------------------------------------------------------------------------------------------
+# Two users on one machine
+
+_AS_NOBODY = """
+import json, os, socket, sys
+from controller.transport.mux.sock import socket_dir
+d = socket_dir(create=True)
+st = os.lstat(d)
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+    reached = "connected"
+except OSError as e:
+    reached = type(e).__name__
+print(json.dumps({"dir": str(d), "uid": st.st_uid, "mode": st.st_mode & 0o777, "root_socket": reached}))
+"""
+
+
+def test_two_users_never_share_a_socket(env: Env, tmp_path: Path) -> None:
+    _, pid = _session(env.ctl("--debug", "ping", "ct200", check=True))
+    (info,) = _infos(env)
+    root_sock = str(info["socket"])
+    nobody = 65534
+    theirs = Path(f"/tmp/ctl-{nobody}")
+    made = not theirs.exists()
+    python = "/usr/bin/python3"  # the venv's interpreter may live under root's 0700 home
+    try:
+        r = subprocess.run(["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups",
+                            python, "-c", _AS_NOBODY, root_sock], capture_output=True, text=True, cwd="/",
+                           env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "HOME": "/nonexistent"},
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)
+        assert got == {"dir": str(theirs), "uid": nobody, "mode": 0o700, "root_socket": "PermissionError"}
+        assert Path(root_sock).parent != theirs
+    finally:
+        if made:
+            shutil.rmtree(theirs, ignore_errors=True)
+    mux.stop(state=env.state, grace=0)
+    _wait(lambda: not _alive(pid), 20, "the session to end")
+    # A socket directory that another user made (before us, or in our runtime dir) is refused, never used.
+    run = Path(tempfile.mkdtemp(prefix="ctl-run-"))  # short: a runtime dir as systemd makes it, 0700
+    try:
+        (run / "ctl").mkdir(mode=0o700)
+        os.chown(run / "ctl", nobody, nobody)
+        env.env["XDG_RUNTIME_DIR"] = str(run)
+        r = env.ctl("ping", "ct200")
+        assert r.returncode == ExitCode.CONNECTION, r.stdout + r.stderr
+        said = r.stdout + r.stderr
+        assert f"refusing ctl's socket directory {run / 'ctl'}: it must be a directory owned by uid {os.getuid()} " \
+               f"with mode 0700 (found a directory, owner {nobody}, mode 0700)" in said, said
+        assert not list((run / "ctl").iterdir())
+        (run / "ctl").rmdir()
+        r = env.ctl("--debug", "ping", "ct200", check=True)  # the runtime dir, ours: used
+        (info,) = _infos(env)
+        assert Path(str(info["socket"])).parent == run / "ctl" and (run / "ctl").stat().st_uid == os.getuid()
+    finally:
+        env.env.pop("XDG_RUNTIME_DIR")
+        mux.stop(state=env.state, grace=0)
+        shutil.rmtree(run, ignore_errors=True)

@@ -1,0 +1,87 @@
+"""A thin start-up: `ctl --help` prints typer's text without importing typer, and a command line imports the cli
+module of its verb only. (What `ctl` loads through a warm session: tests/integration/test_mux_pve.py; the
+timings: bench/cli_startup.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Runs `ctl ARGS` (python -m controller) and writes the modules it imported to OUT when it exits.
+_HOOK = ("import atexit, json, runpy, sys\n"
+         "out = sys.argv.pop(1)\n"
+         "atexit.register(lambda: open(out, 'w').write(json.dumps(sorted(sys.modules))))\n"
+         "sys.argv[0] = 'ctl'\n"
+         "runpy.run_module('controller', run_name='__main__')\n")
+
+
+def modules(tmp_path: Path, *args: str, columns: int = 120) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    out = tmp_path / "modules.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": str(columns), "CTL_STATE_DIR": str(tmp_path / "s")}
+    r = subprocess.run([sys.executable, "-c", _HOOK, str(out), *args], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+    return r, set(json.loads(out.read_text()))
+
+
+def test_help_text_is_what_typer_prints() -> None:
+    from controller.cli.helptext import TEXT
+    from controller.cli.main import render_help
+
+    assert render_help() == TEXT, "commands changed: run `python scripts/gen_helptext.py`"
+
+
+def test_ctl_help_imports_no_typer_and_prints_the_same_text(tmp_path: Path) -> None:
+    from controller.cli.helptext import TEXT
+
+    r, mods = modules(tmp_path, "--help")
+    assert r.returncode == 0 and r.stdout == TEXT
+    assert not {"typer", "click", "rich", "pydantic", "yaml", "paramiko", "jinja2"} & mods
+    assert not any(m.startswith("controller.cli.") and m not in ("controller.cli.main", "controller.cli.helptext")
+                   for m in mods), sorted(m for m in mods if m.startswith("controller"))
+    narrow, mods = modules(tmp_path, "--help", columns=60)  # a narrow terminal: typer wraps it itself
+    assert narrow.returncode == 0 and "typer" in mods
+    assert narrow.stdout != TEXT and all(f"\n  {v} " in narrow.stdout for v in ("deploy", "mux", "store"))
+
+
+def test_every_verb_maps_to_the_module_that_registers_it() -> None:
+    from controller.cli.main import COMMANDS, MODULES, load
+
+    load(["--help"])
+    from controller.cli.app import app
+
+    found: dict[str, str] = {}
+    for c in app.registered_commands:
+        assert c.callback is not None
+        found[c.name or c.callback.__name__] = c.callback.__module__
+    for g in app.registered_groups:
+        assert g.typer_instance is not None and g.name is not None
+        (mod,) = {c.callback.__module__ for c in g.typer_instance.registered_commands if c.callback is not None}
+        found[g.name] = mod
+    assert {v: f"controller.cli.{m}" for v, m in COMMANDS.items()} == found
+    assert set(MODULES) == set(COMMANDS.values())
+
+
+@pytest.mark.parametrize(("argv", "module"), [
+    (["mux", "status"], "mux"), (["--json", "config", "path"], "config"), (["-i", "x.yaml", "runs", "--help"], "runs"),
+    (["deploy", "--help"], "deploy"),
+])
+def test_a_command_imports_only_its_verbs_cli_module(tmp_path: Path, argv: list[str], module: str) -> None:
+    from controller.cli.main import MODULES
+
+    r, mods = modules(tmp_path, *argv)
+    assert r.returncode == 0, r.stdout + r.stderr
+    loaded = {m for m in MODULES if f"controller.cli.{m}" in mods}
+    assert loaded == {module}
+    assert not {"paramiko", "jinja2", "proxmoxer", "torch", "matplotlib"} & mods
+
+
+def test_an_unknown_verb_still_gets_typers_message(tmp_path: Path) -> None:
+    r, _ = modules(tmp_path, "deploi")
+    assert r.returncode == 2 and "No such command 'deploi'" in r.stderr

@@ -1,0 +1,65 @@
+"""Follows through ctl's host relay (the path of every `tail -f`, `launch -f` and download through a persistent
+session): output as it comes, silence reported, and a follow the caller leaves abandoned (K) so that its child
+ends, as when an SSH channel closes. Both ends run here (tests/test_relay_ids.py's local relay)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controller.transport.relay import HostRelay
+from tests.test_relay_ids import _LocalHost
+
+
+@pytest.fixture
+def relay() -> Iterator[HostRelay]:
+    host = _LocalHost()
+    r = HostRelay(host)  # type: ignore[arg-type]
+    assert r.available(), r.why_unavailable
+    yield r
+    r.close()
+    for c in host.chans:
+        if c.proc.poll() is None:
+            c.proc.kill()
+        c.proc.wait()
+
+
+def test_stream_yields_output_as_it_comes_then_the_exit_status(relay: HostRelay) -> None:
+    seen: list[tuple[str, bytes, float]] = []
+    t0 = time.monotonic()
+    for kind, data in relay.stream(["sh", "-c", "echo a; echo oops >&2; sleep 0.6; echo b; exit 3"]):
+        seen.append((kind, data, time.monotonic() - t0))
+    kinds = [(k, d) for k, d, _ in seen]
+    assert kinds[-1] == ("exit", b"3")
+    assert b"".join(d for k, d in kinds if k == "out") == b"a\nb\n"
+    assert b"".join(d for k, d in kinds if k == "err") == b"oops\n"
+    first_a = next(t for k, d, t in seen if k == "out" and d.startswith(b"a"))
+    assert first_a < 0.5 < seen[-1][2]  # `a` arrived before the command ended
+    assert not relay._streams
+
+
+def test_stream_reports_silence_and_keeps_following(relay: HostRelay) -> None:
+    kinds = [k for k, _ in relay.stream(["sh", "-c", "sleep 1.2; echo late"], idle=0.3)]
+    assert kinds.count("idle") >= 2 and kinds[-2:] == ["out", "exit"]
+
+
+def test_a_follow_left_early_ends_its_child_and_frees_its_id(relay: HostRelay, tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+    gen = relay.stream(["sh", "-c", f"echo $$ > {pidfile}; while :; do echo tick; sleep 0.1; done"])
+    kind, data = next(gen)
+    assert (kind, data[:4]) == ("out", b"tick")
+    gen.close()  # the caller stops reading: K
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (os.path.exists(f"/proc/{pid}") and
+                                            Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"):
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}") or Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+    while time.monotonic() < deadline and relay._streams:  # its X frame frees the id
+        time.sleep(0.05)
+    assert not relay._streams
+    assert relay.run(["echo", "next"]).stdout == b"next\n"  # the relay goes on
