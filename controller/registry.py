@@ -150,6 +150,10 @@ SCHEMA = [
     ALTER TABLE runs ADD COLUMN node_rank INTEGER;
     CREATE INDEX runs_member_of ON runs(member_of);
     """,
+    # version 6: a run's points in step order, covering tok/s: judging a long run reads a window of them
+    """
+    CREATE INDEX metrics_step ON metrics(run_id, step, seq, tok_s);
+    """,
 ]
 
 
@@ -464,6 +468,53 @@ class Registry:
     def points(self, run_id: int) -> list[dict[str, Any]]:
         rows = self._db.execute("SELECT data FROM metrics WHERE run_id=? ORDER BY seq", (run_id,))
         return [json.loads(r[0]) for r in rows]
+
+    # A long run holds tens of thousands of points; judging it reads a few of them (monitor.point_window), through
+    # the index metrics_step. "Steady" points: in step order (ties in log order), past the first `skip`, with a
+    # finite positive tok/s (at most the largest double: SQLite keeps infinities, and NaN as NULL).
+    def point_count(self, run_id: int) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM metrics WHERE run_id=?", (run_id,)).fetchone()[0])
+
+    def last_point_time(self, run_id: int) -> float | None:
+        """The newest `time` among the run's points (reads every point: only when nothing else tells it)."""
+        row = self._db.execute("SELECT MAX(time) FROM metrics WHERE run_id=?", (run_id,)).fetchone()
+        return row[0] if row is not None else None
+
+    def _after(self, run_id: int, skip: int) -> tuple[Any, Any] | None:
+        """(step, seq) of the first point past the first `skip` in step order (an index-only walk)."""
+        row = self._db.execute("SELECT step, seq FROM metrics WHERE run_id=? ORDER BY step, seq LIMIT 1 OFFSET ?",
+                               (run_id, skip)).fetchone()
+        return (row[0], row[1]) if row is not None else None
+
+    def steady_points(self, run_id: int, *, skip: int, last: int) -> list[dict[str, Any]]:
+        """The last `last` steady points, in step order."""
+        first = self._after(run_id, skip)
+        if first is None:
+            return []
+        rows = self._db.execute("SELECT data FROM metrics WHERE run_id=? AND (step, seq) >= (?, ?) AND tok_s > 0 "
+                                "AND tok_s <= 1.7976931348623157e308 ORDER BY step DESC, seq DESC LIMIT ?",
+                                (run_id, *first, last))
+        return [json.loads(r[0]) for r in rows][::-1]
+
+    def steady_rates(self, run_id: int, *, skip: int) -> list[float]:
+        """tok/s of every steady point, in step order (from the index alone)."""
+        first = self._after(run_id, skip)
+        if first is None:
+            return []
+        rows = self._db.execute("SELECT tok_s FROM metrics WHERE run_id=? AND (step, seq) >= (?, ?) AND tok_s > 0 "
+                                "AND tok_s <= 1.7976931348623157e308 ORDER BY step, seq", (run_id, *first))
+        return [r[0] for r in rows]
+
+    def top_point(self, run_id: int) -> dict[str, Any] | None:
+        """The point of the highest step (the first logged of equals)."""
+        row = self._db.execute("SELECT data FROM metrics WHERE run_id=? ORDER BY step DESC, seq LIMIT 1",
+                               (run_id,)).fetchone()
+        return json.loads(row[0]) if row is not None else None
+
+    def recent_points(self, run_id: int, n: int) -> list[dict[str, Any]]:
+        """The last `n` points in log order."""
+        rows = self._db.execute("SELECT data FROM metrics WHERE run_id=? ORDER BY seq DESC LIMIT ?", (run_id, n))
+        return [json.loads(r[0]) for r in rows][::-1]
 
     def series(self, run_id: int) -> list[tuple[int | None, float | None, float | None]]:
         """(step, tok/s, loss) of every point, in order: what a chart needs, without decoding each point."""

@@ -40,7 +40,8 @@ def inventory_cmd(ctx: typer.Context) -> None:
 @app.command("ping")
 def ping_cmd(containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
                                                     help="Containers or groups (default: all).")) -> None:
-    """Run `true` in each container and report round-trip times."""
+    """One exec of `cat` in each container: its first answer (connection and pct exec included) and the best
+    round trip of a line through it."""
     from controller.commands.fanout import ping, worst
 
     inv = _inv()

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from controller.errors import CtlError, ExitCode
+from controller.errors import CtlError, ExitCode, RemoteCommandError
 from controller.inventory import Container
 from controller.transport.base import Transport
 from controller.transport.pool import Pool
@@ -55,14 +55,28 @@ def worst(outcomes: list[Outcome[T]]) -> int:
 
 
 def ping(pool: Pool, cts: list[Container]) -> list[Outcome[dict[str, float]]]:
-    """`true` three times in each container: the first round trip (connection included) and the best."""
+    """`cat` in each container, ONE exec each: the first answer (the exec's start, with the connection and pct,
+    what every ctl command pays) and the best of three more round trips of a line through it (the wire's own
+    latency). One exec per container, not one per round trip: pinging many containers costs their hosts one
+    `pct exec` each."""
 
     def one(ct: Container, t: Transport) -> dict[str, float]:
+        t0 = time.monotonic()
+        chat = t.open(["cat"])
         times = []
-        for _ in range(3):
-            t0 = time.monotonic()
-            t.check(["true"], what="ping")
-            times.append(time.monotonic() - t0)
-        return {"first_ms": times[0] * 1000, "rtt_ms": min(times) * 1000}
+        for i in range(4):
+            t1 = time.monotonic()
+            chat.send(b"ctl ping %d\n" % i)
+            line = chat.readline()
+            if line != b"ctl ping %d\n" % i:
+                res = chat.finish()  # a refusal of pct (a stopped CT) raises here, as the exec ended
+                if res.returncode != 0:
+                    raise RemoteCommandError(t.name, ["cat"], res.returncode, res.err, what="ping")
+                raise CtlError(f"{t.name}: ping: `cat` answered {line[:40]!r}, not the line it was sent")
+            times.append(time.monotonic() - (t0 if i == 0 else t1))
+        res = chat.finish()
+        if res.returncode != 0:
+            raise RemoteCommandError(t.name, ["cat"], res.returncode, res.err, what="ping")
+        return {"first_ms": times[0] * 1000, "rtt_ms": min(times[1:]) * 1000}
 
     return fanout(pool, cts, one)

@@ -14,13 +14,14 @@ the run directory); the agent only re-hashes a file whose size or mtime changed 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.commands.fanout import fanout
-from controller.commands.runs import refresh, refresh_all
+from controller.commands.runs import checked_states, record_states, refresh, state_request
 from controller.core.metrics import (
     LogCursor,
     MetricPoint,
@@ -30,8 +31,10 @@ from controller.core.metrics import (
     parse_line,
     steady_state,
     verdict,
+    verdict_of_window,
+    warmup_skip,
 )
-from controller.errors import BusyError, CtlError, InputError
+from controller.errors import BusyError, CtlError, ExitCode, InputError
 from controller.inventory import Container, Inventory
 from controller.lifecycle import Lifecycle
 from controller.registry import Registry, RunRecord
@@ -71,72 +74,103 @@ class PullResult:
         return d
 
 
+class _Pull:
+    """One run's pull in steps, so that its first read can travel in a batched `poll` call with the other runs
+    of its container: `args()` for the next read, `take()` for what it brought, `result()` at the end."""
+
+    def __init__(self, reg: Registry, run: RunRecord, *, chunk: int, checkpoints: str | None, hashes: bool) -> None:
+        if run.log_path is None:
+            raise InputError(f"run {run.ct}/{run.name} has no log path recorded")
+        if chunk < 1:
+            raise InputError(f"chunk must be at least 1 byte, got {chunk}")
+        self.reg, self.run, self.chunk, self.checkpoints, self.hashes = reg, run, chunk, checkpoints, hashes
+        self.offset, self.ident, self.partial = reg.cursor(run.id)
+        self.start = self.offset
+        self.cursor: LogCursor | None = None
+        self.reset: str | None = None
+        self.fetched = self.wire_in = self.wire_out = self.calls = self.new_points = 0
+        self.last: MetricPoint | None = None
+        self.crash = run.crash
+        self.header: dict[str, Any] = {}
+        self.found: dict[str, Any] = {}
+
+    def args(self, max_bytes: int | None = None) -> dict[str, Any]:
+        """logread's arguments for the next read, of at most `max_bytes` (default: the chunk) log bytes; the
+        hashes of files and checkpoints travel with the first."""
+        args: dict[str, Any] = {"offset": self.offset, "ident": self.ident, "max_bytes": max_bytes or self.chunk}
+        if self.calls == 0 and self.hashes:
+            args.update(_hash_args(self.reg, self.run, self.checkpoints))
+        return args
+
+    def take(self, agent: Agent, header: dict[str, Any], data: bytes, wire_in: int, wire_out: int) -> bool:
+        """Store what one read brought (points and cursor in one transaction); True while more of the log is
+        waiting (its size is past what was read)."""
+        run = self.run
+        self.calls += 1
+        self.wire_in += wire_in
+        self.wire_out += wire_out
+        if not header.get("ok"):
+            if header.get("code") == "missing":
+                raise InputError(f"{run.ct}: log {run.log_path} of run {run.name} does not exist")
+            raise CtlError(f"{run.ct}: cannot read {run.log_path}: {header.get('error')}")
+        _check_header(agent, header)
+        self.header = header
+        if self.calls == 1:
+            self.found = header
+        if header.get("reset"):
+            self.reset, self.partial, self.start, self.cursor = header["reset"], b"", 0, None
+        if self.cursor is None:
+            self.cursor = LogCursor(offset=int(header["offset"]) - len(self.partial))
+            self.cursor.feed(self.partial)
+        cursor = self.cursor
+        entries = cursor.feed_lines(data, now=header.get("now"))
+        self.fetched += len(data)
+        new_offset = int(header["offset"]) + len(data)
+        keep = new_offset - cursor.offset  # bytes of the unfinished last line
+        pending = self.partial + data
+        new_partial = pending[len(pending) - keep:] if keep else b""
+        points = [e for e in entries if isinstance(e, MetricPoint)]
+        unchanged = (new_offset, header["ident"], new_partial) == (self.offset, self.ident, self.partial)
+        # nothing new (a quiet log between two polls): no write transaction, so a supervisor's polls of idle runs
+        # cost the registry nothing
+        if not (unchanged and not points) and not self.reg.advance_cursor(
+                run.id, (self.offset, self.ident), new_offset, header["ident"], new_partial,
+                [p.record() for p in points]):
+            raise BusyError(f"another `ctl` is pulling run {run.ct}/{run.name} right now; try again")
+        self.offset, self.ident, self.partial = new_offset, header["ident"], new_partial
+        self.new_points += len(points)
+        self.last = points[-1] if points else self.last
+        if cursor.crash and self.crash is None:
+            self.crash = cursor.crash
+            self.reg.update_run(run.id, crash=self.crash)
+        return self.offset < int(header["size"])
+
+    def finish(self, agent: Agent) -> PullResult:
+        """Read on, `chunk` bytes per logread call, until caught up; then the result."""
+        while True:
+            header, data, n_in, n_out = agent.read("logread", {"log": self.run.log_path, **self.args()})
+            if not self.take(agent, header, data, n_in, n_out) or not data:
+                return self.result()
+
+    def result(self) -> PullResult:
+        run, header = self.run, self.header
+        files_changed, ckpts = _store_hashes(self.reg, run, self.found) if self.hashes else ((), {})
+        return PullResult(
+            run=f"{run.ct}/{run.name}", start=self.start, offset=self.offset, size=int(header["size"]),
+            fetched=self.fetched, wire_in=self.wire_in, wire_out=self.wire_out, calls=self.calls,
+            new_points=self.new_points, reset=self.reset, crash=self.crash, last=self.last,
+            log_mtime=header.get("mtime"), remote_now=header.get("now"), files_changed=files_changed,
+            checkpoints=ckpts,
+        )
+
+
 def pull(
     t: Transport, reg: Registry, run: RunRecord, *, chunk: int = DEFAULT_CHUNK,
     checkpoints: str | None = DEFAULT_CHECKPOINT_GLOB, hashes: bool = True,
 ) -> PullResult:
     """Fetch the log bytes after the run's cursor (looping `chunk` bytes per call until caught up),
     store the new metric points and the cursor after each call, and note crash signatures."""
-    if run.log_path is None:
-        raise InputError(f"run {run.ct}/{run.name} has no log path recorded")
-    if chunk < 1:
-        raise InputError(f"chunk must be at least 1 byte, got {chunk}")
-    offset, ident, partial = reg.cursor(run.id)
-    start = offset
-    cursor: LogCursor | None = None
-    reset: str | None = None
-    fetched = wire_in = wire_out = calls = new_points = 0
-    last: MetricPoint | None = None
-    crash = run.crash
-    header: dict[str, Any] = {}
-    found: dict[str, Any] = {}
-    agent = Agent(t)
-    while True:
-        args: dict[str, Any] = {"log": run.log_path, "offset": offset, "ident": ident,
-                                "max_bytes": chunk}
-        if calls == 0 and hashes:
-            args.update(_hash_args(reg, run, checkpoints))
-        header, data, n_in, n_out = agent.read("logread", args)  # the request deadline (CTL_TIMEOUT)
-        calls += 1
-        wire_in += n_in
-        wire_out += n_out
-        if not header.get("ok"):
-            if header.get("code") == "missing":
-                raise InputError(f"{run.ct}: log {run.log_path} of run {run.name} does not exist")
-            raise CtlError(f"{run.ct}: cannot read {run.log_path}: {header.get('error')}")
-        _check_header(agent, header)
-        if calls == 1:
-            found = header
-        if header.get("reset"):
-            reset, partial, start, cursor = header["reset"], b"", 0, None
-        if cursor is None:
-            cursor = LogCursor(offset=int(header["offset"]) - len(partial))
-            cursor.feed(partial)
-        entries = cursor.feed_lines(data, now=header.get("now"))
-        fetched += len(data)
-        new_offset = int(header["offset"]) + len(data)
-        keep = new_offset - cursor.offset  # bytes of the unfinished last line
-        pending = partial + data
-        new_partial = pending[len(pending) - keep:] if keep else b""
-        points = [e for e in entries if isinstance(e, MetricPoint)]
-        if not reg.advance_cursor(run.id, (offset, ident), new_offset, header["ident"], new_partial,
-                                  [p.record() for p in points]):
-            raise BusyError(f"another `ctl` is pulling run {run.ct}/{run.name} right now; try again")
-        offset, ident, partial = new_offset, header["ident"], new_partial
-        new_points += len(points)
-        last = points[-1] if points else last
-        if cursor.crash and crash is None:
-            crash = cursor.crash
-            reg.update_run(run.id, crash=crash)
-        if not data or offset >= int(header["size"]):
-            break
-    files_changed, ckpts = _store_hashes(reg, run, found) if hashes else ((), {})
-    return PullResult(
-        run=f"{run.ct}/{run.name}", start=start, offset=offset, size=int(header["size"]), fetched=fetched,
-        wire_in=wire_in, wire_out=wire_out, calls=calls, new_points=new_points, reset=reset, crash=crash,
-        last=last, log_mtime=header.get("mtime"), remote_now=header.get("now"), files_changed=files_changed,
-        checkpoints=ckpts,
-    )
+    return _Pull(reg, run, chunk=chunk, checkpoints=checkpoints, hashes=hashes).finish(Agent(t))
 
 
 def _check_header(agent: Agent, header: dict[str, Any]) -> None:
@@ -169,10 +203,11 @@ def _hash_args(reg: Registry, run: RunRecord, checkpoints: str | None) -> dict[s
 
 def _store_hashes(reg: Registry, run: RunRecord, header: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, str]]:
     files: dict[str, dict[str, Any] | None] = header.get("files") or {}
-    reg.set_run_files(run.id, "deployed", files)
+    if reg.run_files(run.id, "deployed") != files:  # written only when something changed: one poll, one write
+        reg.set_run_files(run.id, "deployed", files)
     changed = tuple(p for p, h in sorted(files.items()) if h is None or h.get("sha256") != run.files.get(p))
     ckpts: dict[str, dict[str, Any]] = header.get("checkpoints") or {}
-    if "checkpoints" in header:
+    if "checkpoints" in header and reg.run_files(run.id, "checkpoint") != ckpts:
         reg.set_run_files(run.id, "checkpoint", dict(ckpts))
     return changed, {p: h["sha256"] for p, h in sorted(ckpts.items())}
 
@@ -259,8 +294,37 @@ class RunStatus:
         }
 
 
+@dataclass(frozen=True)
+class PointWindow:
+    """What judging a run reads of its stored points (a long run holds tens of thousands: they are never all
+    decoded for a verdict): the last window of steady points, the point of the highest step, the newest point
+    time, and the tok/s of the last `history` points for the trend."""
+
+    steady: tuple[MetricPoint, ...]
+    top: MetricPoint | None
+    last_time: float | None
+    history: tuple[float | None, ...]
+
+
+def _decoded(records: list[dict[str, Any]]) -> list[MetricPoint]:
+    return [p for p in (parse_line(json.dumps(rec)) for rec in records) if isinstance(p, MetricPoint)]
+
+
+def point_window(reg: Registry, run: RunRecord, *, window: int = 20, history: int = 20,
+                 last_time: bool = True) -> PointWindow:
+    """The run's PointWindow, in a few indexed reads however many points it has: what `verdict` would take from
+    `stored_points` (the same steady window, step and time), without decoding the rest. The newest point time
+    (a read of every point) only `last_time`: a verdict needs it only when no pull says when the log grew."""
+    n = reg.point_count(run.id)
+    steady = _decoded(reg.steady_points(run.id, skip=warmup_skip(n), last=window))
+    top = _decoded([rec for rec in [reg.top_point(run.id)] if rec is not None])
+    recent = _decoded(reg.recent_points(run.id, history))
+    return PointWindow(tuple(steady), top[0] if top else None, reg.last_point_time(run.id) if last_time else None,
+                       tuple(p.tok_s for p in recent))
+
+
 def judge(
-    run: RunRecord, points: list[MetricPoint], baseline: tuple[str, float] | None, *,
+    run: RunRecord, points: PointWindow, baseline: tuple[str, float] | None, *,
     pull: PullResult | None, slow_ratio: float = 0.8, stall_after_s: float = 600.0,
 ) -> Verdict:
     """metrics.verdict for a registry run: ended states from the record, idle time on the container's
@@ -276,10 +340,11 @@ def judge(
     last_time = pull.log_mtime if pull else None
     if not run.state.live and exit_status is None and crash is None:
         exit_status = 0  # ended without a status (should not happen): judge what it logged
-    v = verdict(points, baseline_tok_s=baseline[1] if baseline else None, now=now, last_step_time=last_time,
-                slow_ratio=slow_ratio, stall_after_s=stall_after_s,
-                exit_status=0 if run.state == Lifecycle.STOPPED else exit_status, crash=crash,
-                baseline_name=baseline[0] if baseline else None)
+    v = verdict_of_window(
+        points.steady, step=points.top.step if points.top else None, baseline_tok_s=baseline[1] if baseline else None,
+        now=now, last_step_time=last_time if last_time is not None else points.last_time, slow_ratio=slow_ratio,
+        stall_after_s=stall_after_s, exit_status=0 if run.state == Lifecycle.STOPPED else exit_status, crash=crash,
+        baseline_name=baseline[0] if baseline else None)
     if run.state == Lifecycle.STOPPED and v.state == RunState.FINISHED:
         v = replace(v, reason=v.reason.replace("finished", "stopped by ctl stop", 1)
                     + (f" (log shows {stopped_crash})" if stopped_crash else ""))
@@ -290,7 +355,12 @@ def baseline_rate(reg: Registry, base: Baseline | None) -> tuple[str, float] | N
     """(label, steady-state tok/s) of the baseline's stored points; None without points."""
     if base is None:
         return None
-    rate = steady_state(stored_points(reg, base.run))
+    if base.run.multi:  # its nodes' points, combined
+        whole = steady_state(stored_points(reg, base.run))
+        return (base.label, whole) if whole else None
+    n = reg.point_count(base.run.id)
+    rates = reg.steady_rates(base.run.id, skip=warmup_skip(n))  # steady_state of its points, without decoding them
+    rate = statistics.median(rates) if rates else None
     return (base.label, rate) if rate else None
 
 
@@ -300,49 +370,106 @@ def status_of(
 ) -> RunStatus:
     """One run's status line. `unreachable` (why its container did not answer) makes the verdict UNREACHABLE:
     the stored points still give step and rate, but no stall or crash is concluded from the silence."""
-    points = stored_points(reg, run)
+    points = point_window(reg, run, last_time=pull is None or pull.log_mtime is None)
     v = judge(run, points, baseline, pull=pull, slow_ratio=slow_ratio, stall_after_s=stall_after_s)
     if unreachable is not None:
         v = replace(v, state=RunState.UNREACHABLE, idle_s=None,
-                    reason=f"host did not answer; recorded state {run.state} kept: {unreachable}")
-    last = max(points, key=lambda p: p.step) if points else None
-    return RunStatus(run, v, last, tuple(p.tok_s for p in points[-20:]), baseline[0] if baseline else None,
-                     pull, error)
+                    reason=f"{unreachable}; recorded state {run.state} kept")
+    return RunStatus(run, v, points.top, points.history, baseline[0] if baseline else None, pull, error)
 
 
-# --- several runs, one connection pool -----------------------------------------------------------
+# --- several runs, one connection pool, one agent call per container ------------------------------
+
+
+@dataclass(frozen=True)
+class Polled:
+    """What one poll of several runs found: each run as recorded after its container answered, each pull
+    (or why there is none), and the containers that did not answer."""
+
+    runs: dict[int, RunRecord]
+    pulls: dict[int, PullResult | str]
+    #: containers whose host did not answer (connection refused, dropped, past its deadline: exit 5), with why
+    unreachable: dict[str, str]
+    warnings: tuple[str, ...]
+    failed: frozenset[str] = frozenset()  # containers whose call failed, for whatever reason
+
+
+def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], checkpoints: str | None, *,
+              states: bool = True, budget: int = DEFAULT_CHUNK) -> Polled:
+    """Refresh the live runs' states (with `states`) and pull every run's new log bytes, with ONE agent call
+    (`poll`) per container for all of its runs, the containers of a host sharing one exec (fanout), so a poll
+    of many runs costs one SSH connection per host and one round trip per container. The log bytes of one
+    container's call stay within `budget`, shared evenly; a run with more to read (a first pull of a long log)
+    reads on with logread calls of its own."""
+    by_ct: dict[str, list[RunRecord]] = {}
+    for r in recs:
+        if r.ct in inv.model.containers and (r.log_path or (states and r.state.live)):
+            by_ct.setdefault(r.ct, []).append(r)
+    pulls: dict[int, PullResult | str] = {r.id: f"container {r.ct} is not in the inventory" for r in recs
+                                          if r.ct not in inv.model.containers}
+    runs = {r.id: r for r in recs}
+    if not by_ct:
+        return Polled(runs, pulls, {}, ())
+
+    def one(ct: Container, t: Transport) -> tuple[list[RunRecord], dict[int, PullResult | str]]:
+        mine = by_ct[ct.name]
+        live = [r for r in mine if states and r.state.live]
+        got: dict[int, PullResult | str] = {}
+        pulling: dict[int, _Pull] = {}
+        for r in mine:
+            if r.log_path:
+                try:
+                    pulling[r.id] = _Pull(reg, r, chunk=budget, checkpoints=checkpoints, hashes=True)
+                except CtlError as e:
+                    got[r.id] = str(e)
+        share = max(1, budget // max(1, len(pulling)))  # an even share each: one long log starves no other run
+        asked = [{**state_request(r), "state": r in live,
+                  "read": pulling[r.id].args(share) if r.id in pulling else None} for r in mine]
+        agent = Agent(t)
+        answers, n_in, n_out = agent.poll(asked, max_bytes=budget)
+        fresh = mine
+        if live:
+            said = [st for r, (st, _) in zip(mine, answers, strict=True) if r in live]
+            fresh = record_states(reg, mine, live, checked_states(ct.name, said, len(live)))
+        reads = [(r, read) for r, (_, read) in zip(mine, answers, strict=True) if read is not None]
+        for r, (header, data) in reads:
+            p = pulling[r.id]
+            # the call's bytes, shared out: each run's own log bytes, and an equal part of the rest
+            share_in, share_out = n_in // len(reads), (n_out - sum(len(d) for _, (_, d) in reads)) // len(reads)
+            if header.get("code") == "missing" and r.state == Lifecycle.STARTING:
+                continue  # a launch still starting has no log yet: nothing to pull, nothing wrong
+            try:
+                more = p.take(agent, header, data, share_in, share_out + len(data))
+                got[r.id] = p.finish(agent) if more else p.result()  # more: past this call's budget
+            except CtlError as e:
+                got[r.id] = str(e)
+        return fresh, got
+
+    unreachable: dict[str, str] = {}
+    warnings: list[str] = []
+    outcomes = fanout(pool, [inv.container(c) for c in by_ct], one)
+    for o in outcomes:
+        if o.value is not None:
+            runs.update({r.id: r for r in o.value[0]})
+            pulls.update(o.value[1])
+            continue
+        why = o.error or "failed"
+        if states:
+            warnings.append(f"{o.ct}: state not refreshed: {why}")
+        if o.exit_code == int(ExitCode.CONNECTION):
+            unreachable[o.ct] = why
+        pulls.update({r.id: why for r in by_ct[o.ct] if r.log_path})
+    return Polled(runs, pulls, unreachable, tuple(warnings), frozenset(o.ct for o in outcomes if not o.ok))
 
 
 def pull_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], checkpoints: str | None
               ) -> dict[int, PullResult | str]:
     """Pull every run whose container is in the inventory: {run id: PullResult, or why it was not pulled}.
-    One agent call per run, the containers of a host sharing one exec (fanout). A run across several
-    containers is pulled node by node (the answers are keyed by the nodes' ids)."""
+    One agent call per container (poll_many without the state refresh). A run across several containers is
+    pulled node by node (the answers are keyed by the nodes' ids)."""
     recs = [m for r in recs for m in (reg.members(r.id) if r.multi else [r])]
-    by_ct: dict[str, list[RunRecord]] = {}
-    for r in recs:
-        if r.ct in inv.model.containers and r.log_path:
-            by_ct.setdefault(r.ct, []).append(r)
-    out: dict[int, PullResult | str] = {r.id: f"container {r.ct} is not in the inventory" for r in recs
-                                        if r.ct not in inv.model.containers}
-    if not by_ct:
-        return out
-
-    def one(ct: Container, t: Transport) -> dict[int, PullResult | str]:
-        got: dict[int, PullResult | str] = {}
-        for r in by_ct[ct.name]:
-            try:
-                got[r.id] = pull(t, reg, r, checkpoints=checkpoints)
-            except CtlError as e:
-                got[r.id] = str(e)
-        return got
-
-    for o in fanout(pool, [inv.container(c) for c in by_ct], one):
-        if o.value is not None:
-            out.update(o.value)
-        else:
-            out.update({r.id: o.error or "failed" for r in by_ct[o.ct]})
-    return out
+    polled = poll_many(inv, reg, pool, recs, checkpoints, states=False)
+    return {r.id: polled.pulls[r.id] for r in recs if r.id in polled.pulls}
 
 
 def baseline_for(inv: Inventory, reg: Registry, pool: Pool, rec: RunRecord, checkpoints: str | None
@@ -367,31 +494,69 @@ class StatusReport:
 
 def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *, slow_ratio: float,
              stall_after_s: float, checkpoints: str | None) -> StatusReport:
-    """`ctl status`: refresh the runs' states, pull their new log bytes and judge each against its baseline,
-    over one connection per host."""
-    refreshed = refresh_all(inv, reg, pool, recs)
-    warnings = list(refreshed.warnings)
-    # A container that did not answer is not asked again in this command (a second deadline to wait out).
-    reachable = [r for r in refreshed.runs if r.ct not in refreshed.unreachable]
-    pulled = pull_many(inv, reg, pool, reachable, checkpoints)
+    """`ctl status` and each poll of `ctl supervise`: refresh the runs' states, pull their new log bytes (and
+    those of any baseline with no points stored yet) and judge each run against its baseline, in one agent call
+    per container over one connection per host. A run across several containers is polled through its nodes,
+    then settled (commands/jobs.py: a node that ended badly makes it CRASHED, its surviving nodes are stopped)
+    and judged whole.
+
+    A live run whose container did not answer, or whose log could not be read, is UNREACHABLE: judged on stale
+    points it would look stalled, and nothing is known of it but that."""
+    from controller.commands import jobs
+
+    bases = {r.id: resolve_baseline(inv, reg, r) for r in recs}
+    members = {r.id: reg.members(r.id) for r in recs if r.multi}
+    asked = {m.id: m for r in recs for m in members.get(r.id) or ([] if r.multi else [r])}
+    for b in bases.values():  # a baseline with no points is read in the same calls
+        nodes = reg.members(b.run.id) if b is not None and b.run.multi else [b.run] if b is not None else []
+        if nodes and not any(m.id in asked for m in nodes) and not any(reg.point_count(m.id) for m in nodes):
+            asked.update({m.id: m for m in nodes})
+    polled = poll_many(inv, reg, pool, list(asked.values()), checkpoints)
+    warnings = list(polled.warnings)
+    rates: dict[int, tuple[str, float] | None] = {}
+    for b in {b.run.id: b for b in bases.values() if b is not None}.values():
+        got = [polled.pulls.get(m.id) for m in (reg.members(b.run.id) if b.run.multi else [b.run])]
+        bad = next((g for g in got if isinstance(g, str)), None)
+        if bad is not None and not any(reg.point_count(m.id) for m in (reg.members(b.run.id) if b.run.multi
+                                                                       else [b.run])):
+            warnings.append(f"baseline {b.label}: no points stored and pull failed: {bad}")
+        rates[b.run.id] = baseline_rate(reg, b)
+    job_silent: dict[int, str] = {}
+    for r in recs:  # runs across several containers: settled from what their nodes said
+        ms = [polled.runs.get(m.id, m) for m in members.get(r.id, [])]
+        if not ms or not (r.state.live or any(m.state.live for m in ms)):
+            continue
+        quiet = [m for m in ms if m.ct in polled.unreachable and m.state.live]
+        if quiet:  # one node unknown: the whole run is (its recorded state is kept)
+            job_silent[r.id] = f"host did not answer: node {quiet[0].ct}: {polled.unreachable[quiet[0].ct]}"
+            continue
+        if any(m.ct in polled.failed for m in ms):
+            continue  # a node could not be asked: nothing is concluded from the others alone
+        try:
+            jobs.settle(inv, reg, pool, r, ms)
+        except CtlError as e:
+            warnings.append(f"{r.ct}/{r.name}: not settled: {e}")
     out = []
-    for r in (reg.run_by_id(r.id) for r in refreshed.runs):  # crash signatures found by the pull
-        base, warning = baseline_for(inv, reg, pool, r, checkpoints)
-        if warning:
-            warnings.append(warning)
-        silent = refreshed.unreachable_run(r)
+    for r in (reg.run_by_id(r.id) for r in recs):  # re-read: states and crash signatures the poll recorded
+        base = bases[r.id]
+        rate = rates[base.run.id] if base is not None else None
         if r.multi:
-            st = job_status(r, reg, base, pulled, slow_ratio=slow_ratio, stall_after_s=stall_after_s,
+            silent = job_silent.get(r.id) if r.state.live else None
+            st = job_status(r, reg, rate, polled.pulls, slow_ratio=slow_ratio, stall_after_s=stall_after_s,
                             unreachable=silent)
             if st.error and r.state.live and silent is None:
                 warnings.append(f"{r.ct}/{r.name}: metrics not pulled: {st.error}")
             out.append(st)
             continue
-        res = pulled.get(r.id)
-        st = status_of(r, reg, base, pull=None if isinstance(res, str) else res, slow_ratio=slow_ratio,
+        res = polled.pulls.get(r.id)
+        silent = None
+        if r.state.live and r.ct in polled.unreachable:
+            silent = f"host did not answer: {polled.unreachable[r.ct]}"
+        elif isinstance(res, str) and r.state.live:
+            silent = f"its log could not be read: {res}"
+            warnings.append(f"{r.ct}/{r.name}: metrics not pulled: {res}")
+        st = status_of(r, reg, rate, pull=None if isinstance(res, str) else res, slow_ratio=slow_ratio,
                        stall_after_s=stall_after_s, error=res if isinstance(res, str) else silent, unreachable=silent)
-        if st.error and r.state.live and silent is None:  # an unreachable one is already warned about
-            warnings.append(f"{r.ct}/{r.name}: metrics not pulled: {st.error}")
         out.append(st)
     return StatusReport(tuple(out), tuple(warnings))
 
@@ -443,7 +608,7 @@ def job_status(run: RunRecord, reg: Registry, baseline: tuple[str, float] | None
     errors = [f"{m.ct}: {res}" for m in members if isinstance(res := pulled.get(m.id), str)]
     if unreachable is not None:
         v = replace(v, state=RunState.UNREACHABLE, idle_s=None,
-                    reason=f"host did not answer; recorded state {run.state} kept: {unreachable}")
+                    reason=f"{unreachable}; recorded state {run.state} kept")
     per_node = tuple({"ct": m.ct, "node_rank": m.node_rank, "state": str(m.state), "exit_status": m.exit_status,
                       "crash": m.crash, "idle_s": idle.get(m.ct),
                       "step": max((p.step for p in stored_points(reg, m)), default=None),

@@ -355,6 +355,11 @@ def _state_from(st: dict[str, Any]) -> tuple[Lifecycle, int | None]:
     return Lifecycle.LOST, None
 
 
+def state_request(r: RunRecord) -> dict[str, Any]:
+    """What the agent's runstate (and poll) needs to know of one run; a `starting` run asks for its record too."""
+    return {"name": r.name, "log": r.log_path, "session": r.session, "record": r.state == Lifecycle.STARTING}
+
+
 def refresh(inv: Inventory, ct: Container, t: Transport, reg: Registry, runs: list[RunRecord]) -> list[RunRecord]:
     """Ask the container about live runs (one round trip) and record what ended; a `starting` run (a launch
     in progress, or one whose answer was lost) is reconciled from the container's facts."""
@@ -362,9 +367,13 @@ def refresh(inv: Inventory, ct: Container, t: Transport, reg: Registry, runs: li
     if not live:
         return runs
     agent = Agent(t)
-    doc = agent.call("runstate", {"runs": [{"name": r.name, "log": r.log_path, "session": r.session,
-                                            "record": r.state == Lifecycle.STARTING} for r in live]})
-    states = _states(ct.name, agent.need(doc, "runs", list), len(live))
+    doc = agent.call("runstate", {"runs": [state_request(r) for r in live]})
+    return record_states(reg, runs, live, checked_states(ct.name, agent.need(doc, "runs", list), len(live)))
+
+
+def record_states(reg: Registry, runs: list[RunRecord], live: list[RunRecord], states: list[dict[str, Any]]
+                  ) -> list[RunRecord]:
+    """`runs` with what the container said of the `live` ones (`states`, in their order) recorded."""
     updated = {}
     for r, st in zip(live, states, strict=True):
         if r.state == Lifecycle.STARTING:
@@ -477,9 +486,11 @@ def follow(
         reconnect_s = follow_reconnect()
     assert run.log_path is not None
     crash = None
+    offset = 0  # lines < 0: the whole log, from its first byte
+    # Following all of it (`launch -f`) needs no history first: the first runstate below says whether the log exists.
     if start_offset is not None:  # the caller showed the history (several nodes' logs merged)
         offset = start_offset
-    else:
+    elif lines >= 0 or not follow:
         agent = Agent(t)
         info = agent.call("tailinfo", {"log": run.log_path, "lines": max(lines, 0)}, check=False)
         if not info.get("ok"):
@@ -487,16 +498,20 @@ def follow(
         for line in agent.need(info, "text", str).splitlines():
             emit(line)
             crash = _named(crash, detect(line))
-        offset = agent.need(info, "size", int) if lines >= 0 else 0  # lines < 0: the whole log, from byte 0
+        offset = agent.need(info, "size", int) if lines >= 0 else 0
     if not follow:
         return FollowEnd(run.exit_status, crash, run.state)
     splitter = LineSplitter()  # holds at most LINE_CAP bytes of an unfinished line, however long it gets
     crash_at: float | None = None
     tries = 0
     failing_since: float | None = None
+    first = True
     while True:
         try:
             st = _runstate(t, run)
+            if first and st.get("log_size") is None:
+                raise InputError(f"{run.ct}: cannot read {run.log_path}: it does not exist")
+            first = False
             if failing_since is not None:
                 if note is not None:
                     note(f"{run.ct}: reconnected after {time.monotonic() - failing_since:.0f}s; "
@@ -573,10 +588,10 @@ def state_of(t: Transport, run: RunRecord) -> tuple[Lifecycle, int | None]:
 def _runstate(t: Transport, run: RunRecord) -> dict[str, Any]:
     agent = Agent(t)
     doc = agent.call("runstate", {"runs": [{"name": run.name, "log": run.log_path, "session": run.session}]})
-    return _states(run.ct, agent.need(doc, "runs", list), 1)[0]
+    return checked_states(run.ct, agent.need(doc, "runs", list), 1)[0]
 
 
-def _states(ct: str, states: list[Any], n: int) -> list[dict[str, Any]]:
+def checked_states(ct: str, states: list[Any], n: int) -> list[dict[str, Any]]:
     """The agent's runstate answer for n runs, checked: one dict each, numbers where numbers go."""
     if len(states) != n or not all(
             isinstance(st, dict) and all(isinstance(st.get(k), int | None) for k in ("exit", "pid", "log_size"))

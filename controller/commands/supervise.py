@@ -137,8 +137,9 @@ class Supervisor:
         return out
 
     def _verdict(self, st: RunStatus) -> str:
-        # A live run whose log could not be read is judged on stale points: call it what it is.
-        if st.verdict.state == RunState.UNREACHABLE or (st.error is not None and st.run.state.live):
+        # monitor.statuses decides UNREACHABLE (a container that did not answer, a live run's log not read),
+        # so `ctl status` and the supervisor agree
+        if st.verdict.state == RunState.UNREACHABLE:
             return UNREACHABLE
         if st.run.state == Lifecycle.STOPPED:
             return "stopped"
@@ -158,7 +159,8 @@ class Supervisor:
             "run_id": run.id, "state": str(run.state), "exit_status": run.exit_status, "crash": v.crash or run.crash,
             "step": v.step, "tok_s": v.tok_s, "baseline": v.baseline_name, "baseline_tok_s": v.baseline_tok_s,
             "ratio": v.ratio, "reason": reason, "log": run.log_path, "look": f"ctl tail {run.ct}/{run.name}",
-            "last_lines": self._last_lines(pool, run) if verdict not in (UNREACHABLE, "ok", "warmup") else [],
+            # one more round trip, for verdicts someone acts on only (a first sight of a healthy run is not one)
+            "last_lines": self._last_lines(pool, run) if verdict not in HEALTHY_FIRST_SIGHT | {UNREACHABLE} else [],
         }
         wanted = self.s.policy.wants(verdict) and run.state != Lifecycle.STOPPED
         action = "none"

@@ -379,13 +379,19 @@ def steady_points(
     rate needs another window or two to forget it). The fraction makes a long run's judgement rest on
     its later part even if its logging interval is short.
     """
+    ordered = sorted(points, key=lambda p: p.step)
+    skip = warmup_skip(len(ordered), warmup_steps=warmup_steps, warmup_fraction=warmup_fraction)
+    return [p for p in ordered[skip:] if p.tok_s is not None and math.isfinite(p.tok_s) and p.tok_s > 0]
+
+
+def warmup_skip(n: int, *, warmup_steps: int = DEFAULT_WARMUP_STEPS,
+                warmup_fraction: float = DEFAULT_WARMUP_FRACTION) -> int:
+    """How many of a run's first `n` logged points (in step order) are its warm-up (see `steady_points`)."""
     if warmup_steps < 0 or not 0.0 <= warmup_fraction < 1.0:
         raise InputError(
             f"warm-up must be >= 0 steps and a fraction in [0, 1): got {warmup_steps}, {warmup_fraction}"
         )
-    ordered = sorted(points, key=lambda p: p.step)
-    skip = max(warmup_steps, math.ceil(warmup_fraction * len(ordered)))
-    return [p for p in ordered[skip:] if p.tok_s is not None and math.isfinite(p.tok_s) and p.tok_s > 0]
+    return max(warmup_steps, math.ceil(warmup_fraction * n))
 
 
 def steady_state(
@@ -521,21 +527,45 @@ def verdict(
     newest point's `time`. `exit_status` is None while the run is alive. tok/s is the median of the
     last `window` steady points, so a run that degrades mid-way is caught within one window.
     """
+    if min_steady_points < 1 or window < min_steady_points:
+        raise InputError(f"need 1 <= min_steady_points <= window, got {min_steady_points}, {window}")
+    steady = steady_points(points, warmup_steps=warmup_steps, warmup_fraction=warmup_fraction)[-window:]
+    step = max((p.step for p in points), default=None)
+    if last_step_time is None:
+        last_step_time = max((p.time for p in points if p.time is not None), default=None)
+    return verdict_of_window(steady, step=step, baseline_tok_s=baseline_tok_s, now=now,
+                             last_step_time=last_step_time, slow_ratio=slow_ratio, stall_after_s=stall_after_s,
+                             exit_status=exit_status, crash=crash, min_steady_points=min_steady_points,
+                             baseline_name=baseline_name)
+
+
+def verdict_of_window(
+    steady: Sequence[MetricPoint],
+    *,
+    step: int | None,
+    baseline_tok_s: float | None,
+    now: float,
+    last_step_time: float | None,
+    slow_ratio: float = 0.8,
+    stall_after_s: float = 600.0,
+    exit_status: int | None,
+    crash: str | None,
+    min_steady_points: int = 3,
+    baseline_name: str | None = None,
+) -> Verdict:
+    """`verdict` from what it reads of the points: the last window of steady points (`steady_points(...)[-window:]`),
+    the highest step and when the log last grew. A registry run is judged this way without decoding every point
+    it ever logged (commands/monitor.point_window)."""
     if baseline_tok_s is not None and not (math.isfinite(baseline_tok_s) and baseline_tok_s > 0):
         raise InputError(f"baseline throughput must be a positive number of tok/s, got {baseline_tok_s!r}")
     if not 0.0 < slow_ratio <= 1.0:
         raise InputError(f"slow ratio must be in (0, 1], got {slow_ratio!r}")
     if not stall_after_s > 0:
         raise InputError(f"stall time must be positive seconds, got {stall_after_s!r}")
-    if min_steady_points < 1 or window < min_steady_points:
-        raise InputError(f"need 1 <= min_steady_points <= window, got {min_steady_points}, {window}")
-
-    steady = steady_points(points, warmup_steps=warmup_steps, warmup_fraction=warmup_fraction)[-window:]
+    if min_steady_points < 1:
+        raise InputError(f"need min_steady_points >= 1, got {min_steady_points}")
     tok_s = statistics.median([p.tok_s for p in steady if p.tok_s is not None]) if steady else None
     ratio = tok_s / baseline_tok_s if tok_s is not None and baseline_tok_s else None
-    step = max((p.step for p in points), default=None)
-    if last_step_time is None:
-        last_step_time = max((p.time for p in points if p.time is not None), default=None)
     idle = now - last_step_time if last_step_time is not None else None
     base = _baseline_text(baseline_tok_s, baseline_name)
     rate = _rate_text(tok_s, ratio, base)

@@ -27,6 +27,8 @@ Verbs (each prints one JSON document on stdout; exit 0 when "ok" is true):
   stop     JSON-ARGS               SIGINT the run's process group, escalate, end its session
   tailinfo JSON-ARGS               log size and last N lines
   logread  JSON-ARGS               a JSON header line, then raw log bytes from an offset (+ file hashes)
+  poll     JSON-ARGS               runstate + logread of every run of the container in one call: a JSON
+                                   header line, then the runs' log bytes back to back
   cachestat JSON-ARGS              compile cache size, entries (fxgraph/aotautograd/triton), marker; saved caches
   cachemark JSON-ARGS              write the cache's ctl-cache.json marker (torch build that filled it)
   cachesave JSON-ARGS              tar.gz of the cache + sidecar JSON (sha256, torch build); never overwrites
@@ -1020,14 +1022,12 @@ def _hash_known(path, known):
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
 
 
-def logread(args):
-    """Bytes of a log from an offset: one JSON header line, then exactly `length` raw bytes.
-
-    The header says where the bytes start ("offset": 0 again, with "reset" saying why, when the log
-    was truncated or replaced since `ident`), the log's size, mtime and new ident (inode + hash of its
-    first bytes), the agent's clock, and optionally the hashes of files and of checkpoints (a hash is
-    only recomputed when a file's size or mtime differs from what the caller already knows).
-    """
+def _logread(args):
+    """(header, bytes) of `logread`: the header says where the bytes start ("offset": 0 again, with "reset"
+    saying why, when the log was truncated or replaced since `ident`), the log's size, mtime and new ident
+    (inode + hash of its first bytes), the agent's clock, and optionally the hashes of files and of
+    checkpoints (a hash is only recomputed when a file's size or mtime differs from what the caller already
+    knows). At most "max_bytes" log bytes."""
     root = args.get("root", "/")
     path = _under(root, args["log"])
     offset = int(args.get("offset", 0))
@@ -1071,9 +1071,47 @@ def logread(args):
                 found[rel] = h
         out["checkpoints"] = found
     out["length"] = len(data)
+    return out, data
+
+
+def logread(args):
+    """Bytes of a log from an offset: one JSON header line (see _logread), then exactly `length` raw bytes."""
+    out, data = _logread(args)
     sys.stdout.buffer.write(json.dumps(out).encode() + b"\n" + data)
     sys.stdout.flush()
     return 0 if out.get("ok") else 1
+
+
+def poll(args):
+    """Every run of one container in one call (`ctl status`, `ctl supervise`): for each run, its state (as
+    runstate) when "state" is set, then its log's new bytes (as logread) when "read" holds logread's
+    arguments. States are read first, so a run seen ended has all its output in the bytes that follow.
+
+    One JSON header line {"ok", "now", "runs": [{"state": {...} | null, "read": header | null}], "length"},
+    then every read's bytes back to back, in the order of "runs" (each read header's "length" says how many
+    are its own). All reads together return at most "max_bytes": once it is spent, a run gets an empty read
+    whose offset and size tell the caller that more is waiting."""
+    root = args.get("root", "/")
+    left = max(0, int(args.get("max_bytes", 8 << 20)))
+    runs = args["runs"]
+    asked = [r for r in runs if r.get("state")]
+    states = iter(runstate({"root": root, "runs": asked})["runs"]) if asked else iter(())
+    out, data = [], []
+    for r in runs:
+        entry = {"state": next(states) if r.get("state") else None, "read": None}
+        if r.get("read") is not None:
+            read = dict(r["read"], root=root, log=r["log"])
+            read["max_bytes"] = min(int(read.get("max_bytes", left)), left)
+            head, chunk = _logread(read)
+            left -= len(chunk)
+            entry["read"] = head
+            data.append(chunk)
+        out.append(entry)
+    blob = b"".join(data)
+    doc = {"ok": True, "now": time.time(), "runs": out, "length": len(blob)}
+    sys.stdout.buffer.write(json.dumps(doc).encode() + b"\n" + blob)
+    sys.stdout.flush()
+    return 0
 
 
 def sync(root, store, deploy_id, stream):
@@ -1584,6 +1622,8 @@ def main(argv):
         out = apply(argv[1], argv[2], argv[3], sys.stdin.buffer)
     elif verb == "logread":
         return logread(json.loads(argv[1]))
+    elif verb == "poll":
+        return poll(json.loads(argv[1]))
     elif verb in ("cachestat", "cachemark", "cachesave", "cacherestore", "envfacts"):
         out = {"cachestat": cachestat, "cachemark": cachemark, "cachesave": cachesave,
                "cacherestore": cacherestore, "envfacts": envfacts}[verb](json.loads(argv[1]))

@@ -9,8 +9,8 @@ missing keys, a short read) is one line naming the container, never a traceback.
 The agent's wire format: `python3 -I -S -c BOOT N VERB ARGS...`; stdin is N bytes of agent source, then
 the verb's input. Positional verbs (hashes, sync, apply) take ROOT first; the others take one JSON
 argument that holds "root". Each answers one JSON document on stdout ({"ok": bool, "error": text,
-"code": name, ...}), except logread (a JSON header line, then raw bytes) and sync (a conversation: one
-JSON line each way, then a tar).
+"code": name, ...}), except logread and poll (a JSON header line, then raw bytes) and sync (a conversation:
+one JSON line each way, then a tar).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ ERRORS: Mapping[str, tuple[type[CtlError], str]] = {
 
 POSITIONAL = frozenset({"hashes", "sync", "apply"})
 
-#: The largest answer (stdout + stderr) ctl accepts from one agent verb; logread's raw bytes come on top.
+#: The largest answer (stdout + stderr) ctl accepts from one agent verb; the raw log bytes of logread and poll
+#: (at most the "max_bytes" asked for) come on top.
 #: Every verb answers far less; more is a foreign python3 or a runaway, refused with one line.
 MAX_REPLY = 16 << 20
 
@@ -116,6 +117,39 @@ class Agent:
             raise ConnectionFailed(f"{self.name}: {verb} cut short: {len(data)} of {doc.get('length')} bytes "
                                    "arrived")
         return doc, data, len(stdin) + len(argv[-1]), len(res.stdout) + len(res.stderr)
+
+    def poll(self, runs: Sequence[Mapping[str, Any]], *, max_bytes: int, timeout: float | None = None
+             ) -> tuple[list[tuple[dict[str, Any] | None, tuple[dict[str, Any], bytes] | None]], int, int]:
+        """Verb `poll`: the state and the new log bytes of several runs of this container in one call.
+        Each of `runs` is {"name", "log", "session", "state": bool, "record": bool, "read": logread's arguments
+        or None}; the answer is [(state or None, (read header, its bytes) or None)] in that order, and (wire
+        out, wire in). Every entry's kind and every byte count is checked against what arrived."""
+        doc, data, n_in, n_out = self.read("poll", {"runs": list(runs), "max_bytes": max_bytes}, timeout=timeout)
+        if not doc.get("ok"):
+            raise self.error(doc)
+        entries = self.need(doc, "runs", list)
+        if len(entries) != len(runs):
+            raise AgentReplyError(f"{self.name}: agent poll: {len(entries)} answers for {len(runs)} runs")
+        out: list[tuple[dict[str, Any] | None, tuple[dict[str, Any], bytes] | None]] = []
+        pos = 0
+        for want, entry in zip(runs, entries, strict=True):
+            state: Any = entry.get("state") if isinstance(entry, dict) else "?"
+            read: Any = entry.get("read") if isinstance(entry, dict) else "?"
+            if (state is not None if not want.get("state") else not isinstance(state, dict)) or (
+                    read is not None if want.get("read") is None else not isinstance(read, dict)):
+                raise AgentReplyError(f"{self.name}: agent poll: malformed answer for run {want.get('name')!r}")
+            chunk = None
+            if isinstance(read, dict):
+                n = read.get("length")
+                if not isinstance(n, int) or isinstance(n, bool) or n < 0 or pos + n > len(data):
+                    raise AgentReplyError(f"{self.name}: agent poll: run {want.get('name')!r} claims "
+                                          f"{str(n)[:20]} log bytes; {len(data) - pos} are left in the reply")
+                chunk = (read, data[pos:pos + n])
+                pos += n
+            out.append((state, chunk))
+        if pos != len(data):
+            raise AgentReplyError(f"{self.name}: agent poll: {len(data) - pos} log bytes belong to no run")
+        return out, n_in, n_out
 
     def open(self, verb: str, *args: str) -> Duplex:
         """Start a conversation verb (sync); the caller sends `agent_source()` first."""

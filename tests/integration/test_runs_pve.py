@@ -320,31 +320,56 @@ def test_env_sync_refuses_while_a_run_is_live(pve_env: Env) -> None:
         pve_env.ctl("stop", "busyenv", "--grace", "2")
 
 
-def test_status_of_several_containers_opens_one_ssh_connection_per_host(pve_env: Env) -> None:
-    """`ctl status` refreshes run states and pulls metrics over ONE pool: each host is connected to once
-    (sshd's own log counts the logins), not once per step."""
-    deployed(pve_env, "ct200", steps=400, interval=0.05)
-    pve_env.ctl("deploy", "ct201", "--allow-dirty", check=True)
-    for ct, run in (("ct200", "one"), ("ct201", "two")):
-        r = pve_env.ctl("launch", ct, "--run", run)
-        assert r.returncode == 0, r.stdout + r.stderr
-    sshd_log = pve_env.host.base / "pve1" / "sshd.log"
+def test_status_and_supervise_of_many_runs_cost_one_connection_per_host_and_one_agent_call_per_container(
+        pve_env: Env) -> None:
+    """`ctl status` (and one `ctl supervise` poll) of five live runs in three containers on two hosts: each host is
+    connected to once at most (sshd's own log counts the logins: none with the sessions the launches left, one with
+    sessions off) and each container gets exactly one agent exec (the test host's pct journal counts them): the
+    states and new log bytes of all of its runs in one `poll`."""
+    deployed(pve_env, "ct200", steps=100000, interval=0.2)
+    for ct in ("ct201", "ct300"):
+        pve_env.ctl("deploy", ct, "--allow-dirty", check=True)
+    runs = {"ct200": ["a1", "a2"], "ct201": ["b1"], "ct300": ["c1", "c2"]}
+    for ct, names in runs.items():
+        for run in names:
+            r = pve_env.ctl("launch", ct, "--run", run)
+            assert r.returncode == 0, r.stdout + r.stderr
+    host = pve_env.host
 
-    def logins() -> int:
-        return sshd_log.read_text(errors="replace").count("Accepted publickey")
+    def logins() -> dict[str, int]:
+        return {n: (host.base / n / "sshd.log").read_text(errors="replace").count("Accepted publickey")
+                for n in ("pve1", "pve2")}
+
+    def agent_verbs(since: dict[str, int]) -> dict[str, list[str]]:
+        """{vmid: the agent verbs exec'd in it} from the pct journals, past `since` entries of each node."""
+        out: dict[str, list[str]] = {}
+        for node, skip in since.items():
+            for call in host.pct_calls(node)[skip:]:
+                assert call["cmd"] == "exec", call  # nothing but agent execs: no pct status, push or pull
+                out.setdefault(call["args"][0], []).append(call["argv"][6])  # python3 -I -S -c BOOT N VERB
+        return out
 
     try:
-        # Sessions on (the default): the launches' session serves status too, no new login; off: one login.
+        # Sessions on (the default): the launches' sessions serve these too, no new login; off: one login per host.
         for persist, new_logins in ((None, 0), ("0", 1)):
             env = pve_env.env if persist is None else {**pve_env.env, "CTL_PERSIST": persist}
-            before = logins()
-            r = subprocess.run([sys.executable, "-m", "controller", "-i", str(pve_env.inventory), "--json", "status",
-                                "ct200", "ct201"], capture_output=True, text=True, env=env, timeout=120)
-            assert r.returncode in (0, 21, 22), r.stdout + r.stderr
-            rows = {row["run"]: row for row in json.loads(r.stdout)}
-            assert set(rows) == {"one", "two"} and all(row["state"] == "running" for row in rows.values())
-            time.sleep(0.5)  # sshd writes its log line as the login completes
-            assert logins() - before == new_logins, persist
+            for cmd in (["--json", "status", "ct200", "ct201", "ct300"],
+                        ["supervise", "--once", "ct200", "ct201", "ct300"]):
+                before, calls = logins(), {n: len(host.pct_calls(n)) for n in ("pve1", "pve2")}
+                r = subprocess.run([sys.executable, "-m", "controller", "-i", str(pve_env.inventory), *cmd],
+                                   capture_output=True, text=True, env=env, timeout=120)
+                assert r.returncode in (0, 21, 22), r.stdout + r.stderr
+                if cmd[0] == "--json":
+                    rows = {row["run"]: row for row in json.loads(r.stdout)}
+                    assert set(rows) == {"a1", "a2", "b1", "c1", "c2"}
+                    assert all(row["state"] == "running" and row["error"] is None for row in rows.values()), rows
+                else:
+                    assert all(f"{ct}/{run}" in r.stdout for ct, names in runs.items() for run in names), r.stdout
+                time.sleep(0.5)  # sshd writes its log line as the login completes
+                after = logins()
+                assert {n: after[n] - before[n] for n in after} == {"pve1": new_logins, "pve2": new_logins}, cmd
+                assert agent_verbs(calls) == {"200": ["poll"], "201": ["poll"], "300": ["poll"]}, (persist, cmd)
     finally:
-        for run in ("one", "two"):
-            pve_env.ctl("stop", run, "--grace", "1")
+        for names in runs.values():
+            for run in names:
+                pve_env.ctl("stop", run, "--grace", "1")

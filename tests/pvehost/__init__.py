@@ -1,6 +1,6 @@
 """A faithful local Proxmox VE host for the integration tests: sshd per node, real LXC containers, pct.
 
-    python -m tests.pvehost up [--dir D] [--port P]   # default dir /tmp/ctl-pvehost (CTL_PVEHOST_DIR)
+    python -m tests.pvehost up [--dir D] [--port P] [--extra-cts N]   # default dir /tmp/ctl-pvehost (CTL_PVEHOST_DIR)
     python -m tests.pvehost status [--dir D]
     python -m tests.pvehost down [--dir D]
 """

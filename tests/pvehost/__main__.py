@@ -1,4 +1,4 @@
-"""`python -m tests.pvehost up|down|status [--dir D] [--port P]`: the test host by hand."""
+"""`python -m tests.pvehost up|down|status [--dir D] [--port P] [--extra-cts N]`: the test host by hand."""
 
 from __future__ import annotations
 
@@ -18,12 +18,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=os.environ.get("CTL_PVEHOST_DIR", DEFAULT_DIR),
                     help="base directory (default: $CTL_PVEHOST_DIR or %(default)s)")
     ap.add_argument("--port", type=int, default=int(os.environ.get("CTL_PVEHOST_PORT", DEFAULT_PORT)))
+    ap.add_argument("--extra-cts", type=int, default=0, metavar="N",
+                    help="N more containers on each node (numbered on from its last), e.g. 18 for 40 in all")
     args = ap.parse_args(argv)
     base = Path(args.dir)
     try:
         if args.action == "up":
             t0 = time.monotonic()
-            host = PveHost(base=base, port=args.port).up()
+            if args.extra_cts < 0:
+                raise PveHostError(f"--extra-cts must be 0 or more, got {args.extra_cts}")
+            host = PveHost(base=base, port=args.port, extra_cts=args.extra_cts).up()
             print(f"up in {time.monotonic() - t0:.1f}s at {host.base}")
             _describe(host)
             inv = _write_inventory(host)
