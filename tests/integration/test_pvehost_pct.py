@@ -459,7 +459,8 @@ def test_up_and_down_leave_nothing_behind(pvehost: PveHost, tmp_path_factory: py
                    ct_ssh_vmid=None, small_tmpfs={})
     mini.up()
     try:
-        assert run(mini, "pve9", "pct", "list")[1].splitlines()[1].startswith("900 ")
+        rc, out, err = run(mini, "pve9", "pct", "list")
+        assert out.splitlines()[1:2] and out.splitlines()[1].startswith("900 "), (rc, out, err)
         assert ct(mini, 900, "tmux", "new-session", "-d", "-s", "left", "sleep 999")[0] == 0
         assert leftover_processes(base)
     finally:
