@@ -10,6 +10,7 @@ import io
 import os
 import subprocess
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -452,8 +453,10 @@ def test_container_over_direct_ssh(h: PveHost) -> None:
 # --- bring-up and teardown of another, smaller host ---------------------------------------------
 
 
-def test_up_and_down_leave_nothing_behind(pvehost: PveHost, tmp_path_factory: pytest.TempPathFactory) -> None:
-    base = Path(tmp_path_factory.mktemp("minihost"))
+def test_up_and_down_leave_nothing_behind(pvehost: PveHost) -> None:
+    # A short base: ssh's ControlPath under it must fit a Unix socket's 108 bytes, which pytest's own temp paths
+    # (…/pytest-of-root/pytest-N/popen-gw0/minihost0/cm/<40 hex>.<16>) do not under xdist.
+    base = Path(tempfile.mkdtemp(prefix="ctl-mini-"))
     port = find_free_port(["127.0.0.5"], start=pvehost.port + 1)
     mini = PveHost(base=base, port=port, nodes=(NodeSpec("pve9", "127.0.0.5", (900,)),),
                    ct_ssh_vmid=None, small_tmpfs={})
