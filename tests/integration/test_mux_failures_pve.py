@@ -271,13 +271,11 @@ def test_session_killed_9_leaves_a_stale_socket_that_the_next_command_replaces(e
     _, pid = _session(env.ctl("--debug", "ping", "ct200", check=True))
     (info,) = _infos(env)
     sock = Path(str(info["socket"]))
-    inode = sock.stat().st_ino
     os.kill(pid, signal.SIGKILL)
     _wait(lambda: not _alive(pid), 20, "the killed session to be gone")
     assert sock.exists()  # nobody removed it: stale
     how, new = _session(env.ctl("--debug", "ping", "ct200", check=True))
-    assert how == "started" and new != pid
-    assert sock.stat().st_ino != inode
+    assert how == "started" and new != pid  # (not the socket's inode: a filesystem may give the new one the same)
     st = env.ctl("mux", "status", "--json", check=True)
     assert [(d["pid"], d["live"]) for d in json.loads(st.stdout)] == [(new, True)]
 
