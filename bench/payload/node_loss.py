@@ -28,6 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "remote_payload" / "train_dflash_pipeline.py"
+sys.path.insert(0, str(ROOT))
+from tests.payload.test_multinode import alive, children  # noqa: E402 (the same /proc reading as the test)
+
 LOOP = """import time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.zeros(1)
@@ -42,26 +45,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-            except (OSError, IndexError):
-                pass
-    return out
 
 
 def case(kind: str, victim: int, base: Path, limit: float) -> dict:
