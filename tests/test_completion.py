@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,55 @@ def test_typers_own_answer_agrees(world: dict[str, str]) -> None:
 
 def test_the_spec_is_the_apps_command_tree() -> None:
     assert complete.build_spec() == SPEC, "run `python -m controller.cli.complete --write` after changing a command"
+
+
+ORPHAN = """
+import os, subprocess, sys, time
+import shellingham
+parent = os.getpid()
+if os.fork():
+    os._exit(0)  # the child goes on as an orphan: no shell among its parents, as under a CI runner or cron
+deadline = time.monotonic() + 10
+while os.getppid() == parent and time.monotonic() < deadline:
+    time.sleep(0.01)
+try:
+    shell = shellingham.detect_shell()[0]
+except shellingham.ShellDetectionFailure:
+    shell = "-"
+r = subprocess.run(sys.argv[2:], capture_output=True, text=True)
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(f"{r.returncode} {shell}\\n{r.stdout}{r.stderr}")
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+"""
+
+
+def test_completion_without_a_detectable_shell(world: dict[str, str], tmp_path: Path) -> None:
+    """With no shell among its parents, `--install-completion` alone asks for the shell in one line (typer says
+    'Shell None is not supported'), and `--install-completion bash` installs for bash (typer ignored the name)."""
+    def orphan(*args: str) -> tuple[int, str, str]:
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
+        parent = subprocess.Popen([sys.executable, "-c", ORPHAN, str(out), sys.executable, "-m", "controller", *args],
+                                  env=world, cwd=world["PWD"])
+        parent.wait(timeout=30)
+        for _ in range(600):
+            if out.exists():
+                head, text = out.read_text().split("\n", 1)
+                code, shell = head.split(" ")
+                return int(code), shell, text
+            time.sleep(0.05)
+        raise AssertionError(f"ctl {' '.join(args)} never answered")
+
+    code, shell, text = orphan("--install-completion")
+    if shell == "-":
+        assert code == 2 and text.count("\n") == 1 and "name it: ctl --install-completion bash" in text, text
+        assert not (Path(world["HOME"]) / ".bash_completions").exists()
+    else:  # this machine's process 1 (or a subreaper) is itself a shell: detection works even for an orphan
+        assert code == 0 and f"{shell} completion installed" in text, text
+    code, _, text = orphan("--install-completion", "bash")
+    assert code == 0 and "bash completion installed" in text, text
+    assert "_CTL_COMPLETE=complete_bash" in (Path(world["HOME"]) / ".bash_completions" / "ctl.sh").read_text()
+    code, _, text = orphan("--show-completion", "tcsh")
+    assert code == 2 and "'tcsh': not a shell ctl completes" in text, text
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")

@@ -116,7 +116,33 @@ def main() -> None:
         sys.exit(answer())
     if _plain_help(sys.argv[1:]):
         sys.exit(0)
+    _completion_shell(sys.argv[1:])
     _main()
+
+
+SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
+
+
+def _completion_shell(argv: list[str]) -> None:
+    """`ctl --install-completion [SHELL]` (and --show-completion): typer detects the shell from the process tree,
+    which finds none under a CI runner, cron or an exec'ing wrapper, and then ignores a shell named after the flag.
+    A named shell is used as given; an undetectable one is asked for in one line."""
+    if not argv or argv[0] not in ("--install-completion", "--show-completion") or len(argv) > 2:
+        return
+    if len(argv) == 2:
+        if argv[1] not in SHELLS:
+            sys.stderr.write(f"ctl: error: {argv[0]} {argv[1]!r}: not a shell ctl completes ({', '.join(SHELLS)})\n")
+            sys.exit(2)
+        os.environ["_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION"] = "1"  # typer's option then takes the shell
+        return
+    import shellingham
+
+    try:
+        shellingham.detect_shell()
+    except shellingham.ShellDetectionFailure:
+        sys.stderr.write(f"ctl: error: {argv[0]}: no shell found among this process's parents; name it: "
+                         f"ctl {argv[0]} bash (or {', '.join(SHELLS[1:])})\n")
+        sys.exit(2)
 
 
 def _main() -> None:
