@@ -295,6 +295,28 @@ exec python3 {{ root }}{{ payload["emit_metrics.py"] }} --no-preamble $(cat {{ r
 """
 
 
+def interrupt(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    """Ctrl-C to a ctl started with PYTHONFAULTHANDLER=1 (faulthandler_env), then its output. If it has not ended
+    within `timeout`, SIGABRT makes it print every thread's stack, and the failure shows where it hung."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise AssertionError(f"not ended {timeout:g}s after Ctrl-C; its threads then:\n{out or ''}\n{err or ''}"
+                             ) from None
+    return out or "", err or ""
+
+
+def faulthandler_env(env: dict[str, str]) -> dict[str, str]:
+    return {**env, "PYTHONFAULTHANDLER": "1"}
+
+
 @dataclass
 class Env:
     dir: Path

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import pytest
 
 from controller.errors import ExitCode
-from tests.conftest import Env
+from tests.conftest import Env, faulthandler_env, interrupt
 
 pytestmark = pytest.mark.skipif(subprocess.run(["which", "tmux"], capture_output=True).returncode != 0,
                                 reason="tmux is not installed")
@@ -160,7 +160,7 @@ def test_restarts_end_with_gave_up(sup: Env) -> None:
 def test_one_supervisor_per_state_directory(sup: Env) -> None:
     cmd = [sys.executable, "-m", "controller", "-i", str(sup.inventory), "supervise", "--interval", "1s"]
     holder = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=sup.dir,
-                              env=sup.env)
+                              env=faulthandler_env(sup.env))
     try:
         assert holder.stdout is not None
         assert holder.stdout.readline().startswith("supervising loc")
@@ -168,8 +168,7 @@ def test_one_supervisor_per_state_directory(sup: Env) -> None:
         assert second.returncode == ExitCode.BUSY
         assert "another supervisor holds" in second.stderr and "--standby" in second.stderr
     finally:
-        holder.send_signal(signal.SIGINT)
-        out, _err = holder.communicate(timeout=30)
+        out, _err = interrupt(holder, 30)
     assert holder.returncode == 0 and "runs keep training" in out
 
 

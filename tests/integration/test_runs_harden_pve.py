@@ -69,6 +69,7 @@ def test_a_run_whose_launch_answer_was_lost_stays_known(pve_env: Env, slow_tmux:
         while not Path(f"{log}.pid").exists():  # tmux started the run; the agent has not answered yet
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
+        cut_at = time.monotonic()
         if cut == "sigint":
             proc.send_signal(signal.SIGINT)  # Ctrl-C
         else:
@@ -77,12 +78,13 @@ def test_a_run_whose_launch_answer_was_lost_stays_known(pve_env: Env, slow_tmux:
                                  text=True).stdout
             for pid in out.split():  # every SSH session of the host: the launch's connection drops
                 os.kill(int(pid), signal.SIGKILL)
-        _out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode != 0
+    # The wrapper holds the answer 20 s: an exit 0 sooner than that means the cut was not seen.
+    assert proc.returncode != 0, f"exit 0 {time.monotonic() - cut_at:.1f}s after the cut:\n{out}\n{err}"
     if cut == "ssh-drop":
         assert proc.returncode == ExitCode.CONNECTION, err
         assert "run cut1 may have started" in err, err

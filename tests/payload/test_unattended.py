@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import faulthandler_env, interrupt
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 300
 
@@ -71,8 +73,8 @@ def test_a_run_killed_twice_finishes_on_its_own(tmp_path: Path) -> None:
     ctl("deploy", "local", "--allow-dirty")
     ctl("launch", "local")
     sup = subprocess.Popen([sys.executable, "-m", "controller", "supervise", "--interval", "1s", "--restart",
-                            "on-failure:3", "--backoff", "1s"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+                            "on-failure:3", "--backoff", "1s"], cwd=tmp_path, env=faulthandler_env(env),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         kill("fresh1", 25)
         wait(lambda: "resumed from step" in (log("fresh2").read_text() if log("fresh2").exists() else ""),
@@ -80,8 +82,7 @@ def test_a_run_killed_twice_finishes_on_its_own(tmp_path: Path) -> None:
         kill("fresh2", resumed_from("fresh2") + 15)  # past its next checkpoint (every 10): fresh3 resumes later
         wait(lambda: Path(str(log("fresh3")) + ".exit").exists(), "fresh3 to finish", timeout=300)
     finally:
-        sup.send_signal(signal.SIGINT)
-        out, _ = sup.communicate(timeout=60)
+        out, _ = interrupt(sup, 60)
     assert "relaunched as fresh2" in out and "relaunched as fresh3" in out, out
     assert Path(str(log("fresh3")) + ".exit").read_text().strip() == "0"
     tree = ctl("runs", "--tree").stdout
