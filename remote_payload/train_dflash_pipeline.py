@@ -39,7 +39,9 @@ starved by its targets).
 
 Data: --data FILE (required with --model PATH): JSONL conversations / text, or .txt, tokenised with the target's
 chat template, loss on assistant tokens only, cached memory-mapped under --cache-dir (dflash_data.py). tiny and
-1b train on generated patterns unless given --data and --tokenizer. The log opens with provenance lines:
+1b train on generated tokens (--synthetic patterns | progressions) unless given --data and --tokenizer, and
+--pretrain-target N first teaches their random target that language (class Pretrain: what a random target
+predicts no drafter can learn). The log opens with provenance lines:
   data: FILE sha256=<64 hex> samples=N (T train, E held out) tokens=N loss_tokens=N truncated=N cache=hit|built key=K
   tokenizer: DIR sha256=<64 hex> class=NAME vocab=N eos=[ids] chat_template=yes|no mask_token_id=M
   model: SPEC sha256=<64 hex> layers=L vocab=V
@@ -124,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--compile-cache", default=None, help="portable compile cache file: loaded when present, else written")
     a("--data", default=None, help="JSONL of messages / text / prompt+response records, or .txt; required with "
       "--model PATH (tiny and 1b default to generated patterns)")
+    a("--synthetic", choices=["patterns", "progressions"], default="patterns",
+      help="tiny/1b without --data: patterns (a motif of 2..12 tokens repeated) or progressions (x + k*s mod 40)")
+    a("--pretrain-target", type=int, default=0, metavar="N",
+      help="tiny/1b: first teach the random target the synthetic language for N steps (cached per node in "
+      "--cache-dir), so its next tokens are ones a drafter can learn and accept_len can reward; ~80 teach tiny "
+      "progressions at --seq-len 64")
     a("--tokenizer", default=None, help="tokenizer directory (default: the --model directory)")
     a("--cache-dir", default=None, help="tokenised-data cache (default RUN_DIR/cache)")
     a("--seed", type=int, default=0)
@@ -177,6 +185,10 @@ def check_args(args) -> None:
     if synthetic and args.data and not args.tokenizer:
         problems.append(f"--data with --model {args.model} needs --tokenizer DIR (a local tokenizer whose ids fit "
                         "the model's vocabulary)")
+    if (args.pretrain_target or args.synthetic != "patterns") and (not synthetic or args.data):
+        problems.append("--pretrain-target and --synthetic are for --model tiny or 1b without --data")
+    if args.pretrain_target < 0:
+        problems.append("--pretrain-target must be >= 0")
     if args.data and not Path(args.data).is_file():
         problems.append(f"--data {args.data}: no such file")
     for name in ("ckpt_every", "eval_every"):
@@ -236,8 +248,8 @@ def target_config(spec: str):
     return AutoConfig.from_pretrained(spec)
 
 
-def build_target(spec: str, device: torch.device, seed: int):
-    """Frozen target, truncated after the last layer the drafter reads (its LM head is never run)."""
+def build_target(spec: str, device: torch.device, seed: int, pretrain: Pretrain | None = None):
+    """The frozen target (tiny/1b: random for the seed, then taught `pretrain` if given)."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -245,10 +257,73 @@ def build_target(spec: str, device: torch.device, seed: int):
         torch.manual_seed(seed)  # the same random target for the same seed
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(target_config(spec), dtype=dtype, attn_implementation="sdpa")
+        if pretrain and pretrain.steps:
+            pretrain.apply(model)
     else:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation="sdpa").to(device)
     model.eval().requires_grad_(False)
     return model
+
+
+@dataclass
+class Pretrain:
+    """--pretrain-target: the random tiny/1b target is first trained on the synthetic language, as a real target
+    was trained on real text. A random target's greedy next token follows no rule a drafter can learn (accept_len
+    stays 1); a taught one continues the language, which is what DFlash drafts. Done once per node: the first
+    process to take the lock trains and stores the weights in the cache, the others (the node's other targets,
+    the evaluator) load them, so every rank holds the same bytes. Batch 16 of --seq-len, AdamW at 3e-3, fp32."""
+
+    steps: int
+    data: Data
+    cache_dir: Path
+    target_sha256: str
+    state: str = ""  # 'built' or 'hit' after apply()
+    loss: float | None = None
+    seconds: float = 0.0
+    batch: int = 16
+    lr: float = 3e-3
+
+    def apply(self, model) -> None:
+        import fcntl
+
+        t0 = time.time()
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        path = self.cache_dir / f"target-{self.target_sha256[:16]}.pt"
+        with open(self.cache_dir / f"{path.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.is_file():
+                self.state = "hit"
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+            else:
+                self.state = "built"
+                saved = {"loss": self._train(model), "weights": {k: v.cpu() for k, v in model.state_dict().items()}}
+                tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+                torch.save(saved, tmp)
+                os.replace(tmp, path)
+        model.load_state_dict(saved["weights"])  # also after training: every rank the stored (cast) bytes
+        self.loss, self.seconds = float(saved["loss"]), time.time() - t0
+
+    def _train(self, model) -> float:
+        dtype = next(model.parameters()).dtype
+        model.float().train().requires_grad_(True)
+        opt = torch.optim.AdamW(model.parameters(), lr=self.lr)
+        dev = next(model.parameters()).device
+        threads = torch.get_num_threads()
+        # The node's other processes wait on the lock meanwhile: on a CPU, this one takes their threads too.
+        pooled = threads * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(threads, min(pooled, len(os.sched_getaffinity(0)))))
+        loss = torch.zeros(())
+        try:
+            for i in range(self.steps):
+                ids = self.data.synthetic_rows(f"pretrain/{i}", self.batch).to(dev)
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            torch.set_num_threads(threads)
+        model.to(dtype).eval().requires_grad_(False)
+        return float(loss.detach())
 
 
 def truncate_target(model, last_layer: int) -> None:
@@ -281,8 +356,9 @@ class Data:
     """
 
     def __init__(self, vocab: int, seq_len: int, seed: int, corpus: dd.Corpus | None = None, pad_id: int = 0,
-                 eval_samples: int = 8):
+                 eval_samples: int = 8, synthetic: str = "patterns"):
         self.vocab, self.s, self.seed, self.corpus, self.pad_id = vocab, seq_len, seed, corpus, pad_id
+        self.synthetic = synthetic
         self.train_idx = self.heldout_idx = None
         self._perm: tuple[int, object] | None = None
         if corpus is not None:
@@ -298,13 +374,7 @@ class Data:
     def rows(self, first: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, loss mask) [b, seq_len] of samples first..first+b-1 (negative: patterns no training step uses)."""
         if self.corpus is None:
-            rows = []
-            hi = min(self.vocab - 2, 66)
-            for i in range(first, first + b):
-                rng = random.Random(f"{self.seed}/{i}")  # a str seed: -i and i are different streams
-                motif = [rng.randrange(2, hi) for _ in range(rng.randint(2, 12))]
-                rows.append((motif * (self.s // len(motif) + 1))[: self.s])
-            ids = torch.tensor(rows)
+            ids = torch.cat([self.synthetic_rows(str(i), 1) for i in range(first, first + b)])
             return ids, torch.ones_like(ids)
         ids = torch.full((b, self.s), self.pad_id, dtype=torch.long)
         mask = torch.zeros((b, self.s), dtype=torch.long)
@@ -317,6 +387,20 @@ class Data:
             ids[j, :k] = torch.from_numpy(t[:k].astype("int64"))
             mask[j, :k] = torch.from_numpy(m[:k].astype("int64"))
         return ids, mask
+
+    def synthetic_rows(self, key: str, b: int) -> torch.Tensor:
+        """b rows [b, seq_len] of the synthetic language, a pure function of (seed, key, row): patterns, a motif of
+        2..12 tokens out of 64 repeated; progressions, 2 + (x + k*s) mod 40 with x in 0..39 and s in 1..3."""
+        rows = []
+        for j in range(b):
+            rng = random.Random(f"{self.seed}/{key}" if b == 1 else f"{self.seed}/{key}/{j}")  # str: -i != i
+            if self.synthetic == "progressions":
+                x, step = rng.randrange(40), rng.randint(1, 3)
+                rows.append([2 + (x + k * step) % 40 for k in range(self.s)])
+            else:
+                motif = [rng.randrange(2, min(self.vocab - 2, 66)) for _ in range(rng.randint(2, 12))]
+                rows.append((motif * (self.s // len(motif) + 1))[: self.s])
+        return torch.tensor(rows)
 
     def heldout_prompts(self, n: int) -> list[torch.Tensor]:
         """Prompts of held-out samples: everything before their last assistant turn (text: its first half)."""
@@ -385,19 +469,23 @@ def load_source(args, cfg, cache_dir: Path, describe: bool = True) -> Source:
     prov: dict = {"target": args.model, "target_num_layers": cfg.num_hidden_layers, "vocab_size": vocab,
                   "target_max_position_embeddings": getattr(cfg, "max_position_embeddings", None)}
     if args.model in ("tiny", "1b"):
-        prov["target_sha256"] = hashlib.sha256(json.dumps({"config": cfg.to_dict(), "seed": args.seed},
-                                                          sort_keys=True, default=str).encode()).hexdigest()
-        model_line = (f"model: {args.model} (random init, seed {args.seed}) sha256={prov['target_sha256']} "
+        spec = {"config": cfg.to_dict(), "seed": args.seed}
+        if args.pretrain_target:
+            spec["pretrain"] = {"steps": args.pretrain_target, "language": args.synthetic, "seq_len": args.seq_len,
+                                "batch": Pretrain.batch, "lr": Pretrain.lr, "v": 1}
+        prov["target_sha256"] = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
+        taught = f", taught {args.synthetic} for {args.pretrain_target} steps" if args.pretrain_target else ""
+        model_line = (f"model: {args.model} (random init, seed {args.seed}{taught}) sha256={prov['target_sha256']} "
                       f"layers={cfg.num_hidden_layers} vocab={vocab}")
     else:
         prov["target_sha256"] = dd.model_sha256(args.model, cache_dir) if describe else None
         model_line = f"model: {args.model} sha256={prov['target_sha256']} layers={cfg.num_hidden_layers} vocab={vocab}"
     if tok is None:
         mask_id = vocab - 1
-        lines = [f"data: synthetic patterns (seed {args.seed})",
+        lines = [f"data: synthetic {args.synthetic} (seed {args.seed})",
                  f"tokenizer: none (synthetic token ids) mask_token_id={mask_id}", model_line]
-        prov.update(mask_token_id=mask_id, data="synthetic")
-        return Source(Data(vocab, args.seq_len, args.seed), None, mask_id, [], lines, prov)
+        prov.update(mask_token_id=mask_id, data=f"synthetic {args.synthetic}")
+        return Source(Data(vocab, args.seq_len, args.seed, synthetic=args.synthetic), None, mask_id, [], lines, prov)
     if len(tok) >= vocab:
         raise UsageError(f"--tokenizer {tok_src}: {len(tok)} tokens do not fit the model's vocabulary of {vocab} "
                          "(no free id for the MASK token)")
@@ -421,6 +509,12 @@ def load_source(args, cfg, cache_dir: Path, describe: bool = True) -> Source:
     prov.update(mask_token_id=mask_id, data=args.data, data_sha256=info["data_sha256"], data_key=info["key"],
                 tokenizer=tok_src, tokenizer_sha256=tok_sha, eos_token_ids=info["stop_ids"])
     return Source(data, tok, mask_id, list(info["stop_ids"]), lines, prov)
+
+
+def pretrain_of(args, src: Source) -> Pretrain | None:
+    if not args.pretrain_target:
+        return None
+    return Pretrain(args.pretrain_target, src.data, cache_dir_of(args) / "target", src.provenance["target_sha256"])
 
 
 def cache_dir_of(args) -> Path:
@@ -643,7 +737,11 @@ def run_target(args, topo: dx.Topo, groups) -> None:
         for line in src.lines:
             print(line, flush=True)
     data = src.data
-    model = build_target(args.model, topo.device, args.seed)
+    pre = pretrain_of(args, src)
+    model = build_target(args.model, topo.device, args.seed, pre)
+    if pre and topo.rank == 0:
+        print(f"target: taught {args.synthetic} for {pre.steps} steps, loss {pre.loss:.4f} (cache {pre.state}, "
+              f"{pre.seconds:.1f}s)", flush=True)
     if topo.local == 0:
         share_frozen(topo, groups["share"], model, {"mask_token_id": src.mask_token_id, "stop_ids": src.stop_ids,
                                                      "provenance": src.provenance})
@@ -776,8 +874,8 @@ class Evaluator:
 
     def __init__(self, args, device: torch.device, stop_ids: list[int]):
         t0 = time.time()
-        self.target = build_target(args.model, device, args.seed)
-        src = load_source(args, self.target.config, cache_dir_of(args), describe=False)
+        src = load_source(args, target_config(args.model), cache_dir_of(args), describe=False)
+        self.target = build_target(args.model, device, args.seed, pretrain_of(args, src))
         self.prompts = [p.to(device) for p in src.data.heldout_prompts(args.eval_samples)]
         self.args, self.stop_ids, self.device = args, stop_ids, device
         self.ready_s = time.time() - t0
@@ -1009,9 +1107,13 @@ def setup(args) -> tuple[dx.Topo, dict]:
         device = torch.device("cuda", ordinal)
     else:
         device = torch.device("cpu")
-        # The cores this process may run on (a container's cpuset, taskset), not the host's: os.cpu_count().
+        # The cores this process may run on (a container's cpuset, taskset), not the host's: os.cpu_count(), shared
+        # by the node's processes. torchrun's OMP_NUM_THREADS=1 is its default, not a choice, so it cannot say
+        # "fewer": DFLASH_CPU_THREADS does (several runs on one machine, as a test suite starts them; 6 runs of 8
+        # threads each on 16 cores ran 15x slower than alone).
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // (args.targets + args.drafters)))
+        torch.set_num_threads(int(os.environ.get("DFLASH_CPU_THREADS") or 0)
+                              or max(1, cores // (args.targets + args.drafters)))
     timeout = timedelta(seconds=args.timeout_s)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     topo = dx.Topo(rank, world, args.targets, args.drafters, device, node, nodes)

@@ -58,7 +58,7 @@ def project_dir(path: Path) -> Path:
     inv = yaml.safe_load((REPO / "inventory.yaml").read_text())
     local = inv["containers"]["local"]
     local["vars"]["python"] = sys.executable  # start_training.sh's python: needs torch, which the ctl venv lacks
-    local["vars"]["train_args"].update({"steps": 20, "log-every": 5})
+    local["vars"]["train_args"].update({"steps": 20, "log-every": 5, "pretrain-target": 0, "eval-every": 0})
     doc = {"containers": {"local": local}, "payload": inv["payload"], "runs": inv["runs"]}
     path.mkdir()
     (path / "inventory.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))

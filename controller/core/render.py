@@ -20,6 +20,7 @@ _BUILTIN_DEFAULTS: dict[str, Any] = {
     "venv": None,
     "payload_dir": "/root",
     "compile_cache_dir": "/workspace/.cache/torchinductor",
+    "data_cache_dir": "/workspace/.cache/dflash",  # tokenised data, taught tiny targets: kept across runs
     "env": {},
     "train_args": {},
 }
