@@ -111,10 +111,11 @@ class Check:
 
 
 def _probe(inv: Inventory, ct: Container, t: Transport, manifest: Manifest, rp: RunPaths | None,
-           rdzv: dict[str, Any] | None = None) -> dict[str, Any]:
+           rdzv: dict[str, Any] | None = None, env: tuple[dict[str, Any], bytes] | None = None) -> dict[str, Any]:
     """Everything the preflight needs in one agent round trip. Without a run name yet (rp None), the same
     round trip lists the series' logs and every tmux session, so the name is chosen from its answer. `rdzv`:
-    a node of a job also checks the rendezvous endpoint in it (listens on it, or connects to it)."""
+    a node of a job also checks the rendezvous endpoint in it (listens on it, or connects to it). `env`
+    (environment.probe_request): the environment probe runs in it too, its output under "env_probe"."""
     args: dict[str, Any] = {"files": [f.dest for f in manifest.files], "gpus": bool(ct.spec.gpus.all),
                             "follow": list(ct.spec.follow_symlinks)}
     if rdzv is not None:
@@ -124,8 +125,11 @@ def _probe(inv: Inventory, ct: Container, t: Transport, manifest: Manifest, rp: 
         args.update(series_glob=_series_glob(inv), sessions=True, log=runs.log.replace("{run}", runs.series + "0"))
     else:
         args.update(session=rp.session, log=rp.log, run_dir=rp.run_dir)
+    payload = b""
+    if env is not None:
+        args["env_probe"], payload = env
     agent = Agent(t)
-    return _checked_probe(agent, agent.call("probe", args))
+    return _checked_probe(agent, agent.call("probe", args, payload=payload, timeout=180 if env else None))
 
 
 def _checked_probe(agent: Agent, doc: dict[str, Any]) -> dict[str, Any]:
@@ -298,15 +302,20 @@ def launch(
     start = start_script(inv, manifest)
     agent = Agent(t)
     probed = None
-    if name is None:  # one round trip picks the name and answers the preflight
-        probed = _probe(inv, ct, t, manifest, None)
+    # One round trip answers the preflight, the environment probe and (without a name) which name is next.
+    env_req = environment.probe_request(inv, ct, t) if probe_env else None
+    if name is None:
+        probed = _probe(inv, ct, t, manifest, None, env=env_req)
         name = _name_after(inv, ct, reg, agent.need(probed, "series_logs", list))
     rp = paths_for(inv, name)
     rec = reg.claim_run(name, ct.name, host=ct.host_name, session=rp.session, log_path=rp.log, run_dir=rp.run_dir,
                         **(lineage or {}))
     try:
+        if probed is None:
+            probed = _probe(inv, ct, t, manifest, rp, env=env_req)
         checks = preflight(inv, ct, t, rp, manifest, allow_drift=allow_drift, force=force, doc=probed)
-        env = environment.probe_for_launch(inv, ct, t, allow_mismatch=allow_env_mismatch) if probe_env else None
+        env = environment.probe_for_launch(inv, ct, t, allow_mismatch=allow_env_mismatch,
+                                           reply=probed.get("env_probe")) if probe_env else None
         run_env = {**(extra_env or {}), "CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
         script = launcher_script(t, rp, start, run_env)
         command = shlex.join(["tmux", "new-session", "-d", "-s", rp.session, "bash", "-c", script])

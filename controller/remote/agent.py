@@ -547,7 +547,23 @@ def probe(args):
         out["gpus"] = _gpus()
     if args.get("rdzv"):
         out["rdzv"] = _rdzv_check(args["rdzv"])
+    if args.get("env_probe"):
+        out["env_probe"] = _env_probe(args["env_probe"], sys.stdin.buffer)
     return out
+
+
+def _env_probe(spec, stream):
+    """The environment probe (probe_env.py, the first spec["n"] bytes after the agent's source on stdin) run as
+    `python3 - ARGS` would be, so a launch learns its environment in the preflight's round trip. Its output goes
+    back as text: the controller parses and bounds it exactly as when it runs the probe on its own."""
+    src = stream.read(int(spec["n"]))
+    try:
+        r = subprocess.run([sys.executable, "-"] + [str(a) for a in spec.get("argv", [])], input=src,
+                           capture_output=True, timeout=float(spec.get("timeout", 110)))
+    except subprocess.TimeoutExpired:
+        return {"rc": 124, "stdout": "", "stderr": "env probe: no answer within %ss" % spec.get("timeout", 110)}
+    return {"rc": r.returncode, "stdout": r.stdout.decode("utf-8", "replace"),
+            "stderr": r.stderr.decode("utf-8", "replace")[-4000:]}
 
 
 def _rdzv_check(spec):

@@ -200,7 +200,7 @@ class Agent:
             raise AgentReplyError(f"{self.name}: agent {verb}: reply of {size:,} bytes refused (limit {limit:,})")
 
     @staticmethod
-    def json_line(line: bytes) -> dict[str, Any] | None:
+    def json_line(line: bytes | str) -> dict[str, Any] | None:
         try:
             doc = json.loads(line)
         except ValueError:
@@ -209,20 +209,27 @@ class Agent:
 
     # --- the environment probe (probe_env.py, run by the training venv's python3) --------------------
 
-    def probe_env(self, *, venv: str | None, cache_dir: str | None) -> dict[str, Any]:
-        """One exec: `python3 - [--venv V] [--cache-dir C]` with the probe on stdin; its JSON document."""
-        argv = ["python3", "-"]
+    def env_probe_args(self, *, venv: str | None, cache_dir: str | None) -> list[str]:
+        argv = []
         if venv:
             argv += ["--venv", self.t.path(venv)]
         if cache_dir:
             argv += ["--cache-dir", self.t.path(cache_dir)]
-        res = self.t.run(argv, stdin=source("probe_env.py"), timeout=120)
+        return argv
+
+    def probe_env(self, *, venv: str | None, cache_dir: str | None) -> dict[str, Any]:
+        """One exec: `python3 - [--venv V] [--cache-dir C]` with the probe on stdin; its JSON document."""
+        res = self.t.run(["python3", "-", *self.env_probe_args(venv=venv, cache_dir=cache_dir)],
+                         stdin=source("probe_env.py"), timeout=120)
         self.bounded("env probe", res, MAX_REPLY)
-        doc = self.json_line(res.stdout.strip())
+        return self.env_doc(res.stdout, res.returncode, res.err)
+
+    def env_doc(self, stdout: bytes | str, rc: int, err: str) -> dict[str, Any]:
+        """The probe's JSON document from its output (run on its own, or inside the agent's `probe`)."""
+        doc = self.json_line(stdout.strip())
         if doc is None:
-            if res.returncode == 127 or "python3: not found" in res.err:
+            if rc == 127 or "python3: not found" in err:
                 raise CtlError(f"{self.name}: python3 is not available in the container (the environment probe "
                                "needs it)")
-            raise RemoteCommandError(self.name, ["python3", "<probe_env.py>"], res.returncode, res.err,
-                                     what="env probe")
+            raise RemoteCommandError(self.name, ["python3", "<probe_env.py>"], rc, err, what="env probe")
         return doc

@@ -373,3 +373,22 @@ def test_status_and_supervise_of_many_runs_cost_one_connection_per_host_and_one_
         for names in runs.values():
             for run in names:
                 pve_env.ctl("stop", run, "--grace", "1")
+
+
+def test_a_launch_is_two_execs_with_the_environment_probe_inside_the_preflight(pve_env: Env) -> None:
+    """`ctl launch CT --run NAME`: the preflight, the environment probe and then the start are two agent execs in
+    the container (the pct journal counts them), not three: probe_env.py runs inside the agent's `probe`. What it
+    found is recorded with the run, as when it ran on its own."""
+    deployed(pve_env, "ct200", steps=100000, interval=0.2)
+    host = pve_env.host
+    before = len(host.pct_calls("pve1"))
+    r = pve_env.ctl("launch", "ct200", "--run", "env1")
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        calls = [c for c in host.pct_calls("pve1")[before:] if c["args"][0] == "200"]
+        assert [c["cmd"] for c in calls] == ["exec", "exec"], calls
+        assert [c["argv"][6] for c in calls] == ["probe", "launch"], calls  # python3 -I -S -c BOOT N VERB
+        shown = json.loads(pve_env.ctl("show", "env1", "--json", check=True).stdout)
+        assert shown["env_fingerprint"] and shown["env"]["python"]["version"], shown
+    finally:
+        pve_env.ctl("stop", "env1", "--grace", "1")
