@@ -27,6 +27,11 @@ from tests.pvehost import DEFAULT_NODES, DEFAULT_PORT, PveHost, down, find_free_
 REPO = Path(__file__).resolve().parents[1]
 # The developer's own ~/.config/ctl/config.yaml must not steer the tests (nor their ctl subprocesses).
 os.environ.setdefault("CTL_CONFIG", str(Path(tempfile.gettempdir()) / "ctl-tests-no-config" / "config.yaml"))
+# A suite started in the background by a non-interactive shell (`nohup scripts/test.sh &`) inherits SIGINT ignored,
+# and so does every ctl it starts (an ignored signal survives exec; Python then installs no KeyboardInterrupt):
+# the tests that press Ctrl-C on a ctl saw it run on. ctl itself keeps an inherited SIG_IGN, as the shell meant.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def make_venv(path: Path) -> Path:
