@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,6 +299,38 @@ START = """\
 set -euo pipefail
 exec python3 {{ root }}{{ payload["emit_metrics.py"] }} --no-preamble $(cat {{ root }}/root/args/$CTL_RUN)
 """
+
+
+def wait_for(what: str, cond: Any, timeout: float = 120, every: float = 0.5) -> Any:
+    """cond()'s first truthy answer, polled every `every` s; fails naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+def write_inventory(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "inventory.yaml"
+    p.write_text(text)
+    return p
+
+
+def inventory_error(tmp_path: Path, text: str) -> str:
+    """The one-line InventoryError (exit INVENTORY) that loading `text` raises, its path shown as INV."""
+    from controller.errors import ExitCode, InventoryError
+    from controller.inventory import load
+
+    p = write_inventory(tmp_path, text)
+    with pytest.raises(InventoryError) as e:
+        load(p)
+    assert e.value.exit_code == ExitCode.INVENTORY
+    msg = str(e.value).replace(str(p), "INV")
+    assert "\n" not in msg
+    return msg
 
 
 def interrupt(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:

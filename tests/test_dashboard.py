@@ -26,7 +26,7 @@ import yaml
 from controller.lifecycle import Lifecycle
 from controller.registry import Registry
 from tests.browser import Browser, chromium
-from tests.conftest import REPO, Env
+from tests.conftest import REPO, Env, wait_for
 
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 needs_chromium = pytest.mark.skipif(chromium() is None, reason="chromium is not installed (scripts/setup.sh "
@@ -108,17 +108,6 @@ def row(snap: dict[str, Any], ref: str) -> dict[str, Any] | None:
     return next((r for r in snap["runs"] if f"{r['ct']}/{r['run']}" == ref), None)
 
 
-def wait_for(cond: Any, what: str, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.3)
-
-
 @pytest.fixture
 def runs(env: Env) -> Env:
     """fresh1 finished at 12.8K tok/s and marked good; fresh2 running at 4.6K, its log opening with HTML and
@@ -126,7 +115,7 @@ def runs(env: Env) -> Env:
     (env.dir / "start_training.sh.j2").write_text(START)
     env.ok("deploy", "--allow-dirty")
     env.launch("fresh1", "--tok-s 12800 --steps 30 --interval 0.02 --jitter 0")
-    wait_for(lambda: (env.root / "workspace" / "train_stdout_fresh1.log.exit").exists(), "fresh1's end")
+    wait_for("fresh1's end", lambda: (env.root / "workspace" / "train_stdout_fresh1.log.exit").exists(), 30, 0.3)
     env.ok("mark-good", "fresh1")
     (env.root / "root" / "banner").mkdir(parents=True)
     (env.root / "root" / "banner" / "fresh2").write_text(f"{SCRIPT}\n{IMG}\n{ANSI}\n")
@@ -270,7 +259,7 @@ def test_a_silent_host_reads_unreachable_and_never_holds_up_the_page(env: Env, t
                 return (quiet is not None and quiet["verdict"] == "unreachable" and local is not None
                         and local["verdict"] not in ("unreachable", "pending"))
 
-            wait_for(judged, "ct900/fresh1 UNREACHABLE beside loc/fresh1 judged", timeout=40)
+            wait_for("ct900/fresh1 UNREACHABLE beside loc/fresh1 judged", judged, 40, 0.3)
             assert time.monotonic() - t0 < 40  # the dashboard's deadline, not the transport's 60 s
             snap = seen[-1]
             quiet, first = row(snap, "ct900/fresh1"), row(snap, "loc/fresh1")
@@ -278,8 +267,9 @@ def test_a_silent_host_reads_unreachable_and_never_holds_up_the_page(env: Env, t
             assert "no answer from host quiet" in quiet["reason"] and "recorded state running kept" in quiet["reason"]
             assert {h["name"]: h["state"] for h in snap["hosts"]}["host quiet"] == "unreachable"
             # Meanwhile the local run goes on being polled and judged.
-            wait_for(lambda: (r := row(d.snapshot(timeout=3), "loc/fresh1")) is not None
-                     and (r["step"] or 0) > (first["step"] or 0) + 5, "the local run to move on")
+            wait_for("the local run to move on",
+                     lambda: (r := row(d.snapshot(timeout=3), "loc/fresh1")) is not None
+                     and (r["step"] or 0) > (first["step"] or 0) + 5, 30, 0.3)
             quiet_now = row(d.snapshot(timeout=3), "ct900/fresh1")
             assert quiet_now is not None and quiet_now["verdict"] == "unreachable"
             assert reg.run_by_id(rec.id).state == Lifecycle.RUNNING  # silence is never taken for a crash

@@ -10,6 +10,8 @@ import pytest
 
 from controller.errors import ExitCode, InputError, InventoryError
 from controller.inventory import load
+from tests.conftest import inventory_error as error_of
+from tests.conftest import write_inventory as write
 
 GOOD = """\
 hosts:
@@ -29,20 +31,6 @@ groups:
 payload:
   - {src: a.py, dest: /root/a.py}
 """
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    p = tmp_path / "inventory.yaml"
-    p.write_text(text)
-    return p
-
-
-def error_of(tmp_path: Path, text: str) -> str:
-    p = write(tmp_path, text)
-    with pytest.raises(InventoryError) as e:
-        load(p)
-    assert e.value.exit_code == ExitCode.INVENTORY
-    return str(e.value).replace(str(p), "INV")
 
 
 def test_good_inventory_loads(tmp_path: Path) -> None:

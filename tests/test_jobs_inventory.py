@@ -14,8 +14,10 @@ import pytest
 import yaml
 
 from controller.core.render import context, render
-from controller.errors import ExitCode, InventoryError
+from controller.errors import ExitCode
 from controller.inventory import load
+from tests.conftest import inventory_error as error_of
+from tests.conftest import write_inventory as write
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "templates" / "start_training.sh.j2"
@@ -51,22 +53,6 @@ payload:
   - {src: a.py, dest: /root/train_dflash_pipeline.py}
   - {template: start.j2, dest: /root/start_training.sh, mode: "0755"}
 """
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    p = tmp_path / "inventory.yaml"
-    p.write_text(text)
-    return p
-
-
-def error_of(tmp_path: Path, text: str) -> str:
-    p = write(tmp_path, text)
-    with pytest.raises(InventoryError) as e:
-        load(p)
-    assert e.value.exit_code == ExitCode.INVENTORY
-    msg = str(e.value).replace(str(p), "INV")
-    assert "\n" not in msg
-    return msg
 
 
 def rendered(tmp_path: Path, text: str, ct: str) -> str:

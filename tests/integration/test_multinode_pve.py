@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from controller.errors import ExitCode
+from tests.conftest import wait_for
 from tests.pvehost import PveHost
 
 pytestmark = pytest.mark.pvehost
@@ -107,17 +108,6 @@ class Job:
         node = self.host.node_of(vmid).name
         return subprocess.run(["lxc-attach", "-P", str(self.host.lxcpath(node)), "-n", str(vmid), "--", *argv],
                               capture_output=True, text=True, timeout=30)
-
-
-def wait_for(what: str, cond: Callable[[], Any], timeout: float = 120, every: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
 
 
 @pytest.fixture
