@@ -189,6 +189,9 @@ def check_args(args) -> None:
         problems.append("--pretrain-target and --synthetic are for --model tiny or 1b without --data")
     if args.pretrain_target < 0:
         problems.append("--pretrain-target must be >= 0")
+    threads = os.environ.get("DFLASH_CPU_THREADS", "")
+    if threads and not (threads.isdigit() and int(threads) >= 1):
+        problems.append(f"DFLASH_CPU_THREADS must be a whole number >= 1, got {threads!r}")
     if args.data and not Path(args.data).is_file():
         problems.append(f"--data {args.data}: no such file")
     for name in ("ckpt_every", "eval_every"):

@@ -51,3 +51,4 @@ def test_pretrain_and_synthetic_are_refused_with_real_data(tmp_path):
             tp.check_args(args)
     with pytest.raises(tp.UsageError, match="--pretrain-target must be >= 0"):
         tp.check_args(tp.build_parser().parse_args(["--pretrain-target", "-1"]))
+

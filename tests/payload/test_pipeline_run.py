@@ -118,6 +118,12 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path):
     assert "error: --seq-len must exceed --block-size + 1" in proc.stderr
 
 
+def test_a_bad_thread_count_is_refused_in_one_line(tmp_path):
+    proc = torchrun(tmp_path, "--steps", "1", env={"DFLASH_CPU_THREADS": "two"})
+    assert proc.returncode != 0
+    assert "error: DFLASH_CPU_THREADS must be a whole number >= 1, got 'two'" in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize(("flags", "expect"), [((), False), (("--compile",), True),
                                                (("--compile", "--no-compile-target"), False),
                                                (("--compile-target",), True)])
