@@ -176,3 +176,22 @@ def test_poll_answers_states_then_each_runs_bytes_within_the_budget(tmp_path: Pa
     assert dc == b"" and hc["ok"] is False and hc["code"] == "missing"
     assert sb is None and rd is None
     assert sa["log_size"] == 100 and sa["alive"] is False and sd["log_size"] == 100 and sc["log_size"] is None
+
+
+def test_the_env_probe_inside_the_agents_probe_answers_as_the_probe_alone(tmp_path: Path) -> None:
+    """The launch preflight's `probe` carries probe_env.py after the agent's source and runs it; what comes back
+    is the document the probe gives when run on its own. A reply not of that shape is one line."""
+    agent = Agent(Counting(LocalContainer("loc", tmp_path)))
+    args, payload = agent.env_probe_request(venv=None, cache_dir=None)
+    doc = agent.call("probe", {"files": [], "env_probe": args}, payload=payload)
+    assert isinstance(agent.t, Counting) and agent.t.calls == 1
+    inside = agent.env_from_probe(doc["env_probe"])
+    alone = agent.probe_env(venv=None, cache_dir=None)
+    assert inside["python"]["version"] == alone["python"]["version"] and inside.keys() == alone.keys()
+    for bad in (None, {"rc": "0", "stdout": "{}", "stderr": ""}, {"rc": 0, "stdout": 1, "stderr": ""}):
+        with pytest.raises(AgentReplyError) as e:
+            agent.env_from_probe(bad)
+        assert str(e.value) == "loc: agent probe: malformed 'env_probe' in its reply"
+    with pytest.raises(Exception) as e2:
+        agent.env_from_probe({"rc": 1, "stdout": "not json", "stderr": "Traceback: boom"})
+    assert str(e2.value).startswith("loc") and "\n" not in str(e2.value) and "env probe" in str(e2.value)

@@ -21,8 +21,7 @@ from controller.core.envlock import Change, Finding, Lock, Probe
 from controller.errors import ClobberError, CtlError, EnvMismatch, InputError
 from controller.inventory import Container, Inventory
 from controller.names import check_container_path, check_snapshot_name
-from controller.remote import source
-from controller.remote.client import Agent, AgentReplyError
+from controller.remote.client import Agent
 from controller.settings import LONG_TIMEOUT
 from controller.transport.base import Transport
 
@@ -139,24 +138,16 @@ def preflight_env(inv: Inventory, ct: Container, probe_json: dict[str, Any] | No
 
 
 def probe_request(inv: Inventory, ct: Container, t: Transport) -> tuple[dict[str, Any], bytes]:
-    """The agent `probe`'s `env_probe` argument and payload: the environment probe rides in the launch
-    preflight's round trip instead of an exec of its own."""
+    """What makes the launch preflight's agent `probe` run the environment probe too (Agent.env_probe_request)."""
     s = settings(inv, ct)
-    src = source("probe_env.py")
-    return {"argv": Agent(t).env_probe_args(venv=s.venv, cache_dir=s.cache_dir), "n": len(src), "timeout": 110}, src
+    return Agent(t).env_probe_request(venv=s.venv, cache_dir=s.cache_dir)
 
 
 def probe_for_launch(inv: Inventory, ct: Container, t: Transport, *, allow_mismatch: bool = False,
                      reply: Any = None) -> dict[str, Any] | None:
     """What `ctl launch` records (the probe JSON), after refusing an environment that differs from its lock.
     `reply`: the probe's output as the agent's `probe` returned it (env_probe); None runs the probe now."""
-    if reply is None:
-        doc = probe_doc(inv, ct, t)
-    else:
-        if not (isinstance(reply, dict) and isinstance(reply.get("rc"), int) and isinstance(reply.get("stdout"), str)
-                and isinstance(reply.get("stderr"), str)):
-            raise AgentReplyError(f"{ct.name}: agent probe: malformed 'env_probe' in its reply")
-        doc = Agent(t).env_doc(reply["stdout"], reply["rc"], reply["stderr"])
+    doc = probe_doc(inv, ct, t) if reply is None else Agent(t).env_from_probe(reply)
     if not allow_mismatch:
         preflight_env(inv, ct, doc)
     return doc

@@ -224,6 +224,19 @@ class Agent:
         self.bounded("env probe", res, MAX_REPLY)
         return self.env_doc(res.stdout, res.returncode, res.err)
 
+    def env_probe_request(self, *, venv: str | None, cache_dir: str | None) -> tuple[dict[str, Any], bytes]:
+        """The `env_probe` argument and payload of the agent's `probe`: the environment probe rides in that round
+        trip (the probe's source follows the agent's on stdin) instead of an exec of its own."""
+        src = source("probe_env.py")
+        return {"argv": self.env_probe_args(venv=venv, cache_dir=cache_dir), "n": len(src), "timeout": 110}, src
+
+    def env_from_probe(self, reply: Any) -> dict[str, Any]:
+        """The probe's JSON document from the agent `probe`'s "env_probe" part ({rc, stdout, stderr})."""
+        if not (isinstance(reply, dict) and isinstance(reply.get("rc"), int) and isinstance(reply.get("stdout"), str)
+                and isinstance(reply.get("stderr"), str)):
+            raise AgentReplyError(f"{self.name}: agent probe: malformed 'env_probe' in its reply")
+        return self.env_doc(reply["stdout"], reply["rc"], reply["stderr"])
+
     def env_doc(self, stdout: bytes | str, rc: int, err: str) -> dict[str, Any]:
         """The probe's JSON document from its output (run on its own, or inside the agent's `probe`)."""
         doc = self.json_line(stdout.strip())
