@@ -791,7 +791,30 @@ def runstate(args):
         if r.get("record"):
             st["record"] = _read_json(log + ".ctl.json")
         out.append(st)
+    _await_exit_status(root, args["runs"], out)
     return {"ok": True, "runs": out, "now": time.time()}
+
+
+EXIT_GRACE_S = 3.0  # the launcher writes LOG.exit right after the training ends; a loaded box may take a while
+
+
+def _await_exit_status(root, runs, states):
+    """A training that has just ended, seen before its launcher wrote LOG.exit (its session is still there),
+    would read as lost for good; wait for that exit status, all such runs together, under one deadline."""
+    pending = [(_under(root, r["log"]), st) for r, st in zip(runs, states)
+               if st["pid"] and not st["alive"] and not st.get("impostor") and st["exit"] is None and st["session"]]
+    deadline = time.time() + EXIT_GRACE_S
+    while pending and time.time() < deadline:
+        time.sleep(0.05)
+        for log, st in list(pending):
+            code = _read_int(log + ".exit")
+            if code is not None:
+                st["exit"] = code
+                try:
+                    st["exit_mtime"] = os.stat(log + ".exit").st_mtime
+                except OSError:
+                    pass
+                pending.remove((log, st))
 
 
 def launch(args):

@@ -1,0 +1,57 @@
+"""The agent's `runstate` on this machine with a real tmux: a training that has just died, seen before its
+launcher wrote LOG.exit, is reported with its exit status, not as gone without one (which ctl records as
+`lost` for good)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from controller.remote import agent as agent_mod
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_an_exit_status_written_just_after_the_training_died_is_reported(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMUX_TMPDIR", str(tmp_path))
+    log = tmp_path / "train_r1.log"
+    log.write_text("step=5\n")
+    (tmp_path / "train_r1.log.pid").write_text(f"{_dead_pid()}\n")
+    # The launcher, late: its session is there, and it writes the status a second after the training ended.
+    script = f"sleep 1; echo 137 > {log}.exit.tmp && mv -f {log}.exit.tmp {log}.exit; sleep 30"
+    subprocess.run(["tmux", "new-session", "-d", "-s", "rs-r1", "bash", "-c", script], check=True)
+    try:
+        t0 = time.monotonic()
+        doc = agent_mod.runstate({"runs": [{"name": "r1", "log": str(log), "session": "rs-r1"}]})
+        took = time.monotonic() - t0
+        st = doc["runs"][0]
+        assert (st["alive"], st["exit"], st["session"]) == (False, 137, True), st
+        assert "exit_mtime" in st
+        assert took < agent_mod.EXIT_GRACE_S + 1
+    finally:
+        subprocess.run(["tmux", "kill-server"], capture_output=True)
+
+
+def test_a_dead_training_whose_session_is_gone_is_answered_at_once(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMUX_TMPDIR", str(tmp_path))
+    log = tmp_path / "train_r2.log"
+    log.write_text("")
+    (tmp_path / "train_r2.log.pid").write_text(f"{_dead_pid()}\n")
+    t0 = time.monotonic()
+    st = agent_mod.runstate({"runs": [{"name": "r2", "log": str(log), "session": "rs-r2"}]})["runs"][0]
+    assert (st["alive"], st["exit"], st["session"]) == (False, None, False), st
+    assert time.monotonic() - t0 < agent_mod.EXIT_GRACE_S  # no launcher is left to write a status: no wait
+    assert not os.path.exists(str(log) + ".exit")
