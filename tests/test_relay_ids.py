@@ -1,8 +1,9 @@
 """Stream ids of ctl's host relay are 16 bits: a long-lived relay (a persistent session) wraps around them.
 
 Both ends run here, over a local socket pair instead of SSH: controller/transport/relay.py's HostRelay and
-controller/remote/hostrelay.py, started with the very argv ctl sends a host. 70,000 tiny commands through
-one relay must all finish: the relay forgets an id when its stream ends, and HostRelay reuses free ids.
+controller/remote/hostrelay.py, started with the very argv ctl sends a host. Thousands of tiny commands
+through one relay, across the wrap, must all finish: the relay forgets an id when its stream ends, and HostRelay
+reuses free ids.
 """
 
 from __future__ import annotations
@@ -81,29 +82,39 @@ def _threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
-def test_seventy_thousand_commands_through_one_relay(relay: tuple[HostRelay, _LocalHost]) -> None:
+def test_twelve_thousand_commands_through_one_relay_across_the_id_wrap(relay: tuple[HostRelay, _LocalHost]) -> None:
     """Every 100th command is a real process; the others are commands that cannot start (the relay answers
-    E and X 127 without a process, as a shell would), so 70,000 of them take seconds, not minutes."""
+    E and X 127 without a process, as a shell would), so thousands of them take seconds. The first 5,000 use ids
+    1..5000; the allocator is then moved close to the wrap, so the next 7,000 run up to MAX_SID and wrap onto
+    those same 5,000 ids: both ends must have forgotten each id when its stream ended (a relay that kept them,
+    or a thread per stream, fails here as it would after a 70,000-command persistent session)."""
     r, host = relay
     relay_pid = host.chans[0].proc.pid
-    n = 70_000
-    assert n > MAX_SID  # the ids wrap at least once
+    first, second = 5_000, 7_000
 
     def one(i: int) -> tuple[int, bytes, str]:
         argv = ["echo", str(i)] if i % 100 == 0 else [f"/nonexistent/ctl-test-{i}"]
         res = r.open(argv).finish(timeout=60)
         return res.returncode, res.stdout, res.err
 
-    early = 0
-    with ThreadPoolExecutor(4) as pool:  # a few in flight at once, as fan-out commands do
-        for i, (code, out, err) in enumerate(pool.map(one, range(n))):
-            if i % 100 == 0:
-                assert (code, out, err) == (0, f"{i}\n".encode(), ""), i
-            else:
-                assert code == 127 and f"cannot start /nonexistent/ctl-test-{i}" in err, (i, code, err)
-            if i == 1000:
-                early = _threads(relay_pid)
-    assert r.streams_opened == n
+    def run(ids: range) -> int:
+        threads = 0
+        with ThreadPoolExecutor(4) as pool:  # a few in flight at once, as fan-out commands do
+            for i, (code, out, err) in zip(ids, pool.map(one, ids), strict=True):
+                if i % 100 == 0:
+                    assert (code, out, err) == (0, f"{i}\n".encode(), ""), i
+                else:
+                    assert code == 127 and f"cannot start /nonexistent/ctl-test-{i}" in err, (i, code, err)
+                if i == 1000:
+                    threads = _threads(relay_pid)
+        return threads
+
+    early = run(range(first))
+    assert r._next == first + 1
+    r._next = MAX_SID - (second - first) + 1  # the rest: up to MAX_SID, then the ids 1..5000 again
+    run(range(first, first + second))
+    assert r._next == first + 1  # wrapped, and reused every id the first part used
+    assert r.streams_opened == first + second
     assert not r._streams  # every finished stream freed its id on this side
     # ...and on the relay's: no thread (nor child) is kept per finished stream.
     assert _threads(relay_pid) <= early + 8

@@ -21,7 +21,7 @@ import yaml
 from tests.conftest import faulthandler_env, interrupt
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 300
+STEPS = 100
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
 
