@@ -1,7 +1,8 @@
 """The inventory: hosts, containers, the pinned payload and run naming, validated.
 
 A bad inventory ends in one line naming the file, the line and the key (`InventoryError`), never a
-traceback. Precedence: defaults < inventory < CTL_* variables < flags (see `load`).
+traceback. Precedence: defaults < inventory < CTL_* variables < flags (see `load`). The records are frozen
+dataclasses that schema.py builds and checks (no pydantic: it cost every command 0.2 s to start).
 """
 
 from __future__ import annotations
@@ -13,76 +14,83 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from controller import settings
 from controller.errors import CtlError, InputError, InventoryError
 from controller.names import check_container_path, check_name
+from controller.schema import SchemaError, build, spec
 from controller.yamlpos import dotted, line_index, nearest_line
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+def _https(v: str) -> str:
+    if not v.startswith("https://"):
+        raise ValueError("must start with https://")
+    return v.rstrip("/")
 
 
-class ApiSpec(_Model):
-    url: str
-    node: str
-    token_id: str
+def _token(v: str) -> str:
+    if "@" not in v or "!" not in v:
+        raise ValueError("must look like USER@REALM!TOKENID")
+    return v
+
+
+def _as_value_error(check: Any) -> Any:
+    """A names.py check (InputError) as a field check (ValueError with the same message)."""
+    def run(v: Any) -> Any:
+        try:
+            return check(v)
+        except InputError as e:
+            raise ValueError(e.message) from None
+    return run
+
+
+def _gpu_indices(v: list[int] | None) -> list[int] | None:
+    if v is not None and any(i < 0 for i in v):
+        raise ValueError("GPU indices must be >= 0")
+    return v
+
+
+@dataclass(frozen=True)
+class ApiSpec:
+    url: str = spec(check=_https)
+    node: str = spec()
+    token_id: str = spec(check=_token)
     token_secret_env: str = "PVE_TOKEN"
     ca_file: str | None = None
     verify: bool = True
     timeout: float = 30.0
 
-    @field_validator("url")
-    @classmethod
-    def _https(cls, v: str) -> str:
-        if not v.startswith("https://"):
-            raise ValueError("must start with https://")
-        return v.rstrip("/")
 
-    @field_validator("token_id")
-    @classmethod
-    def _token(cls, v: str) -> str:
-        if "@" not in v or "!" not in v:
-            raise ValueError("must look like USER@REALM!TOKENID")
-        return v
-
-
-class KeepaliveSpec(_Model):
+@dataclass(frozen=True)
+class KeepaliveSpec:
     """SSH keepalives, like OpenSSH's ServerAliveInterval / ServerAliveCountMax: a probe every `interval`
     seconds (0: none); `count` unanswered in a row drop the connection (CTL_KEEPALIVE_* override)."""
 
-    interval: float = Field(default=settings.DEFAULT_KEEPALIVE_INTERVAL, ge=0)
-    count: int = Field(default=settings.DEFAULT_KEEPALIVE_COUNT, ge=1)
+    interval: float = spec(settings.DEFAULT_KEEPALIVE_INTERVAL, ge=0)
+    count: int = spec(settings.DEFAULT_KEEPALIVE_COUNT, ge=1)
 
 
-class HostSpec(_Model):
+@dataclass(frozen=True)
+class HostSpec:
     address: str
-    port: int = Field(22, ge=1, le=65535)
+    port: int = spec(22, ge=1, le=65535)
     user: str = "root"
     identity_file: str | None = None
     known_hosts: str | None = None
     pct: str = "pct"
     stage_dir: str = "/tmp"
-    persist: int | None = Field(None, ge=0)  # idle seconds of the host's persistent session (0: off; unset:
-    #                                          settings.DEFAULT_PERSIST); CTL_PERSIST and the config file override
-    keepalive: KeepaliveSpec = Field(default_factory=KeepaliveSpec)
-    connect_timeout: float = Field(settings.DEFAULT_CONNECT_TIMEOUT, gt=0)  # CTL_CONNECT_TIMEOUT overrides
-    timeout: float = Field(settings.DEFAULT_TIMEOUT, ge=0)  # deadline of each request, 0: none; CTL_TIMEOUT overrides
+    persist: int | None = spec(None, ge=0)  # idle seconds of the host's persistent session (0: off; unset:
+    #                                         settings.DEFAULT_PERSIST); CTL_PERSIST and the config file override
+    keepalive: KeepaliveSpec = spec(factory=KeepaliveSpec)
+    connect_timeout: float = spec(settings.DEFAULT_CONNECT_TIMEOUT, gt=0)  # CTL_CONNECT_TIMEOUT overrides
+    timeout: float = spec(settings.DEFAULT_TIMEOUT, ge=0)  # deadline of each request, 0: none; CTL_TIMEOUT overrides
     api: ApiSpec | None = None
 
 
-class GpuSplit(_Model):
-    target: list[int] = Field(default_factory=list)
-    drafter: list[int] = Field(default_factory=list)
-
-    @field_validator("target", "drafter")
-    @classmethod
-    def _nonneg(cls, v: list[int]) -> list[int]:
-        if any(i < 0 for i in v):
-            raise ValueError("GPU indices must be >= 0")
-        return v
+@dataclass(frozen=True)
+class GpuSplit:
+    target: list[int] = spec(factory=list, check=_gpu_indices)
+    drafter: list[int] = spec(factory=list, check=_gpu_indices)
 
     @property
     def all(self) -> list[int]:
@@ -94,99 +102,82 @@ class GpuSplit(_Model):
         return seen
 
 
-class PayloadEntry(_Model):
+def _mode(v: str | int) -> str:
+    try:
+        m = int(str(v), 8)
+    except ValueError:
+        raise ValueError(f"{v!r} is not an octal mode such as '0644'") from None
+    if not 0 <= m <= 0o7777:
+        raise ValueError(f"{v!r} is out of range")
+    return f"{m:04o}"
+
+
+@dataclass(frozen=True)
+class PayloadEntry:
+    dest: str = spec(check=_as_value_error(lambda v: check_container_path(v, "dest")))
     src: str | None = None
     template: str | None = None
-    dest: str
-    mode: str = "0644"
+    mode: str = spec("0644", check=_mode)
 
-    @model_validator(mode="after")
-    def _one_source(self) -> PayloadEntry:
+    def _check(self) -> None:
         if (self.src is None) == (self.template is None):
             raise ValueError("give exactly one of 'src' or 'template'")
-        return self
-
-    @field_validator("dest")
-    @classmethod
-    def _dest(cls, v: str) -> str:
-        try:
-            return check_container_path(v, "dest")
-        except InputError as e:
-            raise ValueError(e.message) from None
-
-    @field_validator("mode")
-    @classmethod
-    def _mode(cls, v: str) -> str:
-        try:
-            m = int(str(v), 8)
-        except ValueError:
-            raise ValueError(f"{v!r} is not an octal mode such as '0644'") from None
-        if not 0 <= m <= 0o7777:
-            raise ValueError(f"{v!r} is out of range")
-        return f"{m:04o}"
 
     @property
     def source(self) -> str:
         return self.src if self.src is not None else str(self.template)
 
 
-class SuperviseSpec(_Model):
+@dataclass(frozen=True)
+class SuperviseSpec:
     """`runs.supervise:` the defaults of `ctl supervise` (its flags win)."""
 
     interval: str = "30s"
     restart: str = "no"  # no | on-failure[:N] | always[:N]
-    max_restarts: int = Field(default=3, ge=0)  # of one lineage, when `restart` gives no :N
+    max_restarts: int = spec(3, ge=0)  # of one lineage, when `restart` gives no :N
     backoff: str = "30s"  # before a relaunch; doubles with each restart of the lineage
     stall_after: str = "10m"
-    slow_ratio: float = Field(default=0.8, gt=0, le=1)
-    notify: list[str] = Field(default_factory=list)  # https://..., slack:https://..., cmd:PROGRAM
+    slow_ratio: float = spec(0.8, gt=0, le=1)
+    notify: list[str] = spec(factory=list)  # https://..., slack:https://..., cmd:PROGRAM
     notify_secret_env: str = "CTL_NOTIFY_SECRET"  # the variable holding the webhooks' HMAC key
 
 
-class RunsSpec(_Model):
-    series: str = "run"
-    session: str = "ctl"
-    log: str = "/workspace/train_stdout_{run}.log"
-    dir: str = "/workspace/runs/{run}"
+def _has_run(v: str) -> str:
+    if "{run}" not in v:
+        raise ValueError("must contain {run} so that every run gets its own path")
+    if any(ord(c) < 32 or c == "\x7f" for c in v):
+        raise ValueError("must not contain control characters (newline, NUL, ...)")
+    return v
+
+
+@dataclass(frozen=True)
+class RunsSpec:
+    series: str = spec("run", check=_as_value_error(check_name))
+    session: str = spec("ctl", check=_as_value_error(check_name))
+    log: str = spec("/workspace/train_stdout_{run}.log", check=_has_run)
+    dir: str = spec("/workspace/runs/{run}", check=_has_run)
     checkpoints: str = "{dir}/checkpoints"  # where a run's full checkpoints are (step_N/ with manifest.json)
-    supervise: SuperviseSpec = Field(default_factory=SuperviseSpec)
-
-    @field_validator("series", "session")
-    @classmethod
-    def _names(cls, v: str) -> str:
-        try:
-            return check_name(v)
-        except InputError as e:
-            raise ValueError(e.message) from None
-
-    @field_validator("log", "dir")
-    @classmethod
-    def _has_run(cls, v: str) -> str:
-        if "{run}" not in v:
-            raise ValueError("must contain {run} so that every run gets its own path")
-        if any(ord(c) < 32 or c == "\x7f" for c in v):
-            raise ValueError("must not contain control characters (newline, NUL, ...)")
-        return v
+    supervise: SuperviseSpec = spec(factory=SuperviseSpec)
 
 
 _IFNAMES = re.compile(r"^\^?=?[A-Za-z0-9_.:@-]+(,\^?=?[A-Za-z0-9_.:@-]+)*$")  # NCCL's prefix list syntax
 _ADDRESS = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|[0-9A-Fa-f:.]+)$")  # host name or IP
 
 
-class NcclSpec(_Model):
+def _ifname(v: str | None) -> str | None:
+    if v is not None and not _IFNAMES.match(v):
+        raise ValueError(f"{v!r} is not an interface list such as 'eth0', '=eth0', '^docker,lo'")
+    return v
+
+
+@dataclass(frozen=True)
+class NcclSpec:
     """`nccl:` on a container (or a job, for all its nodes): the variables NCCL and gloo need to pick the
     right network on a Proxmox node (README: "Runs across several containers")."""
 
-    socket_ifname: str | None = None  # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME: eth0, =eth0, ^docker,lo
+    socket_ifname: str | None = spec(None, check=_ifname)  # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME: eth0, =eth0
     ib_disable: bool | None = None  # NCCL_IB_DISABLE: no InfiniBand/RoCE in the container
     p2p_disable: bool | None = None  # NCCL_P2P_DISABLE: GPUs of the container cannot reach each other directly
-
-    @field_validator("socket_ifname")
-    @classmethod
-    def _ifname(cls, v: str | None) -> str | None:
-        if v is not None and not _IFNAMES.match(v):
-            raise ValueError(f"{v!r} is not an interface list such as 'eth0', '=eth0', '^docker,lo'")
-        return v
 
     def env(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -199,80 +190,70 @@ class NcclSpec(_Model):
         return out
 
 
-class JobSpec(_Model):
+def _nproc(v: int | str) -> int | str:
+    if isinstance(v, int) and v < 1:
+        raise ValueError("must be at least 1, or 'auto'")
+    return v
+
+
+@dataclass(frozen=True)
+class JobSpec:
     """`jobs.NAME`: one run across several containers, started by torchrun on each with a c10d rendezvous at
     the first node's `address` and `rdzv_port`."""
 
-    nodes: list[str] = Field(min_length=1)
-    rdzv_port: int = Field(29400, ge=1, le=65535)
-    nproc_per_node: int | Literal["auto"] = "auto"  # auto: each node's GPU split (targets + drafters)
+    nodes: list[str] = spec(min_items=1)
+    rdzv_port: int = spec(29400, ge=1, le=65535)
+    nproc_per_node: int | Literal["auto"] = spec("auto", check=_nproc)  # auto: each node's GPU split
     # How long the launch preflight waits for every node to reach the rendezvous endpoint (a TCP connect)
-    preflight_timeout: float = Field(10.0, gt=0, le=300)
+    preflight_timeout: float = spec(10.0, gt=0, le=300)
     nccl: NcclSpec | None = None  # defaults for every node; a container's own `nccl:` keys win
 
-    @field_validator("nproc_per_node")
-    @classmethod
-    def _nproc(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 1:
-            raise ValueError("must be at least 1, or 'auto'")
-        return v
+
+def _prefixes(v: list[str]) -> list[str]:
+    return [_as_value_error(lambda p: check_container_path(p, "follow_symlinks prefix"))(p) for p in v]
 
 
-class ContainerSpec(_Model):
+@dataclass(frozen=True)
+class ContainerSpec:
     host: str | None = None
-    vmid: int | None = Field(None, ge=100, le=999999999)
+    vmid: int | None = spec(None, ge=100, le=999999999)
     transport: Literal["pct", "ssh", "local"] = "pct"
     address: str | None = None  # ssh transport: where ctl connects; a job's node: where the other nodes reach it
-    port: int = Field(22, ge=1, le=65535)
+    port: int = spec(22, ge=1, le=65535)
     user: str = "root"
     identity_file: str | None = None
     known_hosts: str | None = None
     root: str | None = None  # local transport: directory that stands for the container's /
-    gpus: GpuSplit = Field(default_factory=GpuSplit)
-    gpus_seen: list[int] | None = None  # GPUs the CT's config passes through, as `ctl inventory discover` saw them
-    vars: dict[str, Any] = Field(default_factory=dict)
+    gpus: GpuSplit = spec(factory=GpuSplit)
+    gpus_seen: list[int] | None = spec(None, check=_gpu_indices)  # GPUs the CT's config passes through, as
+    #                                                               `ctl inventory discover` saw them
+    vars: dict[str, Any] = spec(factory=dict)
     lock: str | None = None
     baseline: str | None = None
-    allowed_paths: list[str] = Field(default_factory=lambda: ["/root", "/workspace", "/opt", "/srv"])
+    allowed_paths: list[str] = spec(factory=lambda: ["/root", "/workspace", "/opt", "/srv"])
     # Container paths under which the agent may follow a symlink while resolving a destination (default: none)
-    follow_symlinks: list[str] = Field(default_factory=list)
-    store_keep: int = Field(5, ge=1)  # versions per destination `ctl store prune` keeps
+    follow_symlinks: list[str] = spec(factory=list, check=_prefixes)
+    store_keep: int = spec(5, ge=1)  # versions per destination `ctl store prune` keeps
     nccl: NcclSpec | None = None  # NCCL/gloo network variables for the start script
 
-    @field_validator("gpus_seen")
-    @classmethod
-    def _seen(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and any(i < 0 for i in v):
-            raise ValueError("GPU indices must be >= 0")
-        return v
-
-    @field_validator("follow_symlinks")
-    @classmethod
-    def _prefixes(cls, v: list[str]) -> list[str]:
-        try:
-            return [check_container_path(p, "follow_symlinks prefix") for p in v]
-        except InputError as e:
-            raise ValueError(e.message) from None
-
-    @model_validator(mode="after")
-    def _transport_needs(self) -> ContainerSpec:
+    def _check(self) -> None:
         if self.transport == "pct" and (self.host is None or self.vmid is None):
             raise ValueError("transport 'pct' needs 'host' and 'vmid'")
         if self.transport == "ssh" and self.address is None:
             raise ValueError("transport 'ssh' needs 'address'")
         if self.transport == "local" and self.root is None:
             raise ValueError("transport 'local' needs 'root' (a directory standing for the container's /)")
-        return self
 
 
-class InventoryModel(_Model):
-    hosts: dict[str, HostSpec] = Field(default_factory=dict)
+@dataclass(frozen=True)
+class InventoryModel:
     containers: dict[str, ContainerSpec]
-    groups: dict[str, list[str]] = Field(default_factory=dict)
-    jobs: dict[str, JobSpec] = Field(default_factory=dict)
-    payload: list[PayloadEntry] = Field(default_factory=list)
-    runs: RunsSpec = Field(default_factory=RunsSpec)
-    vars: dict[str, Any] = Field(default_factory=dict)
+    hosts: dict[str, HostSpec] = spec(factory=dict)
+    groups: dict[str, list[str]] = spec(factory=dict)
+    jobs: dict[str, JobSpec] = spec(factory=dict)
+    payload: list[PayloadEntry] = spec(factory=list)
+    runs: RunsSpec = spec(factory=RunsSpec)
+    vars: dict[str, Any] = spec(factory=dict)
 
 
 @dataclass(frozen=True)
@@ -350,8 +331,8 @@ class Inventory:
 
     def job_of(self, ct: str) -> Job | None:
         """The job whose node this container is (a container is a node of at most one job), or None."""
-        for name, spec in self.model.jobs.items():
-            if ct in spec.nodes:
+        for name, job in self.model.jobs.items():
+            if ct in job.nodes:
                 return self.job(name)
         return None
 
@@ -420,16 +401,9 @@ def load(path: str | Path | None = None) -> Inventory:
         raise InventoryError(name, "expected a mapping with 'hosts' and 'containers'", line=1)
     lines = line_index(node)
     try:
-        model = InventoryModel.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = tuple(err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "missing":
-            msg = "required key is missing"
-        elif err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        raise InventoryError(name, msg, line=nearest_line(lines, loc), key=dotted(loc)) from None
+        model = build(InventoryModel, data)
+    except SchemaError as e:
+        raise InventoryError(name, e.message, line=nearest_line(lines, e.loc), key=dotted(e.loc)) from None
     _check_references(name, model, lines)
     _check_jobs(name, model, lines)
     _check_shell_vars(name, model, lines)

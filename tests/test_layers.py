@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "controller"
-BOTTOM = {"errors", "names", "settings", "lifecycle", "inventory", "registry", "yamlpos"}
+BOTTOM = {"errors", "names", "settings", "lifecycle", "inventory", "registry", "schema", "yamlpos"}
 LAYERS = ["cli", "web", "commands", "remote", "transport", "core"]
 # What each layer may import from controller/ (besides the bottom and itself).
 ALLOWED = {

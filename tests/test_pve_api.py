@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import requests
 from controller.commands.snapshot import parse_listsnapshot
 from controller.errors import ApiError, ConnectionFailed, InputError
 from controller.inventory import ApiSpec
+from controller.schema import build
 from controller.transport.pveapi import PveApi, PveFailure, snapshots_from_api
 from tests.pvehost import PveHost, find_free_port
 from tests.pvehost.api import make_certs
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.pvehost
 
 @pytest.fixture
 def spec(pvehost: PveHost) -> ApiSpec:
-    return ApiSpec.model_validate(pvehost.api_spec("pve1", secret_env="CTL_TEST_PVE_TOKEN", timeout=10))
+    return build(ApiSpec, pvehost.api_spec("pve1", secret_env="CTL_TEST_PVE_TOKEN", timeout=10))
 
 
 @pytest.fixture
@@ -74,7 +76,7 @@ def test_untrusted_certificate_is_one_line(spec: ApiSpec, env: dict[str, str], t
                                            pvehost: PveHost) -> None:
     make_certs(tmp_path / "other")  # a CA that did not sign the server's certificate
     other = tmp_path / "other" / "ca.pem"
-    api = PveApi(spec.model_copy(update={"ca_file": str(other)}), environ=env)
+    api = PveApi(replace(spec, ca_file=str(other)), environ=env)
     with pytest.raises(ConnectionFailed) as ei:
         api.status(200)
     text = one_line(ei.value)
@@ -85,21 +87,21 @@ def test_untrusted_certificate_is_one_line(spec: ApiSpec, env: dict[str, str], t
 def test_verify_false_warns_every_time(spec: ApiSpec, env: dict[str, str]) -> None:
     said: list[str] = []
     for _ in range(2):
-        api = PveApi(spec.model_copy(update={"verify": False, "ca_file": None}), environ=env, warn=said.append)
+        api = PveApi(replace(spec, verify=False, ca_file=None), environ=env, warn=said.append)
         assert api.status(200) == "running"
     assert len(said) == 2 and "NOT verified" in said[0]
 
 
 def test_missing_ca_file_refused_before_any_request(spec: ApiSpec, env: dict[str, str], tmp_path: Path) -> None:
     with pytest.raises(InputError) as ei:
-        PveApi(spec.model_copy(update={"ca_file": str(tmp_path / "nope.pem")}), environ=env)
+        PveApi(replace(spec, ca_file=str(tmp_path / "nope.pem")), environ=env)
     assert "does not exist" in one_line(ei.value)
 
 
 def test_unreachable_port_is_one_line(spec: ApiSpec, env: dict[str, str]) -> None:
     port = find_free_port(["127.0.0.2"], start=18006)
     url = f"https://127.0.0.2:{port}"
-    api = PveApi(spec.model_copy(update={"url": url}), environ=env)
+    api = PveApi(replace(spec, url=url), environ=env)
     t0 = time.monotonic()
     with pytest.raises(ConnectionFailed) as ei:
         api.list_snapshots(200)

@@ -20,7 +20,9 @@ def inventory_cmd(ctx: typer.Context) -> None:
     inv = _inv()
     m = inv.model
     if OPTS.json:
-        _out({"path": str(inv.path), **m.model_dump(mode="json")})
+        from controller.schema import dump
+
+        _out({"path": str(inv.path), **dump(m)})
         return
     _table(f"hosts ({inv.path})", ["host", "address", "port", "user", "api"],
            [[n, h.address, h.port, h.user, h.api.url if h.api else "-"] for n, h in m.hosts.items()])
@@ -82,6 +84,7 @@ def discover_cmd(
     from controller.commands.discover import write as write_plan
     from controller.errors import InputError
     from controller.inventory import ApiSpec
+    from controller.schema import SchemaError, build
     from controller.transport.pveapi import PveApi
 
     path = Path(settings.inventory_path(OPTS.inventory))
@@ -97,9 +100,11 @@ def discover_cmd(
         if not api or not token_id:
             raise InputError("give --api URL and --token-id USER@REALM!TOKENID (or --host NAME)")
         try:
-            spec = ApiSpec(url=api, node="", token_id=token_id, token_secret_env=token_env, ca_file=ca)
-        except Exception as e:  # pydantic's message, one line
-            raise InputError(f"--api/--token-id: {str(e).splitlines()[-1].strip()}") from None
+            spec = build(ApiSpec, {"url": api, "node": "", "token_id": token_id, "token_secret_env": token_env,
+                                   "ca_file": ca})
+        except SchemaError as e:
+            flag = {"url": "--api", "token_id": "--token-id", "token_secret_env": "--token-env"}.get(e.loc[0], "--ca")
+            raise InputError(f"{flag}: {e.message}") from None
         base_dir = Path.cwd()
     client = PveApi(spec, base_dir=base_dir)
     found = discover(client)

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("tmux") is None,
 
 def test_a_run_killed_twice_finishes_on_its_own(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    pytest.importorskip("pydantic")  # ctl's own dependencies (a GPU machine may hold only the payload's)
+    pytest.importorskip("typer")  # ctl's own dependencies (a GPU machine may hold only the payload's)
     inv = yaml.safe_load((REPO / "inventory.yaml").read_text())
     for entry in inv["payload"]:
         src = entry.get("src") or entry.get("template")
