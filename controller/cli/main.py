@@ -1,10 +1,11 @@
 """The `ctl` command line: thin typer commands that call one commands.* function and render its result.
 
 Every CtlError is caught in `main` and printed as one line; `--debug` shows the traceback. Start-up stays thin:
-heavy modules (paramiko, jinja2, rich, pydantic, matplotlib) are imported inside commands, a command line imports
-only the cli module of its verb (COMMANDS), `ctl --help` prints the text typer renders for it (helptext.py, kept
-equal to typer's by tests/test_cli_startup.py) without importing typer at all, and a shell's completion request
-(a TAB) is answered by cli/complete.py before any of that is imported. The app, its global options and the
+heavy modules (paramiko, jinja2, rich, matplotlib) are imported inside commands, option values are converted
+without typer's pydantic adapters (cli/coerce.py), a command line imports only the cli module of its verb
+(COMMANDS), `ctl --help` prints the text typer renders for it (helptext.py, kept equal to typer's by
+tests/test_cli_startup.py) without importing typer at all, and a shell's completion request (a TAB) is answered
+by cli/complete.py before any of that is imported. The app, its global options and the
 output helpers live in cli/app.py; each verb group in its own module, which registers its commands on the app
 when imported (`load`, `load_app`).
 """
@@ -147,6 +148,7 @@ def _completion_shell(argv: list[str]) -> None:
 
 def _main() -> None:
     import typer
+    import typer.main
 
     from controller.cli.app import OPTS
     from controller.core.terminal import clean_line
@@ -160,9 +162,12 @@ def _main() -> None:
         if flag in head[1:]:
             head = [a for a in head if a != flag]
             head.insert(0, flag)
-    app = load(head + sep + tail)
+    from controller.cli.coerce import install
+
+    command = typer.main.get_command(load(head + sep + tail))
+    install(command)  # option values converted without building pydantic adapters (cli/coerce.py)
     try:
-        rc = app(args=head + sep + tail, prog_name="ctl", standalone_mode=False)
+        rc = command(args=head + sep + tail, prog_name="ctl", standalone_mode=False)
     except CtlError as e:
         if OPTS.debug:
             import traceback
