@@ -140,7 +140,10 @@ def test_the_page_shows_live_runs_their_verdicts_and_log_lines_as_text(runs: Env
         reason = b.evaluate(f"{sel}.querySelector('td.why').textContent")
         assert "0.36x the baseline 12.8K (loc/fresh1)" in reason
         assert b.evaluate(f"{sel}.querySelector('.verdict').textContent") == "SLOW"
-        assert b.evaluate(f"{sel}.querySelector('svg.spark polyline').dataset.count") == "20"
+        # The sparkline: the newest 20 points once the run has logged that many (a loaded box may show the
+        # verdict before, from fewer).
+        b.wait(f"{sel}.querySelector('svg.spark polyline').dataset.count === '20'", timeout=30,
+               what="fresh2's sparkline to hold its 20 newest points")
         # Live: the step moves on without a reload (the page only hears of it through its event stream).
         step = int(b.evaluate(f"{sel}.querySelector('td.step').textContent"))
         version = int(b.evaluate("document.body.dataset.version"))
