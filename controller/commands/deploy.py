@@ -145,6 +145,46 @@ def _git_state_cached(
     return commit, tuple(dirty + outside)
 
 
+RENDER_CACHE_KEEP = 256  # renderings kept in STATE/render (a few KB each); the oldest go first
+
+
+@functools.cache
+def _renderer_id() -> bytes:
+    from controller.core import render as module
+
+    return hashlib.sha256(Path(module.__file__ or "").read_bytes()).digest()
+
+
+def rendered(src: Path, ctx: dict[str, Any], name: str) -> bytes:
+    """`render(src, ctx)`, kept in the state directory under the hash of everything it depends on (the template,
+    the context, the renderer's own source): a deploy or launch whose template and variables did not change
+    neither imports nor runs jinja2, a sixth of a command's start-up. The cache is private (0700/0600): a
+    rendering may hold the inventory's variables."""
+    try:
+        source = src.read_bytes()
+    except OSError:
+        return render(src, ctx, display_name=name)  # which says what is wrong with the template
+    key = hashlib.sha256(b"\0".join([_renderer_id(), source, json.dumps(ctx, sort_keys=True, default=str).encode()]))
+    cache = state_dir() / "render"
+    hit = cache / key.hexdigest()
+    try:
+        return hit.read_bytes()
+    except OSError:
+        pass
+    content = render(src, ctx, display_name=name)
+    try:
+        private_dir(cache)
+        tmp = private_file(cache / f".{key.hexdigest()}.{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(content)
+        tmp.replace(hit)
+        old = sorted(cache.iterdir(), key=lambda p: p.stat().st_mtime)
+        for p in old[:max(0, len(old) - RENDER_CACHE_KEEP)]:
+            p.unlink(missing_ok=True)
+    except OSError:
+        pass  # a read-only or full state directory: rendered again next time
+    return content
+
+
 def pin(inv: Inventory, ct: Container) -> Manifest:
     ctx = context(inv, ct)
     files: list[PinnedFile] = []
@@ -158,7 +198,7 @@ def pin(inv: Inventory, ct: Container) -> Manifest:
         src = (inv.base_dir / entry.source)
         sources.append(src)
         if entry.template is not None:
-            content = render(src, ctx, display_name=entry.source)
+            content = rendered(src, ctx, entry.source)
             kind = "template"
         else:
             try:
