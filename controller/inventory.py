@@ -379,6 +379,17 @@ def resolve_path(explicit: str | None = None) -> Path:
     return settings.inventory_path(explicit)
 
 
+def _parse(text: str) -> tuple[Any, Any]:
+    """The document's node tree (for line numbers) and its data, from one parse by libyaml when PyYAML has it
+    (the pure-Python parser, run twice, was a fifth of a command's start-up)."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
+    try:
+        node = loader.get_single_node()
+        return node, (loader.construct_document(node) if node is not None else None)
+    finally:
+        loader.dispose()
+
+
 def load(path: str | Path | None = None) -> Inventory:
     p = resolve_path(str(path) if path is not None else None)
     name = str(p)
@@ -389,8 +400,7 @@ def load(path: str | Path | None = None) -> Inventory:
     except OSError as e:
         raise InventoryError(name, f"cannot read: {e.strerror}") from None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        node, data = _parse(text)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark is not None else None

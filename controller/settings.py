@@ -85,7 +85,7 @@ def config_file(path: Path | None = None) -> dict[str, Any]:
     import yaml
 
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506
     except OSError as e:
         raise InputError(f"config file {p}: cannot read: {e.strerror}") from None
     except yaml.YAMLError as e:
