@@ -49,8 +49,9 @@ def launch_cmd(
                                      allow_env_mismatch=allow_env_mismatch, follow=follow))
     with _session(container) as (inv, ct, pool):
         t = pool.container(ct)
-        rec, checks = runs.launch(inv, ct, t, reg, run, allow_drift=allow_drift, force=force,
-                                  allow_env_mismatch=allow_env_mismatch)
+        got = runs.launch(inv, ct, t, reg, run, allow_drift=allow_drift, force=force,
+                          allow_env_mismatch=allow_env_mismatch)
+        rec, checks = got.run, got.checks
         if OPTS.json and not follow:
             _out({"run": _redacted(rec), "checks": [c.__dict__ for c in checks]})
             return
@@ -60,7 +61,7 @@ def launch_cmd(
             con.print(f"  {c.name:<10} {mark:<6} {_esc(c.detail)}")
         con.print(f"launched {rec.name} on {ct.name}: tmux session {rec.session}, log {rec.log_path}")
         if follow:
-            raise typer.Exit(_follow(t, reg, rec, -1, True))
+            raise typer.Exit(_follow(t, reg, rec, -1, True, launched_pid=got.pid))
 
 
 def _launch_job(inv: Any, reg: Any, job: str, run: str | None, *, allow_drift: bool, force: bool,
@@ -110,7 +111,7 @@ def _follow_job(inv: Any, pool: Any, reg: Any, rec: Any, lines: int, follow: boo
     return end.exit_code
 
 
-def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool) -> int:
+def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool, *, launched_pid: int | None = None) -> int:
     from controller.commands import runs
     from controller.core import metrics
 
@@ -132,7 +133,7 @@ def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool) -> int:
         status.start()
     try:
         end = runs.follow(t, reg, rec, lines=lines, follow=follow, emit=emit, detect=metrics.detect_crash,
-                          note=lambda text: _warn([text]))
+                          note=lambda text: _warn([text]), launched_pid=launched_pid)
     finally:
         if status is not None:
             status.stop()

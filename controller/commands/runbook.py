@@ -74,8 +74,9 @@ class Actions:
         if dry:
             name = a["run"] or runs.next_name(self.inv, ct, t, self.reg)
             return Done(f"would launch {name} on {ct.name} (after its preflight)", sets={"run": name})
-        rec, checks = runs.launch(self.inv, ct, t, self.reg, a["run"], allow_drift=a["allow_drift"], force=a["force"],
-                                  allow_env_mismatch=a["allow_env_mismatch"])
+        got = runs.launch(self.inv, ct, t, self.reg, a["run"], allow_drift=a["allow_drift"], force=a["force"],
+                          allow_env_mismatch=a["allow_env_mismatch"])
+        rec, checks = got.run, got.checks
         self.launched[rec.name] = rec.id
         forced = [c.name for c in checks if c.forced]
         return Done(f"{rec.name}: tmux session {rec.session}, log {rec.log_path}"

@@ -284,7 +284,7 @@ def launch(
     inv: Inventory, ct: Container, t: Transport, reg: Registry, name: str | None, *, allow_drift: bool = False,
     force: bool = False, allow_env_mismatch: bool = False, probe_env: bool = True,
     extra_env: dict[str, str] | None = None, lineage: dict[str, Any] | None = None,
-) -> tuple[RunRecord, list[Check]]:
+) -> Launched:
     """Claim the name, preflight (one round trip, which also picks the name when none is given), probe the
     environment against its lock (`probe_env`), start the run in tmux, record it. `extra_env` reaches the
     training's environment (CTL_RESUME_FROM, CTL_PARENT_RUN from a supervisor's restart); `lineage` is recorded
@@ -351,7 +351,8 @@ def launch(
         rendered=redact_rendered(manifest.rendered()),
         env_fingerprint=(env or {}).get("fingerprint"), env=env,
     )
-    return rec, checks
+    pid = doc.get("pid")
+    return Launched(rec, checks, pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None)
 
 
 # --- state ---------------------------------------------------------------------------------------
@@ -465,6 +466,16 @@ def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRec
 # --- follow --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Launched:
+    """What `launch` started: the run as recorded, its preflight checks, and the training's pid as the launch
+    answered it (None when the pid file was not written within the agent's wait)."""
+
+    run: RunRecord
+    checks: list[Check]
+    pid: int | None
+
+
 @dataclass
 class FollowEnd:
     exit_status: int | None
@@ -481,7 +492,7 @@ class FollowEnd:
 def follow(
     t: Transport, reg: Registry, run: RunRecord, *, lines: int, follow: bool, emit: Callable[[str], None],
     detect: Callable[[str], str | None], reconnect_s: float | None = None, crash_grace: float = 3.0,
-    note: Callable[[str], None] | None = None, start_offset: int | None = None,
+    note: Callable[[str], None] | None = None, start_offset: int | None = None, launched_pid: int | None = None,
 ) -> FollowEnd:
     """Print the last `lines` lines (all of them when negative), then (with follow) new ones until the run
     ends or crashes.
@@ -490,6 +501,8 @@ def follow(
     request past its deadline, is resumed from the last byte offset received: no line is lost or repeated.
     Reconnecting goes on for `reconnect_s` seconds after the failure (CTL_FOLLOW_RECONNECT, 300), then the last
     error is raised (exit 5) and the registry keeps the run's state. `note` hears of each drop and reconnection.
+    `launched_pid`: the run was just launched by this command, whose answer named the training's pid and made
+    its log; the stream then starts at once instead of after a runstate round trip (`ctl launch -f`).
     """
     if reconnect_s is None:
         reconnect_s = follow_reconnect()
@@ -517,7 +530,10 @@ def follow(
     first = True
     while True:
         try:
-            st = _runstate(t, run)
+            if first and launched_pid is not None and offset == 0:
+                st = {"pid": launched_pid, "alive": True, "log_size": 0}
+            else:
+                st = _runstate(t, run)
             if first and st.get("log_size") is None:
                 raise InputError(f"{run.ct}: cannot read {run.log_path}: it does not exist")
             first = False

@@ -321,7 +321,7 @@ class Supervisor:
         if found is not None:
             env["CTL_RESUME_FROM"] = t.path(found["dir"])
             lineage.update(resumed_from=found["dir"], resumed_step=int(found["step"]))
-        rec, _checks = runs.launch(self.inv, ct, t, self.reg, name, extra_env=env, lineage=lineage)
+        rec = runs.launch(self.inv, ct, t, self.reg, name, extra_env=env, lineage=lineage).run
         _die_if("launched")
         self._launched(failed, rec, out)
 

@@ -392,3 +392,20 @@ def test_a_launch_is_two_execs_with_the_environment_probe_inside_the_preflight(p
         assert shown["env_fingerprint"] and shown["env"]["python"]["version"], shown
     finally:
         pve_env.ctl("stop", "env1", "--grace", "1")
+
+
+def test_launch_follow_streams_the_log_at_once_from_the_pid_the_launch_answered(pve_env: Env) -> None:
+    """`ctl launch CT -f`: the launch's answer names the training's pid and made its log, so the log stream (a
+    `tail --pid`) starts right after it; before, a runstate round trip came first. The whole log is shown, and the
+    run is recorded finished when the stream ends."""
+    deployed(pve_env, "ct200", steps=5, interval=0.05)
+    host = pve_env.host
+    before = len(host.pct_calls("pve1"))
+    r = pve_env.ctl("launch", "ct200", "--run", "ff1", "-f")
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = [c for c in host.pct_calls("pve1")[before:] if c["args"][0] == "200"]
+    did = [c["argv"][6] if c["argv"][0] == "python3" else c["argv"][0] for c in calls]
+    assert did == ["probe", "launch", "tail", "runstate"], calls
+    assert "--pid=" in " ".join(calls[2]["argv"])
+    assert r.stdout.count("step=") == 5, r.stdout
+    assert wait_state(pve_env, "ff1", {"finished"})["exit_status"] == 0
