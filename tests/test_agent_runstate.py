@@ -17,18 +17,20 @@ from controller.remote import agent as agent_mod
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
 
-def _dead_pid() -> int:
+def _dead_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> Path:
+    """A run's log whose pid file names a training that has exited; tmux sockets under tmp_path."""
+    monkeypatch.setenv("TMUX_TMPDIR", str(tmp_path))
     p = subprocess.Popen(["true"])
     p.wait()
-    return p.pid
+    log = tmp_path / f"train_{name}.log"
+    log.write_text("step=5\n")
+    (tmp_path / f"train_{name}.log.pid").write_text(f"{p.pid}\n")
+    return log
 
 
 def test_an_exit_status_written_just_after_the_training_died_is_reported(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TMUX_TMPDIR", str(tmp_path))
-    log = tmp_path / "train_r1.log"
-    log.write_text("step=5\n")
-    (tmp_path / "train_r1.log.pid").write_text(f"{_dead_pid()}\n")
+    log = _dead_run(tmp_path, monkeypatch, "r1")
     # The launcher, late: its session is there, and it writes the status a second after the training ended.
     script = f"sleep 1; echo 137 > {log}.exit.tmp && mv -f {log}.exit.tmp {log}.exit; sleep 30"
     subprocess.run(["tmux", "new-session", "-d", "-s", "rs-r1", "bash", "-c", script], check=True)
@@ -46,10 +48,7 @@ def test_an_exit_status_written_just_after_the_training_died_is_reported(tmp_pat
 
 def test_a_dead_training_whose_session_is_gone_is_answered_at_once(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TMUX_TMPDIR", str(tmp_path))
-    log = tmp_path / "train_r2.log"
-    log.write_text("")
-    (tmp_path / "train_r2.log.pid").write_text(f"{_dead_pid()}\n")
+    log = _dead_run(tmp_path, monkeypatch, "r2")
     t0 = time.monotonic()
     st = agent_mod.runstate({"runs": [{"name": "r2", "log": str(log), "session": "rs-r2"}]})["runs"][0]
     assert (st["alive"], st["exit"], st["session"]) == (False, None, False), st
