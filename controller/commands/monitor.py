@@ -694,7 +694,7 @@ def _fit_for_baseline(inv: Inventory | None, reg: Registry, pool: Pool | None, r
     if not rec.state.live:
         exit_text = f", exit {rec.exit_status}" if rec.exit_status is not None else ""
         return f"it is {rec.state}{exit_text}" + (f" ({rec.note})" if rec.note else "")
-    if inv is None or pool is None or rec.ct not in inv.model.containers:
+    if inv is None or pool is None or rec.ct not in (inv.model.jobs if rec.multi else inv.model.containers):
         return f"it is {rec.state} and its container cannot be asked how it does"
     report = statuses(inv, reg, pool, [rec], slow_ratio=0.8, stall_after_s=600.0, checkpoints=checkpoints)
     st = report.statuses[0]

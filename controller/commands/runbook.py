@@ -69,7 +69,8 @@ class Actions:
                     exit_code=int(ExitCode.ENV_MISMATCH), lines=tuple(f.message for f in res.findings))
 
     def launch(self, a: Mapping[str, Any], dry: bool) -> Any:
-        from controller.commands import runs
+        if a["ct"] in self.inv.model.jobs:
+            return self._launch_job(a, dry)
         ct, t = self._ct(a["ct"])
         if dry:
             name = a["run"] or runs.next_name(self.inv, ct, t, self.reg)
@@ -81,6 +82,23 @@ class Actions:
         forced = [c.name for c in checks if c.forced]
         return Done(f"{rec.name}: tmux session {rec.session}, log {rec.log_path}"
                     + (f" (forced: {', '.join(forced)})" if forced else ""), sets={"run": rec.name})
+
+    def _launch_job(self, a: Mapping[str, Any], dry: bool) -> Any:
+        """`launch: {ct: JOB}`: the run across the job's nodes, started together (or on none), as `ctl launch JOB`."""
+        from controller.commands import jobs
+
+        job = self.inv.job(a["ct"])
+        if dry:
+            name = a["run"] or jobs.next_name(self.inv, self.pool, self.reg, job.name)
+            return Done(f"would launch {name} on the {job.nnodes} nodes of {job.name} (after their preflight)",
+                        sets={"run": name})
+        got = jobs.launch(self.inv, self.pool, self.reg, job.name, a["run"], allow_drift=a["allow_drift"],
+                          force=a["force"], allow_env_mismatch=a["allow_env_mismatch"])
+        self.launched[got.run.name] = got.run.id
+        forced = sorted({f"{node} {c.name}" for node, cs in got.checks.items() for c in cs if c.forced})
+        return Done(f"{got.run.name}: {len(got.nodes)} nodes of {job.name} ({', '.join(m.ct for m in got.nodes)}), "
+                    f"tmux session {got.run.session}, log {got.run.log_path} on each"
+                    + (f" (forced: {', '.join(forced)})" if forced else ""), sets={"run": got.run.name})
 
     def watch(self, a: Mapping[str, Any], dry: bool) -> Any:
         until = " or ".join(x for x in (f"step {a['until_step']}" if a["until_step"] is not None else "",
@@ -112,6 +130,12 @@ class Actions:
         if dry:
             return Done(f"would stop {a['run']} (SIGINT, {a['grace']:.0f}s grace, escalate)")
         rec = self._run(a["run"])
+        if rec.multi:  # a run across a job's nodes: every node stopped, as `ctl stop` does
+            from controller.commands import jobs
+
+            rec = runs.refresh_all(self.inv, self.reg, self.pool, [rec]).runs[0]
+            rec, _nodes = jobs.stop(self.inv, self.pool, self.reg, rec, grace=a["grace"])
+            return Done(f"{rec.ct}/{rec.name}: {rec.state} ({rec.note})")
         ct, t = self._ct(rec.ct)
         rec = runs.refresh(self.inv, ct, t, self.reg, [rec])[0]
         rec = runs.stop(self.inv, ct, t, self.reg, rec, grace=a["grace"])

@@ -167,6 +167,38 @@ def test_two_nodes_train_agree_tail_and_stop(job: Job) -> None:
     assert shown["state"] == "stopped" and [m["state"] for m in shown["members"]] == ["stopped", "stopped"]
 
 
+JOB_RUNBOOK = """\
+name: pair-run
+steps:
+  - deploy: {containers: [pair], allow_dirty: true}
+  - launch: {ct: pair}
+  - watch: {run: "{{ run }}", until_step: 8, for: 120s, every: 0.5s}
+    on:
+      CRASHED: [{fail: "{{ run }} crashed"}]
+  - mark-good: {run: "{{ run }}"}
+  - stop: {run: "{{ run }}", grace: 10}
+"""
+
+
+def test_a_runbook_launches_watches_and_stops_a_run_across_the_jobs_nodes(job: Job) -> None:
+    """A runbook's `launch: {ct: JOB}` starts the run on every node of the job (as `ctl launch JOB` does), its
+    watch judges the run whole, mark-good asks its nodes how it does, and its stop ends every node."""
+    rb = job.dir / "pair.yaml"
+    rb.write_text(JOB_RUNBOOK)
+    dry = job.ok("runbook", "run", str(rb), "--dry-run")
+    assert "would launch mn1 on the 2 nodes of pair" in dry, dry
+    out = job.ok("runbook", "run", str(rb))
+    lines = out.splitlines()
+    assert any("launch pair" in ln and "mn1: 2 nodes of pair (ct200, ct300)" in ln for ln in lines), out
+    assert any("watch mn1" in ln and "reached step" in ln for ln in lines), out
+    assert any("mark-good mn1" in ln and "pair/mn1: marked good" in ln for ln in lines), out  # live, judged whole
+    assert any("stop mn1" in ln and "pair/mn1: stopped" in ln for ln in lines), out
+    assert lines[-1] == "runbook pair-run: ok (5 steps)", out
+    wait_for("no trainer left", lambda: not job.trainers(200) and not job.trainers(300), timeout=20)
+    shown = json.loads(job.ok("--json", "show", "mn1"))
+    assert shown["state"] == "stopped" and [m["state"] for m in shown["members"]] == ["stopped", "stopped"]
+
+
 def test_a_node_killed_crashes_the_run_and_nothing_is_left(job: Job) -> None:
     job.ok("deploy", "pair", "--allow-dirty")
     job.ok("launch", "pair", "--run", "kill1")
