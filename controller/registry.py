@@ -511,6 +511,19 @@ class Registry:
                                (run_id,)).fetchone()
         return json.loads(row[0]) if row is not None else None
 
+    def step_from_top(self, run_id: int, n: int) -> int | None:
+        """The step of the `n`th point counting down from the highest step (the lowest step when it has fewer)."""
+        row = self._db.execute("SELECT step FROM metrics WHERE run_id=? ORDER BY step DESC, seq DESC LIMIT 1 "
+                               "OFFSET ?", (run_id, n - 1)).fetchone()
+        if row is None:
+            row = self._db.execute("SELECT MIN(step) FROM metrics WHERE run_id=?", (run_id,)).fetchone()
+        return row[0] if row is not None else None
+
+    def points_from_step(self, run_id: int, step: int) -> list[dict[str, Any]]:
+        """The points at `step` and above, in log order."""
+        rows = self._db.execute("SELECT data FROM metrics WHERE run_id=? AND step >= ? ORDER BY seq", (run_id, step))
+        return [json.loads(r[0]) for r in rows]
+
     def recent_points(self, run_id: int, n: int) -> list[dict[str, Any]]:
         """The last `n` points in log order."""
         rows = self._db.execute("SELECT data FROM metrics WHERE run_id=? ORDER BY seq DESC LIMIT ?", (run_id, n))

@@ -97,3 +97,47 @@ def test_a_long_run_is_judged_without_decoding_its_history(tmp_path: Path) -> No
         monitor.parse_line = real  # type: ignore[assignment]
     assert st.verdict.state == RunState.SLOW and st.verdict.step == 30_000 and st.last is not None
     assert decoded <= 41  # the steady window (20), the top point, the trend (20)
+
+
+@pytest.mark.parametrize("n", [300, 3000])
+def test_a_long_run_across_nodes_is_judged_from_its_newest_points_as_from_all(
+        tmp_path: Path, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run across two containers: node 0 logs rates, node 1 logs its own (some odd) and stops logging halfway,
+    as a DFlash node other than 0 does. Past JOB_WHOLE_MAX points per node, job_status reads the newest steps of
+    each node (and indexed aggregates) instead of decoding everything, and says exactly what decoding all says."""
+    reg = Registry(tmp_path / "r.sqlite3")
+    run, members = reg.claim_job_run("j1", "pair", [("ct200", "pve1"), ("ct300", "pve2")], session="s",
+                                     log_path="/l", run_dir="/d")
+    for m, recs in zip(members, (_records(random.Random(n), n), _records(random.Random(n + 1), n // 2)),
+                       strict=True):
+        assert reg.advance_cursor(m.id, (0, None), 1, "1:1:x", b"", recs)
+    run = reg.run_by_id(run.id)
+    now = 1000.0 + n
+    pulled: dict[int, monitor.PullResult | str] = {
+        m.id: monitor.PullResult(f"{m.ct}/j1", 0, 0, 0, 0, 0, 0, 1, 0, None, None, None, now - 7 * (i + 1), now)
+        for i, m in enumerate(members)}
+
+    def status(whole_max: int) -> monitor.RunStatus:
+        monkeypatch.setattr(monitor, "JOB_WHOLE_MAX", whole_max)
+        return monitor.job_status(run, reg, ("ct/b", 11000.0), pulled, slow_ratio=0.8, stall_after_s=1e9)
+
+    decoded = 0
+    real = monitor.parse_line
+
+    def counting(text: str):  # type: ignore[no-untyped-def]
+        nonlocal decoded
+        decoded += 1
+        return real(text)
+
+    want = status(10 * n)
+    monkeypatch.setattr(monitor, "parse_line", counting)
+    got = status(n // 2 - 1 if n > 1000 else 10 * n)
+    monkeypatch.setattr(monitor, "parse_line", real)
+    assert got.verdict == want.verdict and got.last == want.last and got.nodes == want.nodes
+    assert len(got.tok_s_history) == len(want.tok_s_history) and all(
+        a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
+        for a, b in zip(got.tok_s_history, want.tok_s_history, strict=True))
+    if n > 1000:
+        assert decoded < 400, decoded  # the newest steps of each node, not their 4,500 points
+    else:
+        assert decoded >= n  # a short run: every point, its warm-up judged exactly

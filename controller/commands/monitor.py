@@ -14,6 +14,7 @@ the run directory); the agent only re-hashes a file whose size or mtime changed 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -561,6 +562,53 @@ def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *
     return StatusReport(tuple(out), tuple(warnings))
 
 
+JOB_WINDOW = 20  # steady points a verdict judges (core.metrics.verdict's window)
+JOB_WHOLE_MAX = 2000  # a job run's nodes with at most this many points each are judged from all of them
+
+
+@dataclass(frozen=True)
+class _JobPoints:
+    """What judging a run across several containers reads of its nodes' stored points. `combined`: all of them,
+    one per step (`whole`), or, for a long run, those of the newest steps that every node's last points reach,
+    so that a status of a weeks-long run decodes about a hundred points per node, not all."""
+
+    combined: list[MetricPoint]
+    whole: bool
+    reporting: set[int]  # the nodes (member ids) that logged any point
+    top_step: int | None
+    last_time: float | None  # the newest point's time, of any node
+    node_step: dict[int, int | None]
+    node_tok_s: dict[int, float | None]
+
+
+def _job_points(reg: Registry, members: list[RunRecord]) -> _JobPoints:
+    counts = {m.id: reg.point_count(m.id) for m in members}
+    reporting = {i for i, n in counts.items() if n}
+    most = max(counts.values(), default=0)
+    k = 2 * JOB_WINDOW
+    while most > JOB_WHOLE_MAX and k <= most // 4:  # a quarter of the points: well past the warm-up (a tenth)
+        # From the highest step down to where every reporting node still has k points, k doubled until those
+        # steps hold a whole steady window (points without a usable rate do not count) and the trend's last 20.
+        start = max(s for i in reporting if (s := reg.step_from_top(i, k)) is not None)
+        combined = combine_nodes([_decoded(reg.points_from_step(m.id, start)) for m in members])
+        steady = sum(1 for p in combined if p.tok_s is not None and math.isfinite(p.tok_s) and p.tok_s > 0)
+        if steady >= JOB_WINDOW and len(combined) >= JOB_WINDOW:
+            tops = {m.id: reg.top_point(m.id) for m in members}
+            times = [t for m in members if (t := reg.last_point_time(m.id)) is not None]
+            rates = {m.id: reg.steady_rates(m.id, skip=warmup_skip(counts[m.id])) for m in members}
+            return _JobPoints(combined, False, reporting,
+                              max((int(t["step"]) for t in tops.values() if t is not None), default=None),
+                              max(times) if times else None,
+                              {i: int(t["step"]) if t is not None else None for i, t in tops.items()},
+                              {i: statistics.median(r) if r else None for i, r in rates.items()})
+        k *= 2
+    per = {m.id: stored_points(reg, m) for m in members}
+    combined = combine_nodes(list(per.values()))
+    return _JobPoints(combined, True, reporting, max((p.step for p in combined), default=None), None,
+                      {i: max((p.step for p in ps), default=None) for i, ps in per.items()},
+                      {i: steady_state(ps) for i, ps in per.items()})
+
+
 def job_status(run: RunRecord, reg: Registry, baseline: tuple[str, float] | None,
                pulled: dict[int, PullResult | str], *, slow_ratio: float, stall_after_s: float,
                unreachable: str | None = None) -> RunStatus:
@@ -568,7 +616,8 @@ def job_status(run: RunRecord, reg: Registry, baseline: tuple[str, float] | None
     run's baseline; STALLED by the node whose log has been quiet longest, CRASHED by the node that ended it (or
     whose log shows a crash), each named."""
     members = reg.members(run.id)
-    points = stored_points(reg, run)
+    stored = _job_points(reg, members)
+    points = stored.combined
     crash = run.crash
     stopped_crash = None
     if run.state == Lifecycle.STOPPED:
@@ -586,7 +635,7 @@ def job_status(run: RunRecord, reg: Registry, baseline: tuple[str, float] | None
     idle: dict[str, float] = {}
     # The DFlash payload logs metric lines on node 0 alone (its tok/s covers every node); the other nodes' logs go
     # quiet after their first lines by design. Once any node has logged a point, only such nodes can stall the run.
-    reporting = {m.id for m in members if stored_points(reg, m)}
+    reporting = stored.reporting
     for m in members:
         res = pulled.get(m.id)
         if reporting and m.id not in reporting:
@@ -594,10 +643,17 @@ def job_status(run: RunRecord, reg: Registry, baseline: tuple[str, float] | None
         if isinstance(res, PullResult) and res.remote_now is not None and res.log_mtime is not None and m.state.live:
             idle[m.ct] = res.remote_now - res.log_mtime  # each on its own container's clock
     stalest = max(idle, key=lambda c: idle[c]) if idle else None
-    v = verdict(points, baseline_tok_s=baseline[1] if baseline else None,
-                now=idle[stalest] if stalest else time.time(), last_step_time=0.0 if stalest else None,
-                slow_ratio=slow_ratio, stall_after_s=stall_after_s, exit_status=exit_status, crash=crash,
-                baseline_name=baseline[0] if baseline else None)
+    rate, name = (baseline[1], baseline[0]) if baseline else (None, None)
+    now = idle[stalest] if stalest else time.time()
+    if stored.whole:
+        v = verdict(points, baseline_tok_s=rate, now=now, last_step_time=0.0 if stalest else None,
+                    slow_ratio=slow_ratio, stall_after_s=stall_after_s, exit_status=exit_status, crash=crash,
+                    baseline_name=name)
+    else:  # the newest steps only: far past the warm-up, whose first points it therefore needs not skip
+        steady = [p for p in points if p.tok_s is not None and math.isfinite(p.tok_s) and p.tok_s > 0][-JOB_WINDOW:]
+        v = verdict_of_window(steady, step=stored.top_step, baseline_tok_s=rate, now=now,
+                              last_step_time=0.0 if stalest else stored.last_time, slow_ratio=slow_ratio,
+                              stall_after_s=stall_after_s, exit_status=exit_status, crash=crash, baseline_name=name)
     nodes = f"{len(members)} nodes: "
     if v.state == RunState.STALLED and stalest:
         v = replace(v, reason=f"{stalest}: {v.reason}")
@@ -611,8 +667,7 @@ def job_status(run: RunRecord, reg: Registry, baseline: tuple[str, float] | None
                     reason=f"{unreachable}; recorded state {run.state} kept")
     per_node = tuple({"ct": m.ct, "node_rank": m.node_rank, "state": str(m.state), "exit_status": m.exit_status,
                       "crash": m.crash, "idle_s": idle.get(m.ct),
-                      "step": max((p.step for p in stored_points(reg, m)), default=None),
-                      "tok_s": steady_state(stored_points(reg, m))} for m in members)
+                      "step": stored.node_step[m.id], "tok_s": stored.node_tok_s[m.id]} for m in members)
     last = max(points, key=lambda p: p.step) if points else None
     return RunStatus(run, v, last, tuple(p.tok_s for p in points[-20:]), baseline[0] if baseline else None,
                      None, "; ".join(errors) or unreachable, per_node)
