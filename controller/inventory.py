@@ -112,11 +112,11 @@ def _mode(v: str | int) -> str:
     return f"{m:04o}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PayloadEntry:
-    dest: str = spec(check=_as_value_error(lambda v: check_container_path(v, "dest")))
     src: str | None = None
     template: str | None = None
+    dest: str = spec(check=_as_value_error(lambda v: check_container_path(v, "dest")))
     mode: str = spec("0644", check=_mode)
 
     def _check(self) -> None:
@@ -245,10 +245,10 @@ class ContainerSpec:
             raise ValueError("transport 'local' needs 'root' (a directory standing for the container's /)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class InventoryModel:
-    containers: dict[str, ContainerSpec]
     hosts: dict[str, HostSpec] = spec(factory=dict)
+    containers: dict[str, ContainerSpec]
     groups: dict[str, list[str]] = spec(factory=dict)
     jobs: dict[str, JobSpec] = spec(factory=dict)
     payload: list[PayloadEntry] = spec(factory=list)
@@ -379,13 +379,17 @@ def resolve_path(explicit: str | None = None) -> Path:
     return settings.inventory_path(explicit)
 
 
-def _parse(text: str) -> tuple[Any, Any]:
-    """The document's node tree (for line numbers) and its data, from one parse by libyaml when PyYAML has it
-    (the pure-Python parser, run twice, was a fifth of a command's start-up)."""
+def _parse(text: str) -> tuple[dict[tuple[Any, ...], int] | None, Any]:
+    """The line of every key (None for an empty document) and the data, from one parse by libyaml when PyYAML
+    has it (the pure-Python parser, run twice, was a fifth of a command's start-up). Lines are indexed before
+    the data is built: building flattens `<<` merge keys inside the node tree, which would move them."""
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
     try:
         node = loader.get_single_node()
-        return node, (loader.construct_document(node) if node is not None else None)
+        if node is None:
+            return None, None
+        lines = line_index(node)
+        return lines, loader.construct_document(node)
     finally:
         loader.dispose()
 
@@ -400,16 +404,15 @@ def load(path: str | Path | None = None) -> Inventory:
     except OSError as e:
         raise InventoryError(name, f"cannot read: {e.strerror}") from None
     try:
-        node, data = _parse(text)
+        lines, data = _parse(text)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark is not None else None
         raise InventoryError(name, f"YAML syntax error: {e.problem or e.context}", line=line) from None
     except yaml.YAMLError as e:
         raise InventoryError(name, f"YAML error: {e}") from None
-    if node is None or not isinstance(data, dict):
+    if lines is None or not isinstance(data, dict):
         raise InventoryError(name, "expected a mapping with 'hosts' and 'containers'", line=1)
-    lines = line_index(node)
     try:
         model = build(InventoryModel, data)
     except SchemaError as e:

@@ -131,7 +131,7 @@ def convert(tp: Any, value: Any, loc: tuple[Any, ...]) -> Any:
             try:
                 return convert(m, value, loc)
             except SchemaError as e:
-                if not e.mismatch:  # a value of the right shape, wrong inside or out of bounds: that is the message
+                if not e.mismatch or e.loc != loc:  # right shape, wrong inside or out of bounds: that is the message
                     raise
         raise SchemaError(loc, f"must be {describe(tp)}, not {_shown(value)}", mismatch=True)
     if origin is typing.Literal:
@@ -175,17 +175,22 @@ def convert(tp: Any, value: Any, loc: tuple[Any, ...]) -> Any:
                 pass
     elif tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            if not math.isfinite(value):
+            try:
+                out = float(value)
+            except OverflowError:  # an integer of hundreds of digits
+                raise SchemaError(loc, f"must be a finite number, not a {len(str(abs(value)))}-digit integer",
+                                  mismatch=True) from None
+            if not math.isfinite(out):
                 raise SchemaError(loc, f"must be a finite number, not {value!r}", mismatch=True)
-            return float(value)
+            return out
         if isinstance(value, str):
             try:
-                out = float(value.strip())
+                parsed = float(value.strip())
             except ValueError:
                 pass
             else:
-                if math.isfinite(out):
-                    return out
+                if math.isfinite(parsed):
+                    return parsed
     else:
         raise TypeError(f"no conversion to {tp!r}")
     raise SchemaError(loc, f"must be {describe(tp)}, not {_shown(value)}", mismatch=True)

@@ -75,6 +75,29 @@ def test_unknown_key(tmp_path: Path) -> None:
     assert error_of(tmp_path, text) == "INV:5: hosts.kpro6.prot: unknown key"
 
 
+def test_an_error_in_a_mapping_merged_from_an_anchor_names_its_own_line(tmp_path: Path) -> None:
+    text = GOOD.replace("  ct200:\n    host: kpro6\n", "  ct200: &base\n    host: kpro6\n").replace(
+        "  ct201:\n    host: kpro6\n    vmid: 201\n", "  ct201:\n    <<: *base\n    vmid: 99\n")
+    assert error_of(tmp_path, text) == "INV:12: containers.ct201.vmid: must be >= 100, not 99"
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (("    vmid: 201\n", "    vmid: 201\n    nccl: {ib_disable: maybe}\n"),
+     "INV:13: containers.ct201.nccl.ib_disable: must be true or false, not 'maybe'"),
+    (("    vmid: 201\n", "    vmid: 201\n    gpus_seen: [0, x]\n"),
+     "INV:13: containers.ct201.gpus_seen[1]: must be an integer, not 'x'"),
+    (("    port: 22\n", "    port: 22\n    api: {url: 'https://h:8006', node: n, token_id: 'a@pve!t', timeout: 30s}\n"),
+     "INV:5: hosts.kpro6.api.timeout: must be a number, not '30s'"),
+    (("    port: 22\n", "    port: 22\n    connect_timeout: " + "9" * 400 + "\n"),
+     "INV:5: hosts.kpro6.connect_timeout: must be a finite number, not a 400-digit integer"),
+])
+def test_a_wrong_value_inside_an_optional_section_is_named_by_its_own_key(
+        tmp_path: Path, change: tuple[str, str], expected: str) -> None:
+    text = GOOD.replace(*change)
+    assert text != GOOD
+    assert error_of(tmp_path, text) == expected
+
+
 def test_vmid_range(tmp_path: Path) -> None:
     text = GOOD.replace("vmid: 201", "vmid: 42")
     assert error_of(tmp_path, text) == "INV:12: containers.ct201.vmid: must be >= 100, not 42"

@@ -73,6 +73,8 @@ def test_a_good_mapping_builds_frozen_records_with_defaults_and_converted_values
     ({"items": {}, "inner": {"name": "bad"}}, ("inner",), "'bad' is not a name"),  # not "must be a mapping"
     ({"items": {}, "inner": {"size": 0, "name": "n"}}, ("inner", "size"), "must be >= 1, not 0"),
     ({"items": {}, "inner": "n"}, ("inner",), "must be a mapping, not 'n'"),
+    ({"items": {}, "inner": {"name": 5}}, ("inner", "name"), "must be a string, not 5"),  # not "inner: must be..."
+    ({"items": {}, "ratio": 10**400}, ("ratio",), "must be a finite number, not a 401-digit integer"),
     ({"items": {}, "kind": "c"}, ("kind",), "must be 'a' or 'b', not 'c'"),
     ({"items": {}, "count": "many"}, ("count",), "must be an integer or 'auto', not 'many'"),
     ({"items": {}, "ratio": 0}, ("ratio",), "must be > 0, not 0.0"),
