@@ -55,6 +55,23 @@ def test_the_second_pin_reads_the_rendering_and_any_change_renders_again(tmp_pat
     assert len(list(cache.iterdir())) == 3
 
 
+def test_order_types_and_a_damaged_entry_are_never_served_wrong(tmp_path: Path) -> None:
+    """The rendering follows the order of a mapping (train_args become flags in that order) and the types of its
+    keys; an entry cut short (a crash while it was written) is rendered again, not deployed."""
+    inv = INVENTORY.replace("vars: {steps: 10}", "vars: {train_args: {lr: 0.1, steps: 10}, m: {1: a}}")
+    (tmp_path / "inventory.yaml").write_text(inv)
+    (tmp_path / "start.j2").write_text("train {{ train_args | cli_args }} {{ m }}\n")
+    assert pin(tmp_path)["content"] == "train --lr 0.1 --steps 10 {1: 'a'}\n"
+    (tmp_path / "inventory.yaml").write_text(inv.replace("{lr: 0.1, steps: 10}", "{steps: 10, lr: 0.1}"))
+    assert pin(tmp_path) == {"content": "train --steps 10 --lr 0.1 {1: 'a'}\n", "jinja2": True}
+    (tmp_path / "inventory.yaml").write_text(inv.replace("{1: a}", "{'1': a}"))
+    assert pin(tmp_path) == {"content": "train --lr 0.1 --steps 10 {'1': 'a'}\n", "jinja2": True}
+    for entry in (tmp_path / "state" / "render").iterdir():
+        entry.write_bytes(entry.read_bytes()[:-5])  # cut short
+    assert pin(tmp_path) == {"content": "train --lr 0.1 --steps 10 {'1': 'a'}\n", "jinja2": True}
+    assert pin(tmp_path) == {"content": "train --lr 0.1 --steps 10 {'1': 'a'}\n", "jinja2": False}
+
+
 def test_a_template_error_is_still_reported_and_nothing_is_kept(tmp_path: Path) -> None:
     (tmp_path / "inventory.yaml").write_text(INVENTORY)
     (tmp_path / "start.j2").write_text("train --steps {{ stepz }}\n")

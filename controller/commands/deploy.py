@@ -15,6 +15,7 @@ import functools
 import hashlib
 import io
 import json
+import os
 import shlex
 import subprocess
 import tarfile
@@ -150,32 +151,48 @@ RENDER_CACHE_KEEP = 256  # renderings kept in STATE/render (a few KB each); the 
 
 @functools.cache
 def _renderer_id() -> bytes:
+    """What a rendering depends on besides template and context: ctl's renderer (its source) and the Jinja2
+    installed (found without importing it: its package file's path, size and mtime)."""
+    import importlib.util
+
     from controller.core import render as module
 
-    return hashlib.sha256(Path(module.__file__ or "").read_bytes()).digest()
+    spec = importlib.util.find_spec("jinja2")
+    origin = spec.origin if spec is not None and spec.origin else ""
+    try:
+        st = os.stat(origin)
+        jinja = f"{origin}:{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        jinja = origin
+    return hashlib.sha256(Path(module.__file__ or "").read_bytes() + jinja.encode()).digest()
 
 
 def rendered(src: Path, ctx: dict[str, Any], name: str) -> bytes:
     """`render(src, ctx)`, kept in the state directory under the hash of everything it depends on (the template,
-    the context, the renderer's own source): a deploy or launch whose template and variables did not change
-    neither imports nor runs jinja2, a sixth of a command's start-up. The cache is private (0700/0600): a
-    rendering may hold the inventory's variables."""
+    the context in its own order and types, the renderer and Jinja2): a deploy or launch whose template and
+    variables did not change neither imports nor runs Jinja2, a sixth of a command's start-up. Each entry holds
+    the rendering's sha256 and is used only when it matches (a file cut short by a crash is rendered again).
+    The cache is private (0700/0600): a rendering may hold the inventory's variables."""
     try:
         source = src.read_bytes()
     except OSError:
         return render(src, ctx, display_name=name)  # which says what is wrong with the template
-    key = hashlib.sha256(b"\0".join([_renderer_id(), source, json.dumps(ctx, sort_keys=True, default=str).encode()]))
+    key = hashlib.sha256(b"\0".join([_renderer_id(), source, repr(ctx).encode()])).hexdigest()
     cache = state_dir() / "render"
-    hit = cache / key.hexdigest()
+    hit = cache / key
     try:
-        return hit.read_bytes()
+        head, _, content = hit.read_bytes().partition(b"\n")
+        if head == hashlib.sha256(content).hexdigest().encode():
+            with contextlib.suppress(OSError):
+                os.utime(hit)  # pruning drops the least recently used
+            return content
     except OSError:
         pass
     content = render(src, ctx, display_name=name)
     try:
         private_dir(cache)
-        tmp = private_file(cache / f".{key.hexdigest()}.{uuid.uuid4().hex[:8]}")
-        tmp.write_bytes(content)
+        tmp = private_file(cache / f".{key}.{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(hashlib.sha256(content).hexdigest().encode() + b"\n" + content)
         tmp.replace(hit)
         old = sorted(cache.iterdir(), key=lambda p: p.stat().st_mtime)
         for p in old[:max(0, len(old) - RENDER_CACHE_KEEP)]:
