@@ -576,7 +576,7 @@ class _JobPoints:
     whole: bool
     reporting: set[int]  # the nodes (member ids) that logged any point
     top_step: int | None
-    last_time: float | None  # the newest point's time, of any node
+    last_time: float | None  # the newest time of the combined points (the newest steps')
     node_step: dict[int, int | None]
     node_tok_s: dict[int, float | None]
 
@@ -587,14 +587,17 @@ def _job_points(reg: Registry, members: list[RunRecord]) -> _JobPoints:
     most = max(counts.values(), default=0)
     k = 2 * JOB_WINDOW
     while most > JOB_WHOLE_MAX and k <= most // 4:  # a quarter of the points: well past the warm-up (a tenth)
-        # From the highest step down to where every reporting node still has k points, k doubled until those
-        # steps hold a whole steady window (points without a usable rate do not count) and the trend's last 20.
-        start = max(s for i in reporting if (s := reg.step_from_top(i, k)) is not None)
-        combined = combine_nodes([_decoded(reg.points_from_step(m.id, start)) for m in members])
+        # From the highest step down to where every reporting node has k points, k doubled until those steps hold
+        # a whole steady window (points without a usable rate do not count) and the trend's last 20.
+        # (A node with fewer than k points is read whole from there on: its points fix no start.)
+        starts = [s for i in reporting if counts[i] >= k and (s := reg.step_from_top(i, k)) is not None]
+        if not starts:
+            break
+        combined = combine_nodes([_decoded(reg.points_from_step(m.id, max(starts))) for m in members])
         steady = sum(1 for p in combined if p.tok_s is not None and math.isfinite(p.tok_s) and p.tok_s > 0)
         if steady >= JOB_WINDOW and len(combined) >= JOB_WINDOW:
             tops = {m.id: reg.top_point(m.id) for m in members}
-            times = [t for m in members if (t := reg.last_point_time(m.id)) is not None]
+            times = [p.time for p in combined if p.time is not None]  # as the whole: first logged of each step
             rates = {m.id: reg.steady_rates(m.id, skip=warmup_skip(counts[m.id])) for m in members}
             return _JobPoints(combined, False, reporting,
                               max((int(t["step"]) for t in tops.values() if t is not None), default=None),
