@@ -54,3 +54,19 @@ def test_a_dead_training_whose_session_is_gone_is_answered_at_once(tmp_path: Pat
     assert (st["alive"], st["exit"], st["session"]) == (False, None, False), st
     assert time.monotonic() - t0 < agent_mod.EXIT_GRACE_S  # no launcher is left to write a status: no wait
     assert not os.path.exists(str(log) + ".exit")
+
+
+def test_a_session_whose_launcher_is_gone_is_not_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tmux's remain-on-exit keeps a session after its command ended: no launcher is left to write LOG.exit."""
+    log = _dead_run(tmp_path, monkeypatch, "r3")
+    subprocess.run(["tmux", "new-session", "-d", "-s", "rs-r3", "sleep 30"], check=True)  # a server to set options on
+    try:
+        subprocess.run(["tmux", "set-option", "-g", "remain-on-exit", "on"], check=True)
+        subprocess.run(["tmux", "new-session", "-d", "-s", "rs-r3b", "true"], check=True)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        st = agent_mod.runstate({"runs": [{"name": "r3", "log": str(log), "session": "rs-r3b"}]})["runs"][0]
+        assert (st["alive"], st["exit"], st["session"]) == (False, None, True), st
+        assert time.monotonic() - t0 < agent_mod.EXIT_GRACE_S
+    finally:
+        subprocess.run(["tmux", "kill-server"], capture_output=True)

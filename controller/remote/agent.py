@@ -713,6 +713,14 @@ def _tmux_has(session):
     return subprocess.run([tmux, "has-session", "-t", "=" + session], capture_output=True).returncode == 0
 
 
+def _tmux_pane_alive(session):
+    """Whether a pane of the session still runs its command (the launcher): with tmux's remain-on-exit a
+    session outlives it, and nothing is left to write an exit status."""
+    r = subprocess.run(["tmux", "list-panes", "-s", "-t", "=" + session, "-F", "#{pane_dead}"],
+                       capture_output=True, text=True)
+    return r.returncode == 0 and "0" in r.stdout.split()
+
+
 def _proc_start(pid):
     """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when gone."""
     try:
@@ -802,7 +810,8 @@ def _await_exit_status(root, runs, states):
     """A training that has just ended, seen before its launcher wrote LOG.exit (its session is still there),
     would read as lost for good; wait for that exit status, all such runs together, under one deadline."""
     pending = [(_under(root, r["log"]), st) for r, st in zip(runs, states)
-               if st["pid"] and not st["alive"] and not st.get("impostor") and st["exit"] is None and st["session"]]
+               if st["pid"] and not st["alive"] and not st.get("impostor") and st["exit"] is None and st["session"]
+               and _tmux_pane_alive(r["session"])]
     deadline = time.time() + EXIT_GRACE_S
     while pending and time.time() < deadline:
         time.sleep(0.05)
