@@ -63,7 +63,8 @@ def converter(annotation: Any, info: Any) -> Callable[[Any], Any] | None:
     """The converter of a parameter typer describes by `annotation` and its ParameterInfo `info`, or None when it
     is not one of the plain kinds (typer then converts it itself)."""
     plain = (info.parser is None and getattr(info, "click_type", None) is None and not info.clamp
-             and not info.exists and not info.resolve_path and info.path_type is None)
+             and not info.exists and not info.resolve_path and info.path_type is None and info.file_okay
+             and info.dir_okay and not info.writable and info.readable and not info.allow_dash)
     if not plain:
         return None
     origin = getattr(annotation, "__origin__", None)
