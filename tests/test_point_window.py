@@ -35,6 +35,25 @@ def _records(rng: random.Random, n: int) -> list[dict[str, object]]:
     return out
 
 
+class _Decodes:
+    """Counts the points monitor decodes (its parse_line) while in use."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.real = monitor.parse_line
+
+    def __enter__(self) -> _Decodes:
+        def counting(text: str):  # type: ignore[no-untyped-def]
+            self.count += 1
+            return self.real(text)
+
+        monitor.parse_line = counting  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        monitor.parse_line = self.real  # type: ignore[assignment]
+
+
 @pytest.mark.parametrize("n", [0, 1, 3, 5, 25, 60, 400, 5000])
 def test_the_window_judges_as_all_points_do(tmp_path: Path, n: int) -> None:
     rng = random.Random(n)
@@ -82,21 +101,10 @@ def test_a_long_run_is_judged_without_decoding_its_history(tmp_path: Path) -> No
     recs = [p.record() for p in (parse_line(line % i) for i in range(1, 30_001)) if p is not None]
     assert reg.advance_cursor(run.id, (0, None), 1, "1:1:x", b"", recs)
     run = reg.run_by_id(run.id)
-    decoded = 0
-    real = monitor.parse_line
-
-    def counting(text: str):  # type: ignore[no-untyped-def]
-        nonlocal decoded
-        decoded += 1
-        return real(text)
-
-    monitor.parse_line = counting  # type: ignore[assignment]
-    try:
+    with _Decodes() as decoded:
         st = monitor.status_of(run, reg, ("ct/b", 12800.0), pull=None, slow_ratio=0.8, stall_after_s=1e9)
-    finally:
-        monitor.parse_line = real  # type: ignore[assignment]
     assert st.verdict.state == RunState.SLOW and st.verdict.step == 30_000 and st.last is not None
-    assert decoded <= 41  # the steady window (20), the top point, the trend (20)
+    assert decoded.count <= 41  # the steady window (20), the top point, the trend (20)
 
 
 @pytest.mark.parametrize("n", [300, 3000])
@@ -123,18 +131,9 @@ def test_a_long_run_across_nodes_is_judged_from_its_newest_points_as_from_all(
         monkeypatch.setattr(monitor, "JOB_WHOLE_MAX", whole_max)
         return monitor.job_status(run, reg, ("ct/b", 11000.0), pulls, slow_ratio=0.8, stall_after_s=1e9)
 
-    decoded = 0
-    real = monitor.parse_line
-
-    def counting(text: str):  # type: ignore[no-untyped-def]
-        nonlocal decoded
-        decoded += 1
-        return real(text)
-
     want = status(10 * n)
-    monkeypatch.setattr(monitor, "parse_line", counting)
-    got = status(n // 2 - 1 if n > 1000 else 10 * n)
-    monkeypatch.setattr(monitor, "parse_line", real)
+    with _Decodes() as decoded:
+        got = status(n // 2 - 1 if n > 1000 else 10 * n)
     assert got.verdict == want.verdict and got.last == want.last and got.nodes == want.nodes
     assert len(got.tok_s_history) == len(want.tok_s_history) and all(
         a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
@@ -143,6 +142,6 @@ def test_a_long_run_across_nodes_is_judged_from_its_newest_points_as_from_all(
     monkeypatch.setattr(monitor.time, "time", lambda: now + 100.0)
     assert status(10 * n, {}).verdict == status(n // 2 - 1 if n > 1000 else 10 * n, {}).verdict
     if n > 1000:
-        assert decoded < 400, decoded  # the newest steps of each node, not their 4,500 points
+        assert decoded.count < 400, decoded.count  # the newest steps of each node, not their 4,500 points
     else:
-        assert decoded >= n  # a short run: every point, its warm-up judged exactly
+        assert decoded.count >= n  # a short run: every point, its warm-up judged exactly
