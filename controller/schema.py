@@ -19,10 +19,10 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SchemaError", "build", "dump", "spec"]
+__all__ = ["BOOL_WORDS", "SchemaError", "build", "dump", "spec"]
 
 _MISSING = dataclasses.MISSING
-_BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False,
+BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False,
                "0": False}
 
 
@@ -161,8 +161,8 @@ def convert(tp: Any, value: Any, loc: tuple[Any, ...]) -> Any:
     elif tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, int | str) and str(value).strip().lower() in _BOOL_WORDS:
-            return _BOOL_WORDS[str(value).strip().lower()]
+        if isinstance(value, int | str) and str(value).strip().lower() in BOOL_WORDS:
+            return BOOL_WORDS[str(value).strip().lower()]
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+from controller.schema import BOOL_WORDS
 
 
 def _int(value: Any) -> int:
@@ -46,7 +46,7 @@ def _str(value: Any) -> str:
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    out = _BOOLS.get(str(value).strip().lower())
+    out = BOOL_WORDS.get(str(value).strip().lower())
     if out is None:
         raise ValueError(f"{value!r} is not true or false")
     return out

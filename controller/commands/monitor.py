@@ -14,7 +14,6 @@ the run directory); the agent only re-hashes a file whose size or mtime changed 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from controller.core.metrics import (
     RunState,
     Verdict,
     combine_nodes,
+    has_rate,
     parse_line,
     steady_state,
     verdict,
@@ -594,7 +594,7 @@ def _job_points(reg: Registry, members: list[RunRecord]) -> _JobPoints:
         if not starts:
             break
         combined = combine_nodes([_decoded(reg.points_from_step(m.id, max(starts))) for m in members])
-        steady = sum(1 for p in combined if p.tok_s is not None and math.isfinite(p.tok_s) and p.tok_s > 0)
+        steady = sum(1 for p in combined if has_rate(p))
         if steady >= JOB_WINDOW and len(combined) >= JOB_WINDOW:
             tops = {m.id: reg.top_point(m.id) for m in members}
             times = [p.time for p in combined if p.time is not None]  # as the whole: first logged of each step
@@ -653,7 +653,7 @@ def job_status(run: RunRecord, reg: Registry, baseline: tuple[str, float] | None
                     slow_ratio=slow_ratio, stall_after_s=stall_after_s, exit_status=exit_status, crash=crash,
                     baseline_name=name)
     else:  # the newest steps only: far past the warm-up, whose first points it therefore needs not skip
-        steady = [p for p in points if p.tok_s is not None and math.isfinite(p.tok_s) and p.tok_s > 0][-JOB_WINDOW:]
+        steady = [p for p in points if has_rate(p)][-JOB_WINDOW:]
         v = verdict_of_window(steady, step=stored.top_step, baseline_tok_s=rate, now=now,
                               last_step_time=0.0 if stalest else stored.last_time, slow_ratio=slow_ratio,
                               stall_after_s=stall_after_s, exit_status=exit_status, crash=crash, baseline_name=name)

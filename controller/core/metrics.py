@@ -381,7 +381,12 @@ def steady_points(
     """
     ordered = sorted(points, key=lambda p: p.step)
     skip = warmup_skip(len(ordered), warmup_steps=warmup_steps, warmup_fraction=warmup_fraction)
-    return [p for p in ordered[skip:] if p.tok_s is not None and math.isfinite(p.tok_s) and p.tok_s > 0]
+    return [p for p in ordered[skip:] if has_rate(p)]
+
+
+def has_rate(p: MetricPoint) -> bool:
+    """Whether the point's tok/s can be judged: present, finite and positive."""
+    return p.tok_s is not None and math.isfinite(p.tok_s) and p.tok_s > 0
 
 
 def warmup_skip(n: int, *, warmup_steps: int = DEFAULT_WARMUP_STEPS,
