@@ -22,7 +22,7 @@ TEXT = (
     'Commands:\n'
     '  dashboard  A local web page of the live runs: step, loss, tok/s against...\n'
     '  deploy     Pin the payload, push only what changed, verify it inside...\n'
-    '  ping       One exec of `cat` in each container: its first answer...\n'
+    "  ping       ctl's agent in each container, reached as every command...\n"
     '  mark-good  Mark a run as known-good: the baseline of later runs (an...\n'
     "  status     Live runs (else each container's latest run): pull new...\n"
     '  watch      Pull every few seconds until --until-step or --for is...\n'

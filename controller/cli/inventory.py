@@ -42,8 +42,8 @@ def inventory_cmd(ctx: typer.Context) -> None:
 @app.command("ping")
 def ping_cmd(containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
                                                     help="Containers or groups (default: all).")) -> None:
-    """One exec of `cat` in each container: its first answer (connection and pct exec included) and the best
-    round trip of a line through it."""
+    """ctl's agent in each container, reached as every command reaches it: its first answer (the connection, and
+    pct exec unless the host session keeps a staying agent there) and the best round trip of a request."""
     from controller.commands.fanout import ping, worst
 
     inv = _inv()
@@ -55,7 +55,9 @@ def ping_cmd(containers: list[str] = typer.Argument(None, autocompletion=_c.targ
         con = _console()
         for r in results:
             if r.ok and r.value:
-                con.print(f"{r.ct:<12} ok    rtt {r.value['rtt_ms']:.1f} ms (first {r.value['first_ms']:.1f} ms)")
+                how = "staying agent" if r.value["staying"] else "agent exec"
+                con.print(f"{r.ct:<12} ok    rtt {r.value['rtt_ms']:.1f} ms (first {r.value['first_ms']:.1f} ms; "
+                          f"{how}, python {_esc(str(r.value['python']))})")
             else:
                 con.print(f"{r.ct:<12} [red]FAIL[/red]  {_esc(r.error)}")
     raise typer.Exit(worst(results))

@@ -8,6 +8,7 @@ stop the sessions of the state directory. They read no inventory.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import typer
 
@@ -24,7 +25,8 @@ app.add_typer(mux_app, name="mux")
 
 @mux_app.command("status")
 def status_cmd() -> None:
-    """List this user's sessions: host, address, pid, idle timeout, age, whether it answers."""
+    """List this user's sessions: host, address, pid, idle timeout, age, whether it answers, and the agents it
+    keeps in containers (requests they answered)."""
     from controller.transport import mux
 
     docs = mux.sessions()
@@ -33,10 +35,17 @@ def status_cmd() -> None:
         return
     now = time.time()
     _cli._table(f"persistent host sessions ({mux.mux_dir()})",
-                ["host", "address", "pid", "idle", "age", "state", "socket"],
+                ["host", "address", "pid", "idle", "age", "state", "agents", "socket"],
                 [[d.get("host"), f"{d.get('user')}@{d.get('address')}:{d.get('port')}", d.get("pid"),
                   f"{d.get('idle')}s", f"{now - float(d.get('started', now)):.0f}s",
-                  "live" if d["live"] else "gone", d.get("socket")] for d in docs])
+                  "live" if d["live"] else "gone", _agents_cell(d.get("agents")), d.get("socket")] for d in docs])
+
+
+def _agents_cell(agents: list[dict[str, Any]] | None) -> str:
+    if agents is None:
+        return "-"
+    served = sum(a["requests"] for a in agents)
+    return f"{len(agents)} ({served} requests)"
 
 
 @mux_app.command("stop")

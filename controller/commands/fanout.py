@@ -7,10 +7,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from controller.errors import CtlError, ExitCode, RemoteCommandError
+from controller.errors import CtlError, ExitCode
 from controller.inventory import Container
+from controller.remote.client import Agent
 from controller.transport.base import Transport
 from controller.transport.pool import Pool
 
@@ -54,29 +55,23 @@ def worst(outcomes: list[Outcome[T]]) -> int:
     return 0
 
 
-def ping(pool: Pool, cts: list[Container]) -> list[Outcome[dict[str, float]]]:
-    """`cat` in each container, ONE exec each: the first answer (the exec's start, with the connection and pct,
-    what every ctl command pays) and the best of three more round trips of a line through it (the wire's own
-    latency). One exec per container, not one per round trip: pinging many containers costs their hosts one
-    `pct exec` each."""
+def ping(pool: Pool, cts: list[Container]) -> list[Outcome[dict[str, Any]]]:
+    """ctl's agent in each container, the way every ctl command reaches it: the first answer (with the connection,
+    and `pct exec` unless a staying agent of the host session answers) and the best of three more requests (what
+    each further request of a command costs). Says which python answered and whether it was a staying agent."""
 
-    def one(ct: Container, t: Transport) -> dict[str, float]:
+    def one(ct: Container, t: Transport) -> dict[str, Any]:
+        agent = Agent(t)
         t0 = time.monotonic()
-        chat = t.open(["cat"])
-        times = []
-        for i in range(4):
+        doc = agent.call("hello", {})
+        first = time.monotonic() - t0
+        rtts = []
+        for _ in range(3):
             t1 = time.monotonic()
-            chat.send(b"ctl ping %d\n" % i)
-            line = chat.readline()
-            if line != b"ctl ping %d\n" % i:
-                res = chat.finish()  # a refusal of pct (a stopped CT) raises here, as the exec ended
-                if res.returncode != 0:
-                    raise RemoteCommandError(t.name, ["cat"], res.returncode, res.err, what="ping")
-                raise CtlError(f"{t.name}: ping: `cat` answered {line[:40]!r}, not the line it was sent")
-            times.append(time.monotonic() - (t0 if i == 0 else t1))
-        res = chat.finish()
-        if res.returncode != 0:
-            raise RemoteCommandError(t.name, ["cat"], res.returncode, res.err, what="ping")
-        return {"first_ms": times[0] * 1000, "rtt_ms": min(times[1:]) * 1000}
+            agent.call("hello", {})
+            rtts.append(time.monotonic() - t1)
+        python = doc.get("python")
+        return {"first_ms": first * 1000, "rtt_ms": min(rtts) * 1000, "staying": doc.get("staying") is True,
+                "python": python if isinstance(python, str) else None}
 
     return fanout(pool, cts, one)

@@ -38,18 +38,24 @@ Verbs (each prints one JSON document on stdout; exit 0 when "ok" is true):
   ckptscan JSON-ARGS               newest complete checkpoint (manifest present, sha256s match) under given dirs
   packdir  JSON-ARGS               a checkpoint directory as a tar stream in base64 lines (between JSON lines)
   unpackdir JSON-ARGS              stdin (a tar stream) -> a new checkpoint directory, verified by its manifest
+  hello    JSON-ARGS               who answers: pid, python, whether a staying agent (`ctl ping`)
+  serve                            stay: answer requests for the verbs above, one at a time, until stdin ends
+                                   (started by ctl's host relay, controller/remote/hostrelay.py; see serve())
 """
 
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import tarfile
 import time
+import traceback
 
 BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-agent','exec'))"
 _BLOCK = 1 << 20
@@ -1657,6 +1663,94 @@ def _ckpt_problem(d):
     return None
 
 
+# The frames between the host relay and a staying agent: kind (1 byte), 0 (2 bytes), length (4 bytes), big-endian,
+# then the data (the relay's own header, controller/remote/hostrelay.py).
+_FRAME = struct.Struct(">cHI")
+SERVE_MAX_REQUEST = 64 << 20  # the relay sends only small requests to a staying agent (hostrelay.RESIDENT_MAX_INPUT)
+
+
+def _read_exact(fd, n):
+    parts, got = [], 0
+    while got < n:
+        b = os.read(fd, min(n - got, 1 << 20))
+        if not b:
+            return None
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def serve():
+    """Stay and answer requests over stdin/stdout instead of one process per verb (a `pct exec`, a python3 start
+    and a compile of this source each).
+
+    The relay sends nothing after the source until this hello (H, JSON), so no request byte is left in
+    sys.stdin's buffer. The protocol then moves to private copies of fds 0 and 1, and fds 0, 1 and 2 become
+    /dev/null: a child of a verb (tmux, nvidia-smi) that writes to its stdout or reads its stdin can never
+    touch a frame. A request is R: a JSON argv line, then the verb's whole input. Its answer is O (what
+    the verb wrote on stdout), E (stderr, with the traceback of an exception) and X (its exit status,
+    ASCII), exactly what one `python3 -c BOOT N VERB ...` exec would have given. End of stdin: exit."""
+    _STAYING.append(True)
+    rfd, wfd = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    hello = json.dumps({"agent": "serve", "pid": os.getpid(), "python": sys.version.split()[0]}).encode()
+    _write_all(wfd, _FRAME.pack(b"H", 0, len(hello)) + hello)
+    while True:
+        head = _read_exact(rfd, _FRAME.size)
+        if head is None:
+            return 0
+        kind, _sid, n = _FRAME.unpack(head)
+        if kind != b"R" or n > SERVE_MAX_REQUEST:
+            return 2  # not the relay speaking: stop rather than guess
+        body = _read_exact(rfd, n)
+        if body is None:
+            return 0
+        line, _, data = body.partition(b"\n")
+        out, err, rc = _serve_one(json.loads(line.decode()), data)
+        for k, chunk in ((b"O", out), (b"E", err), (b"X", str(rc).encode())):
+            _write_all(wfd, _FRAME.pack(k, 0, len(chunk)) + chunk)
+
+
+_STAYING = []  # set in a staying agent (serve)
+
+
+def hello(args):
+    return {"ok": True, "pid": os.getpid(), "python": sys.version.split()[0], "staying": bool(_STAYING)}
+
+
+def _serve_one(argv, data):
+    """One request: main(argv) with stdin, stdout and stderr of its own; (stdout bytes, stderr bytes, status)."""
+    if not argv or argv[0] == "serve":
+        return b"", b"ctl agent: not a verb for a staying agent\n", 2
+    saved = sys.stdin, sys.stdout, sys.stderr
+    out, err = io.BytesIO(), io.BytesIO()
+    sys.stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
+    sys.stdout = io.TextIOWrapper(out, encoding="utf-8", write_through=True)
+    sys.stderr = io.TextIOWrapper(err, encoding="utf-8", errors="backslashreplace", write_through=True)
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # as one exec would: the traceback on stderr, status 1
+        traceback.print_exc()
+        rc = 1
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            f.flush()
+        got = out.getvalue(), err.getvalue()
+        sys.stdin, sys.stdout, sys.stderr = saved
+    return got[0], got[1], rc
+
+
 def main(argv):
     verb = argv[0]
     if verb == "hashes":  # hashes ROOT [--follow=JSON] PATH...
@@ -1685,9 +1779,11 @@ def main(argv):
         out = writefile(json.loads(argv[1]), sys.stdin.buffer)
     elif verb in ("storelist", "storeprune"):
         out = {"storelist": storelist, "storeprune": storeprune}[verb](json.loads(argv[1]))
-    elif verb in ("probe", "runstate", "launch", "stop", "tailinfo"):
+    elif verb == "serve" and len(argv) == 1:
+        return serve()
+    elif verb in ("probe", "runstate", "launch", "stop", "tailinfo", "hello"):
         out = {"probe": probe, "runstate": runstate, "launch": launch, "stop": stop,
-               "tailinfo": tailinfo}[verb](json.loads(argv[1]))
+               "tailinfo": tailinfo, "hello": hello}[verb](json.loads(argv[1]))
     else:
         out = {"ok": False, "error": "unknown verb %r" % verb}
     sys.stdout.write(json.dumps(out))

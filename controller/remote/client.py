@@ -31,7 +31,7 @@ from controller.errors import (
     VerifyError,
 )
 from controller.remote import source
-from controller.transport.base import Duplex, Result, Transport
+from controller.transport.base import AgentStart, Duplex, Result, Transport
 
 BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-agent','exec'))"
 
@@ -47,6 +47,14 @@ ERRORS: Mapping[str, tuple[type[CtlError], str]] = {
 }
 
 POSITIONAL = frozenset({"hashes", "sync", "apply"})
+
+#: Verbs that only read: a staying agent that had ended before such a request may have it run again.
+READ_ONLY = frozenset({"hello", "hashes", "probe", "runstate", "tailinfo", "logread", "poll", "storelist", "cachestat",
+                       "envfacts", "ckptscan"})
+#: Requests with more input than this (an apply's tar, a checkpoint) run as their own exec: a staying agent
+#: takes its whole input before it starts (the relay's own limit is larger: hostrelay.RESIDENT_MAX_INPUT).
+STAYING_MAX_INPUT = 1 << 20
+VERB_AT = 6  # agent_argv(): python3 -I -S -c BOOT N VERB ...
 
 #: The largest answer (stdout + stderr) ctl accepts from one agent verb; the raw log bytes of logread and poll
 #: (at most the "max_bytes" asked for) come on top.
@@ -92,12 +100,21 @@ class Agent:
     def call(self, verb: str, args: Mapping[str, Any] | Sequence[str] = (), *, payload: bytes = b"",
              timeout: float | None = None, check: bool = True) -> dict[str, Any]:
         """Run one verb; its answer. With `check`, a refusal ({"ok": false}) raises what its code names."""
-        res = self.t.run(self.argv(verb, args), stdin=agent_source() + payload, timeout=timeout)
+        res = self.exec(verb, self.argv(verb, args), agent_source() + payload, timeout)
         self.bounded(verb, res, MAX_REPLY)
         doc = self.parse(verb, res)
         if check and not doc.get("ok"):
             raise self.error(doc)
         return doc
+
+    def exec(self, verb: str, argv: list[str], stdin: bytes, timeout: float | None) -> Result:
+        """One request, answered by the container's staying agent when its transport keeps one (see
+        controller/remote/hostrelay.py), else by an agent of its own exec: the same Result either way."""
+        n = len(agent_source())
+        if len(stdin) - n > STAYING_MAX_INPUT:
+            return self.t.run(argv, stdin=stdin, timeout=timeout)
+        assert argv[VERB_AT] == verb
+        return self.t.run_agent(argv, AgentStart(VERB_AT, n, verb in READ_ONLY), stdin=stdin, timeout=timeout)
 
     def read(self, verb: str, args: Mapping[str, Any], *, timeout: float | None = None
              ) -> tuple[dict[str, Any], bytes, int, int]:
@@ -105,7 +122,7 @@ class Agent:
         The header's "length" must match what arrived: a short read is a dropped connection."""
         argv = self.argv(verb, args)
         stdin = agent_source()
-        res = self.t.run(argv, stdin=stdin, timeout=timeout)
+        res = self.exec(verb, argv, stdin, timeout)
         self.bounded(verb, res, MAX_REPLY + int(args.get("max_bytes", 8 << 20)))
         head, sep, data = res.stdout.partition(b"\n")
         doc = self.json_line(head) if sep else None

@@ -9,6 +9,10 @@ same as over a direct exec, while the host's login shell and the SSH channel are
 
 Frame: 7-byte header (kind: 1 byte, stream id: 2 bytes, length: 4 bytes, big-endian), then the data.
   controller -> relay  S start (data: JSON argv)   I stdin data   C close that stdin
+                       T (stream 0) what staying agents it keeps (answered by T, JSON {"agents": [...]})
+                       A start an agent request (data: JSON {"argv", "at", "n", "retry"}): like S for the
+                         argv `PREFIX... python3 -I -S -c BOOT N VERB ARGS` (argv[at] is VERB), whose stdin
+                         starts with the agent's N-byte source; answered by a staying agent (below)
                        K abandon: close its stdin and stop reading its output (its next write fails, as
                          when an SSH channel closes under a command); its X frame still comes
   relay -> controller  H hello (stream 0, JSON)    O stdout data  E stderr data  X exit status (ASCII)
@@ -17,8 +21,16 @@ forgotten before its X frame goes out, so the controller may reuse it as soon as
 are 16 bits: a long-lived session wraps around them). End of the
 relay's stdin (ctl is done, or the connection dropped) closes every child's stdin; the relay waits
 for the children (an agent that sees its stdin end leaves every old file whole) and exits.
+
+Staying agents. An A request runs in a process that stays: `PREFIX... python3 -I -S -c BOOT N serve`
+(agent.py's serve()), one per container and agent source (its sha256), kept while the relay lives, so a
+request costs neither `pct exec`, nor a python3 start, nor a compile of the agent. The answer is the O, E
+and X frames the exec would have given. The relay falls back to that very exec when a staying agent cannot
+start (pct's refusal then reaches ctl as it always did), when its input is large, when RESIDENT_PER_KEY of
+them are busy, and, for a request marked "retry" (a verb that only reads), when one ended before answering.
 """
 
+import hashlib
 import json
 import os
 import queue
@@ -27,6 +39,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 HEADER = struct.Struct(">cHI")
 _CHUNK = 1 << 16
@@ -35,6 +48,12 @@ _broken = []  # set once our stdout is gone: keep draining children, stop writin
 _children = {}  # stream id -> Child, while its process runs (until just before its X frame)
 _live = set()  # every Child whose X frame is not out yet: the relay waits for them before it exits
 _children_lock = threading.Lock()
+
+RESIDENT_MAX_INPUT = 8 << 20  # a request with more input (an apply's tar) runs as its own exec
+RESIDENT_PER_KEY = 4  # staying agents per container and source; when all are busy a request runs as an exec
+RESIDENT_TOTAL = 512  # staying agents per relay
+RESIDENT_HELLO_S = 30.0  # a staying agent that has not said hello by then is given up (the request runs as an exec)
+RESIDENT_MAX_FRAME = 1 << 30  # a reply frame claiming more is not the agent: that agent is ended
 
 
 def _emit(kind, sid, data=b""):
@@ -152,9 +171,309 @@ class Child:
             t.join()
 
 
+class StartFailed(Exception):
+    """A staying agent did not say hello (pct refused, no python3, no answer in RESIDENT_HELLO_S)."""
+
+
+class Resident:
+    """A staying agent: `PREFIX... python3 -I -S -c BOOT N serve` with the agent's source sent once."""
+
+    def __init__(self, key, argv, source, stop):
+        self.key = key
+        self.requests = 0
+        self.busy = True
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     close_fds=True)
+        # Its own stderr is /dev/null after the hello; what pct or lxc-attach say (a refusal before it starts)
+        # is kept, last 4 KiB, and drained so that they never block on a full pipe.
+        self.err = b""
+        self._err_thread = threading.Thread(target=self._drain_err)
+        self._err_thread.daemon = True
+        self._err_thread.start()
+        try:
+            self.proc.stdin.write(source)
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it ended already: no hello below says so
+        deadline = time.monotonic() + RESIDENT_HELLO_S
+
+        def late():
+            return stop() or time.monotonic() > deadline
+
+        head = self._read(HEADER.size, late)
+        kind, _sid, n = HEADER.unpack(head) if head is not None else (None, 0, 0)
+        hello = self._read(n, late) if kind == b"H" and n < 4096 else None
+        if hello is None:
+            self.kill()
+            raise StartFailed(self.why())
+
+    def _drain_err(self):
+        try:
+            for chunk in iter(lambda: os.read(self.proc.stderr.fileno(), 4096), b""):
+                self.err = (self.err + chunk)[-4096:]
+        except (OSError, ValueError):
+            pass
+
+    def why(self):
+        """What pct, lxc-attach or python3 said on stderr, once it ended (empty while it runs)."""
+        if self.proc.poll() is not None:
+            self._err_thread.join(1)
+        return self.err
+
+    def _read(self, n, stop):
+        """n bytes of its stdout; None at its end, or once stop() is true (checked every half second)."""
+        fd = self.proc.stdout.fileno()
+        parts, got = [], 0
+        while got < n:
+            if stop():
+                return None
+            try:
+                if not select.select([fd], [], [], 0.5)[0]:
+                    continue
+                b = os.read(fd, min(n - got, _CHUNK))
+            except (OSError, ValueError):
+                return None
+            if not b:
+                return None
+            parts.append(b)
+            got += len(b)
+        return b"".join(parts)
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def request(self, argv, data, emit, stop):
+        """Send one request; its answer goes to emit(kind, data) as O/E frames of at most _CHUNK bytes.
+        Returns (exit status, delivered, answered): status None when the agent ended, broke the protocol or
+        stop() turned true before its X frame; delivered False when the request never reached it; answered
+        True once any of its output went to emit."""
+        body = json.dumps(argv).encode() + b"\n" + data
+        self.requests += 1
+        try:
+            self.proc.stdin.write(HEADER.pack(b"R", 0, len(body)) + body)
+            self.proc.stdin.flush()
+        except (OSError, ValueError):
+            self.kill()
+            return None, False, False
+        answered = False
+        while True:
+            head = self._read(HEADER.size, stop)
+            if head is None:
+                self.kill()
+                return None, True, answered
+            kind, _sid, n = HEADER.unpack(head)
+            if kind == b"X":
+                code = self._read(n, stop) if n <= 16 else None
+                if code is None or not code.strip().lstrip(b"-").isdigit():
+                    self.kill()
+                    return None, True, answered
+                return int(code), True, answered
+            if kind not in (b"O", b"E") or n > RESIDENT_MAX_FRAME:
+                self.kill()
+                return None, True, answered
+            while n:
+                chunk = self._read(min(n, _CHUNK), stop)
+                if chunk is None:
+                    self.kill()
+                    return None, True, answered
+                n -= len(chunk)
+                answered = True
+                emit(kind, chunk)
+
+    def end(self):
+        """Close its stdin: it exits at the end of its current request (at once when idle)."""
+        try:
+            self.proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+
+    def kill(self):
+        """It can no longer be trusted with a request (stuck, ended, off protocol): end it and its pct exec.
+        The agent inside, if it still runs a verb, meets a closed pipe at its next write."""
+        self.end()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+class _Residents:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.idle = {}  # key -> [Resident]
+        self.count = {}  # key -> live residents (idle or busy)
+        self.total = 0
+        self.kept = set()  # every started Resident not yet forgotten (for T)
+
+    def take(self, key):
+        """An idle staying agent for key, marked busy; or None, and whether one may be started."""
+        with self.lock:
+            pool = self.idle.get(key, [])
+            while pool:
+                r = pool.pop()
+                if r.alive():
+                    r.busy = True
+                    return r, False
+                self._forget(r)
+            if self.count.get(key, 0) >= RESIDENT_PER_KEY or self.total >= RESIDENT_TOTAL:
+                return None, False
+            self.count[key] = self.count.get(key, 0) + 1  # held for the one about to start
+            self.total += 1
+            return None, True
+
+    def add(self, r):
+        with self.lock:
+            self.kept.add(r)
+
+    def stats(self):
+        with self.lock:
+            return {"agents": [{"argv": list(r.key[0]), "pid": r.proc.pid, "requests": r.requests, "busy": r.busy}
+                               for r in self.kept if r.alive()]}
+
+    def _forget(self, r_or_key):
+        if isinstance(r_or_key, Resident):
+            self.kept.discard(r_or_key)
+        key = r_or_key.key if isinstance(r_or_key, Resident) else r_or_key
+        self.count[key] = self.count.get(key, 1) - 1
+        self.total -= 1
+
+    def give_back(self, r, healthy):
+        with self.lock:
+            r.busy = False
+            if healthy and r.alive() and not _closing:
+                self.idle.setdefault(r.key, []).append(r)
+                return
+            self._forget(r)
+        r.end()
+
+    def unreserve(self, key):
+        with self.lock:
+            self._forget(key)
+
+    def close(self):
+        with self.lock:
+            left = [r for pool in self.idle.values() for r in pool]
+            self.idle.clear()
+        for r in left:
+            r.end()
+        for r in left:
+            try:
+                r.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                r.kill()
+
+
+_residents = _Residents()
+_closing = []  # set once the relay's input ended: staying agents are ended, not kept
+
+
+class AgentRequest:
+    """Stream of an A frame: its input is gathered until C, then answered by a staying agent (or an exec)."""
+
+    def __init__(self, sid, spec):
+        self.sid = sid
+        self.argv = [str(a) for a in spec["argv"]]
+        self.at = int(spec["at"])
+        self.n = int(spec["n"])
+        self.retry = bool(spec.get("retry"))
+        if not (0 < self.at < len(self.argv)) or self.n < 0:
+            raise ValueError("bad agent request")
+        self.buf = bytearray()
+        self.closed = False
+        self.abandoned = False
+        self.oversize = False
+        self.worker = None
+        with _children_lock:
+            _children[sid] = self
+            _live.add(self)
+
+    def send(self, data):
+        if self.closed:
+            return
+        if len(self.buf) + len(data) > self.n + RESIDENT_MAX_INPUT:
+            self.oversize = True
+        self.buf += data
+
+    def close_stdin(self):
+        if self.closed:
+            return
+        self.closed = True
+        self.worker = threading.Thread(target=self._run)
+        self.worker.daemon = True
+        self.worker.start()
+
+    def abandon(self):
+        """K: the controller stopped reading. A request still gathering its input never runs; one being answered
+        is cut, and its staying agent ended (it may be stuck in that request)."""
+        self.abandoned = True
+        if not self.closed:
+            self.close_stdin()
+
+    def _emit(self, kind, data):
+        if not self.abandoned:
+            _emit(kind, self.sid, data)
+
+    def _exec(self):
+        """The request as its own exec, exactly as an S frame would have run it."""
+        child = Child(self.sid, self.argv)  # takes our id: a K from now on reaches it
+        with _children_lock:
+            if _children.get(self.sid) is self:  # it could not start (its E and X are out)
+                del _children[self.sid]
+            _live.discard(self)
+        for pos in range(0, len(self.buf), _CHUNK):
+            child.send(bytes(self.buf[pos:pos + _CHUNK]))
+        child.close_stdin()
+        if self.abandoned:
+            child.abandon()
+
+    def _run(self):
+        if self.abandoned:
+            return self._done(255)
+        if self.oversize or len(self.buf) < self.n:
+            return self._exec()
+        source, data = bytes(self.buf[:self.n]), bytes(self.buf[self.n:])
+        key = (tuple(self.argv[:self.at]), hashlib.sha256(source).hexdigest())
+        for _attempt in range(2):
+            r, may_start = _residents.take(key)
+            if r is None and may_start:
+                try:
+                    r = Resident(key, [*self.argv[:self.at], "serve"], source, lambda: self.abandoned)
+                except (StartFailed, OSError):
+                    _residents.unreserve(key)
+                    # pct's own refusal (a stopped CT) reaches ctl as from the exec
+                    return self._done(255) if self.abandoned else self._exec()
+                _residents.add(r)
+            if r is None:
+                return self._exec()
+            code, delivered, answered = r.request(self.argv[self.at:], data, self._emit, lambda: self.abandoned)
+            _residents.give_back(r, code is not None)
+            if code is not None:
+                return self._done(code)
+            if self.abandoned:
+                return self._done(255)
+            if answered or (delivered and not self.retry):
+                said = r.why().strip()[-200:]
+                self._emit(b"E", b"ctl relay: ctl's agent ended before it answered" +
+                           (b" (" + said + b")" if said else b"") + b"\n")
+                return self._done(255)
+            # It had ended before this request (the container restarted): a request that never reached it, or
+            # one for a verb that only reads, runs again.
+        return self._exec()
+
+    def _done(self, code):
+        with _children_lock:
+            _children.pop(self.sid, None)  # forgotten BEFORE X, as for a Child
+        _emit(b"X", self.sid, str(code).encode())
+        with _children_lock:
+            _live.discard(self)
+
+    def join(self):
+        if self.worker is not None:
+            self.worker.join()
+
+
 def main():
     stdin = sys.stdin.buffer
-    _emit(b"H", 0, json.dumps({"relay": 2, "pid": os.getpid(), "python": sys.version.split()[0]}).encode())
+    _emit(b"H", 0, json.dumps({"relay": 3, "pid": os.getpid(), "python": sys.version.split()[0]}).encode())
     while True:
         head = _read_exact(stdin, HEADER.size)
         if head is None:
@@ -170,18 +489,40 @@ def main():
                 _emit(b"E", sid, b"ctl relay: stream id reused\n")
                 continue
             Child(sid, [str(a) for a in json.loads(data.decode())])
+        elif kind == b"T" and sid == 0:
+            _emit(b"T", 0, json.dumps(_residents.stats()).encode())
+        elif kind == b"A":
+            if child is not None:
+                _emit(b"E", sid, b"ctl relay: stream id reused\n")
+                continue
+            try:
+                AgentRequest(sid, json.loads(data.decode()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                _emit(b"E", sid, b"ctl relay: malformed agent request\n")
+                _emit(b"X", sid, b"2")
         elif kind == b"I" and child is not None:
             child.send(data)
         elif kind == b"C" and child is not None:
             child.close_stdin()
         elif kind == b"K" and child is not None:
             child.abandon()
+    _closing.append(True)
     with _children_lock:
         left = list(_live)
     for c in left:
-        c.close_stdin()
+        if isinstance(c, AgentRequest) and not c.closed:
+            c.abandon()  # its input may be cut: it never runs
+        else:
+            c.close_stdin()
     for c in left:
         c.join()
+    # An _exec fallback may have registered a Child while we waited.
+    with _children_lock:
+        late = [c for c in _live if c not in left]
+    for c in late:
+        c.close_stdin()
+        c.join()
+    _residents.close()
     return 0
 
 

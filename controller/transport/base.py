@@ -67,6 +67,17 @@ class Duplex(ABC):
         """Close stdin, wait for the exit; the Result holds the stdout not yet read and all stderr."""
 
 
+@dataclass(frozen=True)
+class AgentStart:
+    """How an argv of ctl's agent (`... python3 -I -S -c BOOT N VERB ...`) may be answered by a staying agent:
+    argv[at] is VERB, its stdin starts with the agent's n-byte source, and `retry` says that the verb only reads
+    (the relay may run it again when the agent it chose had ended)."""
+
+    at: int
+    n: int
+    retry: bool
+
+
 class Transport(ABC):
     """Somewhere commands run and files land: a host or a container."""
 
@@ -89,6 +100,12 @@ class Transport(ABC):
     @abstractmethod
     def get(self, remote_path: str, local_path: str) -> None:
         """Copy remote_path to a local file."""
+
+    def run_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
+                  timeout: float | None = None) -> Result:
+        """run(argv) for a request of ctl's agent; a transport whose host relay keeps staying agents has one of
+        them answer it (the same Result, without an exec, a python3 start or a compile)."""
+        return self.run(argv, stdin=stdin, timeout=timeout)
 
     def stream(
         self, argv: Sequence[str], *, timeout: float | None = None, idle: float | None = None

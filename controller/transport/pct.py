@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Literal
 
 from controller.errors import ConnectionFailed, DeadlineExceeded, NotRunning, RemoteCommandError, VerifyError
-from controller.transport.base import Duplex, Result, Transport
+from controller.transport.base import AgentStart, Duplex, Result, Transport
 from controller.transport.ssh import SshEndpoint
 
 if TYPE_CHECKING:
@@ -110,6 +110,18 @@ class PctContainer(Transport):
         self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None
     ) -> Result:
         res = self._host_run(self.exec_argv(argv), stdin=stdin, timeout=timeout)
+        self._raise_pct(res)
+        return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)
+
+    def run_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
+                  timeout: float | None = None) -> Result:
+        """Through the host relay's staying agent for this container when it keeps them (no `pct exec` per
+        request); pct's refusals still surface as NotRunning (the relay runs the exec when none can start)."""
+        relay = self._relay()
+        if relay is None or not relay.staying:
+            return self.run(argv, stdin=stdin, timeout=timeout)
+        shifted = AgentStart(len(self.exec_argv([])) + start.at, start.n, start.retry)
+        res = relay.run(self.exec_argv(argv), stdin=stdin, timeout=timeout, agent=shifted)
         self._raise_pct(res)
         return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)
 

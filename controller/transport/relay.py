@@ -32,7 +32,7 @@ from typing import Any
 
 from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded, RelayExited, RemoteCommandError
 from controller.remote import source
-from controller.transport.base import Duplex, Result, Transport, limit
+from controller.transport.base import AgentStart, Duplex, Result, Transport, limit
 from controller.transport.ssh import SshEndpoint
 
 HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/remote/hostrelay.py)
@@ -77,6 +77,11 @@ def relay_argv() -> list[str]:
     return ["sh", "-c", _START, BOOT, str(len(relay_source()))]
 
 
+def speaks_agent(hello: dict[str, Any]) -> bool:
+    version = hello.get("relay")
+    return isinstance(version, int) and not isinstance(version, bool) and version >= 3
+
+
 class _Stream:
     def __init__(self, argv: tuple[str, ...]) -> None:
         self.argv = argv
@@ -107,6 +112,7 @@ class HostRelay:
         self._dead: ConnectionFailed | None = None  # how the relay's channel ended while streams were open
         self.streams_opened = 0
         self.python: str | None = None  # the host's python that runs the relay (from its hello)
+        self.staying = False  # the relay keeps agents that stay (relay protocol 3, its hello says)
         self.why_unavailable: str | None = None  # why the host cannot run the relay
         self.stuck = False  # a stream passed its deadline: close() does not wait for the relay
 
@@ -148,6 +154,7 @@ class HostRelay:
         self._chan = chan
         self._state = "up"
         self.python = str(hello.get("python"))
+        self.staying = speaks_agent(hello)
         self._reader = threading.Thread(target=self._read_loop, name=f"relay-{self.host.name}", daemon=True)
         self._reader.start()
         if self.note is not None:
@@ -258,23 +265,29 @@ class HostRelay:
 
     # --- streams ----------------------------------------------------------------------------------
 
-    def open(self, argv: Sequence[str]) -> _RelayDuplex:
-        """Start argv on the host (no shell) through the relay; a conversation like a direct exec's."""
+    def open(self, argv: Sequence[str], *, agent: AgentStart | None = None) -> _RelayDuplex:
+        """Start argv on the host (no shell) through the relay; a conversation like a direct exec's. With `agent`
+        (only when `staying`), argv is a request of ctl's agent that a staying agent answers (A frame)."""
         with self._cond:
             sid = self._free_sid()
             self._streams[sid] = _Stream(tuple(argv))
         self.streams_opened += 1
+        if agent is not None:
+            kind, start = b"A", json.dumps({"argv": list(argv), "at": agent.at, "n": agent.n, "retry": agent.retry})
+        else:
+            kind, start = b"S", json.dumps(list(argv))
         try:
-            self._send(b"S", sid, json.dumps(list(argv)).encode())
+            self._send(kind, sid, start.encode())
         except ConnectionFailed:
             with self._cond:
                 self._streams.pop(sid, None)
             raise
         return _RelayDuplex(self, sid)
 
-    def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None) -> Result:
+    def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
+            agent: AgentStart | None = None) -> Result:
         """argv on the host through the relay, waited for (SshEndpoint.run's contract, without a login shell)."""
-        d = self.open(argv)
+        d = self.open(argv, agent=agent)
         if stdin:
             d.send(stdin)
         return d.finish(timeout)
@@ -458,6 +471,13 @@ class RelayEndpoint(Transport):
         if relay is None:
             return self.ep.run(argv, stdin=stdin, timeout=timeout)
         return relay.run(argv, stdin=stdin, timeout=timeout)
+
+    def run_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
+                  timeout: float | None = None) -> Result:
+        relay = self._up()
+        if relay is None or not relay.staying:
+            return self.run(argv, stdin=stdin, timeout=timeout)
+        return relay.run(argv, stdin=stdin, timeout=timeout, agent=start)
 
     def stream(self, argv: Sequence[str], *, timeout: float | None = None,
                idle: float | None = None) -> Iterator[tuple[str, bytes]]:

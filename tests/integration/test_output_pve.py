@@ -80,8 +80,13 @@ exit 1""",
 @pytest.mark.parametrize("kind", sorted(BROKEN))
 def test_a_broken_agent_reply_is_one_line_naming_the_container(live_on_201: tuple[Env, Path], kind: str) -> None:
     env, fake = live_on_201
-    fake.write_text("#!/bin/sh\ncat >/dev/null\n" + BROKEN[kind] + "\n")
+    # A staying agent is started as `python3 ... serve`: this one writes the same junk instead of a hello, so the
+    # session's relay runs each request as an exec of it. The launch's session (its staying agent is the real
+    # python3) is ended first.
+    serve = 'case " $* " in *" serve "*) ' + BROKEN[kind] + "\nexit 1;; esac\n"
+    fake.write_text("#!/bin/sh\n" + serve + "cat >/dev/null\n" + BROKEN[kind] + "\n")
     fake.chmod(0o755)
+    env.ctl("mux", "stop", check=True)
     for args in (("tail", "ct201", "--run", "live1"), ("tail", "ct201", "--run", "live1", "-f"),
                  ("launch", "ct201", "--run", "x1")):
         r = env.ctl(*args)

@@ -349,13 +349,25 @@ def test_status_and_supervise_of_many_runs_cost_one_connection_per_host_and_one_
                 out.setdefault(call["args"][0], []).append(call["argv"][6])  # python3 -I -S -c BOOT N VERB
         return out
 
+    def served() -> dict[str, int]:
+        """{vmid: requests its staying agents answered}, from `ctl mux status` (the sessions' relays)."""
+        r = pve_env.ctl("--json", "mux", "status", check=True)
+        out: dict[str, int] = {}
+        for doc in json.loads(r.stdout):
+            for agent in doc["agents"] or []:
+                vmid = agent["argv"][2]  # pct exec VMID -- python3 ...
+                out[vmid] = out.get(vmid, 0) + agent["requests"]
+        return out
+
     try:
-        # Sessions on (the default): the launches' sessions serve these too, no new login; off: one login per host.
+        # Sessions on (the default): the launches' sessions serve these too, with no new login and no exec at all:
+        # their staying agents answer one poll per container. Off: one login per host, and one exec per container.
         for persist, new_logins in ((None, 0), ("0", 1)):
             env = pve_env.env if persist is None else {**pve_env.env, "CTL_PERSIST": persist}
             for cmd in (["--json", "status", "ct200", "ct201", "ct300"],
                         ["supervise", "--once", "ct200", "ct201", "ct300"]):
                 before, calls = logins(), {n: len(host.pct_calls(n)) for n in ("pve1", "pve2")}
+                answered = served() if persist is None else {}
                 r = subprocess.run([sys.executable, "-m", "controller", "-i", str(pve_env.inventory), *cmd],
                                    capture_output=True, text=True, env=env, timeout=120)
                 assert r.returncode in (0, 21, 22), r.stdout + r.stderr
@@ -368,7 +380,12 @@ def test_status_and_supervise_of_many_runs_cost_one_connection_per_host_and_one_
                 time.sleep(0.5)  # sshd writes its log line as the login completes
                 after = logins()
                 assert {n: after[n] - before[n] for n in after} == {"pve1": new_logins, "pve2": new_logins}, cmd
-                assert agent_verbs(calls) == {"200": ["poll"], "201": ["poll"], "300": ["poll"]}, (persist, cmd)
+                if persist is None:
+                    assert agent_verbs(calls) == {}, cmd
+                    now = served()
+                    assert {v: now[v] - answered.get(v, 0) for v in now} == {"200": 1, "201": 1, "300": 1}, cmd
+                else:  # the command's own relay starts one staying agent per container of pve1; ct300 is alone
+                    assert agent_verbs(calls) == {"200": ["serve"], "201": ["serve"], "300": ["poll"]}, cmd
     finally:
         for names in runs.values():
             for run in names:
@@ -378,10 +395,12 @@ def test_status_and_supervise_of_many_runs_cost_one_connection_per_host_and_one_
 def test_a_launch_is_two_execs_with_the_environment_probe_inside_the_preflight(pve_env: Env) -> None:
     """`ctl launch CT --run NAME`: the preflight, the environment probe and then the start are two agent execs in
     the container (the pct journal counts them), not three: probe_env.py runs inside the agent's `probe`. What it
-    found is recorded with the run, as when it ran on its own."""
+    found is recorded with the run, as when it ran on its own. (Without a persistent session, so that each agent
+    request is an exec the journal shows; with one, a staying agent answers both.)"""
     deployed(pve_env, "ct200", steps=100000, interval=0.2)
     host = pve_env.host
     before = len(host.pct_calls("pve1"))
+    pve_env.env["CTL_PERSIST"] = "0"
     r = pve_env.ctl("launch", "ct200", "--run", "env1")
     try:
         assert r.returncode == 0, r.stdout + r.stderr
@@ -397,10 +416,12 @@ def test_a_launch_is_two_execs_with_the_environment_probe_inside_the_preflight(p
 def test_launch_follow_streams_the_log_at_once_from_the_pid_the_launch_answered(pve_env: Env) -> None:
     """`ctl launch CT -f`: the launch's answer names the training's pid and made its log, so the log stream (a
     `tail --pid`) starts right after it; before, a runstate round trip came first. The whole log is shown, and the
-    run is recorded finished when the stream ends."""
+    run is recorded finished when the stream ends. (Without a persistent session, so that each agent request is an
+    exec the journal shows.)"""
     deployed(pve_env, "ct200", steps=5, interval=0.05)
     host = pve_env.host
     before = len(host.pct_calls("pve1"))
+    pve_env.env["CTL_PERSIST"] = "0"
     r = pve_env.ctl("launch", "ct200", "--run", "ff1", "-f")
     assert r.returncode == 0, r.stdout + r.stderr
     calls = [c for c in host.pct_calls("pve1")[before:] if c["args"][0] == "200"]

@@ -31,6 +31,7 @@ from typing import Any
 
 from controller import settings
 from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded
+from controller.transport.base import AgentStart
 from controller.transport.mux.sock import (
     PROTOCOL,
     build,
@@ -47,7 +48,7 @@ from controller.transport.mux.sock import (
     socket_dir,
     still_trusted,
 )
-from controller.transport.relay import HostRelay, _RelayDuplex
+from controller.transport.relay import HostRelay, _RelayDuplex, speaks_agent
 from controller.transport.ssh import SshEndpoint
 
 ENV = settings.PERSIST
@@ -172,6 +173,7 @@ class MuxRelay(HostRelay):
         self._chan = chan
         self._state = "up"
         self.python = str(hello.get("python"))
+        self.staying = speaks_agent(hello)
         self._reader = threading.Thread(target=self._read_loop, name=f"mux-{self.host.name}", daemon=True)
         self._reader.start()
         if self.note is not None:
@@ -331,14 +333,14 @@ class MuxRelay(HostRelay):
             if self._state != "up":
                 raise ConnectionFailed(f"{self.host.name}: ctl's session ended and no new one could start")
 
-    def open(self, argv: Sequence[str]) -> _RelayDuplex:
+    def open(self, argv: Sequence[str], *, agent: AgentStart | None = None) -> _RelayDuplex:
         """Like HostRelay.open; after the session ended, connect to a new one first, as a direct SshEndpoint
         opens a new connection for the next exec after a drop (streams of the old one keep their error). A
         session that ends before this request reached it (its socket refused the start) is replaced and the
         request sent once more: nothing of it ran."""
         self._reconnect_if_ended()
         try:
-            return super().open(argv)
+            return super().open(argv, agent=agent)
         except ConnectionFailed as e:
             with self._cond:
                 gone = self._dead is not None
@@ -347,7 +349,7 @@ class MuxRelay(HostRelay):
             if self.note is not None:
                 self.note(f"{self.host.name}: {e.message}; the request did not reach it: sending it again")
         self._reconnect_if_ended()
-        return super().open(argv)
+        return super().open(argv, agent=agent)
 
     def close(self) -> None:
         chan = self._chan
@@ -390,9 +392,33 @@ def sessions(state: Path | None = None) -> list[dict[str, Any]]:
             sock = None
         doc["live"] = sock is not None
         if sock is not None:
+            doc["agents"] = _agents(sock)
             sock.close()
         out.append(doc)
     return out
+
+
+def _agents(sock: socket.socket) -> list[dict[str, Any]] | None:
+    """The staying agents the session's relay keeps ({"argv", "pid", "requests", "busy"} each, checked), or None
+    when it does not say within 2 s."""
+    try:
+        sock.settimeout(2.0)
+        send_frame(sock, b"T", 0)
+        for kind, sid, data in recv_frames(sock):
+            if kind == b"T" and sid == 0:
+                doc = json.loads(data)
+                break
+        else:
+            return None
+    except (OSError, ValueError, ConnectionFailed):
+        return None
+    agents = doc.get("agents") if isinstance(doc, dict) else None
+    if not isinstance(agents, list):
+        return None
+    return [{"argv": [str(a) for a in a["argv"]], "pid": int(a["pid"]), "requests": int(a["requests"]),
+             "busy": a.get("busy") is True}
+            for a in agents if isinstance(a, dict) and isinstance(a.get("argv"), list)
+            and all(isinstance(a.get(k), int) for k in ("pid", "requests"))]
 
 
 def stop(host: str | None = None, timeout: float = 10.0, grace: float = 0.0,

@@ -84,8 +84,15 @@ class _Mux(HostRelay):
         self.end_reason: ConnectionFailed | None = None
         self.stop_asked: tuple[str, float] | None = None  # (why, deadline): take no client, end when done
         self.next_gsid = 1
+        self.asking: list[_Client] = []  # clients waiting for the relay's T (its staying agents), in order
 
     def _dispatch(self, kind: bytes, sid: int, payload: bytes) -> None:
+        if kind == b"T" and sid == 0:
+            with self.map_lock:
+                asker = self.asking.pop(0) if self.asking else None
+            if asker is not None:
+                asker.send(b"T", 0, payload)
+            return
         with self.map_lock:
             entry = self.owner.get(sid)
             if entry is None:
@@ -140,6 +147,7 @@ class _Mux(HostRelay):
             client.send(b"H", 0, json.dumps({"mux": PROTOCOL, "build": build(), "pid": os.getpid(),
                                              "host": self.host.name, "python": self.python or "?",
                                              "connects": self.host.connects, "idle": self.idle,
+                                             "relay": 3 if self.staying else 2,
                                              "hostkey": self.host.server_key}).encode())
             for kind, csid, data in recv_frames(sock):
                 if kind == b"Q":
@@ -149,11 +157,19 @@ class _Mux(HostRelay):
                         grace = STOP_GRACE
                     self.ask_stop("stopped by `ctl mux stop`", grace)
                     break
-                if kind == b"S":
+                if kind == b"T" and csid == 0:
+                    if self.staying:
+                        with self.map_lock:
+                            self.asking.append(client)
+                        self._send(b"T", 0)
+                    else:
+                        client.send(b"T", 0, b'{"agents": []}')
+                    continue
+                if kind in (b"S", b"A"):
                     if csid in client.streams:
                         client.send(b"E", csid, b"ctl mux: stream id reused\n")
                         continue
-                    self._send(b"S", self._alloc(client, csid), data)
+                    self._send(kind, self._alloc(client, csid), data)
                 elif kind in (b"I", b"C", b"K"):
                     gsid = client.streams.get(csid)
                     if gsid is not None:

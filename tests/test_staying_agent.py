@@ -1,0 +1,279 @@
+"""Staying agents: ctl's real host relay (controller/remote/hostrelay.py, run here as on a host) answering agent
+requests (A frames) with agents that stay, spoken to frame by frame. The real agent's answers are compared with
+the ones of its own exec; misbehaving agents (sources written here) die, hang, flood or lie."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.remote.client import VERB_AT, agent_argv, agent_source
+from controller.transport.relay import BOOT, HEADER, frames, relay_source
+
+Answer = tuple[bytes, bytes, int]  # stdout, stderr, exit status
+
+
+class Relay:
+    """hostrelay.py in a subprocess, its frames read by a thread and kept per stream id."""
+
+    def __init__(self) -> None:
+        src = relay_source()
+        self.p = subprocess.Popen([sys.executable, "-I", "-S", "-c", BOOT, str(len(src))], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE)
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write(src)
+        self.p.stdin.flush()
+        self.cond = threading.Condition()
+        self.got: dict[int, list[tuple[bytes, bytes]]] = {}
+        self.stats: list[dict[str, Any]] = []
+        self.next = 1
+        out = self.p.stdout
+        threading.Thread(target=self._read, args=(out,), daemon=True).start()
+        self.wait(0, lambda fs: any(k == b"H" for k, _ in fs))
+
+    def _read(self, out: Any) -> None:
+        for kind, sid, data in frames(iter(lambda: os.read(out.fileno(), 1 << 16), b"")):
+            with self.cond:
+                if kind == b"T":
+                    self.stats.append(json.loads(data))
+                self.got.setdefault(sid, []).append((kind, data))
+                self.cond.notify_all()
+
+    def wait(self, sid: int, done: Any, timeout: float = 30.0) -> list[tuple[bytes, bytes]]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: done(self.got.get(sid, [])), timeout), (sid, self.got.get(sid))
+            return list(self.got[sid])
+
+    def send(self, kind: bytes, sid: int, data: bytes = b"") -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write(HEADER.pack(kind, sid, len(data)) + data)
+        self.p.stdin.flush()
+
+    def start(self, argv: Sequence[str], stdin: bytes, *, n: int | None = None, at: int = VERB_AT,
+              retry: bool = True) -> int:
+        """Send one A request (stdin: the agent's n-byte source, then the verb's input; n: all of it unless
+        given) and its input; its stream id."""
+        n = len(stdin) if n is None else n
+        sid, self.next = self.next, self.next + 1
+        self.send(b"A", sid, json.dumps({"argv": list(argv), "at": at, "n": n, "retry": retry}).encode())
+        self.send(b"I", sid, stdin)
+        self.send(b"C", sid)
+        return sid
+
+    def answer(self, sid: int, timeout: float = 30.0) -> Answer:
+        fs = self.wait(sid, lambda fs: any(k == b"X" for k, _ in fs), timeout)
+        return (b"".join(d for k, d in fs if k == b"O"), b"".join(d for k, d in fs if k == b"E"),
+                int(next(d for k, d in fs if k == b"X")))
+
+    def request(self, argv: Sequence[str], stdin: bytes, **kw: Any) -> Answer:
+        return self.answer(self.start(argv, stdin, **kw))
+
+    def agents(self) -> list[dict[str, Any]]:
+        with self.cond:
+            seen = len(self.stats)
+        self.send(b"T", 0)
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.stats) > seen, 10)
+            return list(self.stats[-1]["agents"])
+
+    def close(self, timeout: float = 10.0) -> int:
+        assert self.p.stdin is not None
+        self.p.stdin.close()
+        return self.p.wait(timeout)
+
+
+@pytest.fixture
+def relay() -> Any:
+    r = Relay()
+    yield r
+    if r.p.poll() is None:
+        r.p.kill()
+        r.p.wait()
+
+
+def exec_answer(argv: Sequence[str], stdin: bytes) -> Answer:
+    """What the same request gives as its own exec (no relay, no staying agent)."""
+    p = subprocess.run([sys.executable if argv[0] == "python3" else argv[0], *argv[1:]], input=stdin,
+                       capture_output=True, timeout=60)
+    return p.stdout, p.stderr, p.returncode
+
+
+def real(verb: str, *args: str, src: bytes | None = None) -> list[str]:
+    """The argv ctl sends for an agent verb (for `src`, a source of another length: its N)."""
+    argv = agent_argv(verb, *args)
+    if src is not None:
+        argv[VERB_AT - 1] = str(len(src))
+    return argv
+
+
+def timeless(out: bytes) -> bytes:
+    """An answer without its "now" (the agent's clock when it answered), the rest byte for byte."""
+    head, sep, rest = out.partition(b"\n")
+    try:
+        doc = json.loads(head)
+    except ValueError:
+        return out
+    if isinstance(doc, dict):
+        doc.pop("now", None)
+    return json.dumps(doc, sort_keys=True).encode() + sep + rest
+
+
+def test_a_staying_agent_answers_as_its_exec_would_and_stays(relay: Relay, tmp_path: Path) -> None:
+    log = tmp_path / "train.log"
+    log.write_bytes(b"".join(b"step %d loss 1.0\n" % i for i in range(50)))
+    src = agent_source()
+    requests = [
+        real("tailinfo", json.dumps({"root": "/", "log": str(log), "lines": 5})),
+        real("tailinfo", json.dumps({"root": "/", "log": str(tmp_path / "missing.log"), "lines": 5})),
+        real("hashes", "/", str(log), str(tmp_path / "nothing")),
+        real("nosuchverb", "{}"),
+        real("tailinfo", "{not json"),  # an exception: its traceback on stderr, status 1, the agent stays
+        real("logread", json.dumps({"root": "/", "log": str(log), "offset": 10, "max_bytes": 64})),
+    ]
+    for argv in requests:
+        staying = relay.request(argv, src)
+        alone = exec_answer(argv, src)
+        assert timeless(staying[0]) == timeless(alone[0]) and staying[2] == alone[2], argv[VERB_AT]
+        assert staying[1].splitlines()[-1:] == alone[1].splitlines()[-1:], argv[VERB_AT]  # the same last line
+    agents = relay.agents()
+    assert len(agents) == 1 and agents[0]["requests"] == len(requests), agents
+    assert relay.close() == 0  # end of input: the staying agent ends, and so does the relay
+
+
+def test_another_agent_source_gets_its_own_staying_agent(relay: Relay) -> None:
+    src = agent_source()
+    other = src + b"\n# another ctl build\n"
+    for s in (src, other, src, other):
+        assert relay.request(real("hashes", "/", "/", src=s), s)[2] == 0
+    assert sorted(a["requests"] for a in relay.agents()) == [2, 2]
+
+
+def test_what_a_verb_s_children_print_never_reaches_the_frames(relay: Relay) -> None:
+    """A verb's child (tmux, nvidia-smi) inherits fds 0-2: a staying agent points them at /dev/null, so a child
+    writing there (or reading stdin) cannot forge or eat a frame."""
+    src = agent_source().replace(b'\nif __name__ == "__main__":', b'''
+def tailinfo(args):
+    os.system("echo forged-stdout; echo forged-stderr >&2; head -c 100 >/dev/null")
+    return {"ok": True, "said": "only this"}
+
+if __name__ == "__main__":''')
+    argv = real("tailinfo", "{}", src=src)
+    for _ in range(3):
+        out, err, code = relay.request(argv, src)
+        assert (json.loads(out), err, code) == ({"ok": True, "said": "only this"}, b"", 0)
+    assert [a["requests"] for a in relay.agents()] == [3]
+
+
+# A stand-in agent for the failure modes: one-shot it answers {"via": "exec"}; under `serve` it does MODE.
+FAKE = br'''
+import json, os, struct, sys, time
+F = struct.Struct(">cHI")
+MODE = sys.argv[3] if len(sys.argv) > 3 else ""
+def put(k, d=b""):
+    os.write(1, F.pack(k, 0, len(d)) + d)
+def take(n):
+    b = b""
+    while len(b) < n:
+        c = os.read(0, n - len(b))
+        if not c:
+            sys.exit(0)
+        b += c
+    return b
+if sys.argv[2] != "serve":
+    sys.stdout.write(json.dumps({"ok": True, "via": "exec", "pid": os.getpid()}))
+    sys.exit(0)
+put(b"H", b"{}")
+while True:
+    k, _, n = F.unpack(take(F.size))
+    take(n)
+    if MODE == "die":
+        os._exit(3)
+    if MODE == "hang":
+        time.sleep(3600)
+    if MODE == "slow":
+        time.sleep(1.5)
+    if MODE == "lie":
+        put(b"O", b'{"ok": tr')
+        put(b"Z", b"?")
+        continue
+    put(b"O", json.dumps({"ok": True, "via": "serve", "pid": os.getpid()}).encode())
+    put(b"E")
+    put(b"X", b"0")
+'''
+
+
+def fake(mode: str) -> list[str]:
+    """A request to the fake agent. MODE rides in the prefix (`sh -c 'exec "$0" "$@" MODE'`), so the staying
+    agent the relay starts from that prefix (`... N serve`) gets it too."""
+    return ["sh", "-c", f'exec "$0" "$@" {mode}', sys.executable, "-I", "-S", "-c", BOOT, str(len(FAKE)), "verb"]
+
+
+FAKE_AT = 9  # fake(): sh -c SCRIPT python -I -S -c BOOT N VERB
+
+
+def test_an_agent_that_ends_is_replaced_for_a_read_and_reported_for_a_write(relay: Relay) -> None:
+    argv = real("hashes", "/", "/")
+    src = agent_source()
+    assert relay.request(argv, src)[2] == 0
+    first = relay.agents()[0]["pid"]
+    os.kill(first, signal.SIGKILL)  # the container restarted, say
+    time.sleep(0.2)
+    assert relay.request(argv, src)[2] == 0  # a read is answered all the same, by a new staying agent
+    assert [a["pid"] for a in relay.agents()] not in ([first], [])
+
+    # One that takes the request, then dies before answering: a read runs again as its own exec; a write is not
+    # run twice, and says why.
+    out, err, code = relay.request(fake("die"), FAKE, n=len(FAKE), at=FAKE_AT, retry=True)
+    assert (json.loads(out)["via"], code) == ("exec", 0)
+    out, err, code = relay.request(fake("die"), FAKE, n=len(FAKE), at=FAKE_AT, retry=False)
+    assert (out, code) == (b"", 255) and b"ctl's agent ended before it answered" in err
+
+
+def test_an_agent_that_breaks_the_protocol_is_ended(relay: Relay) -> None:
+    out, err, code = relay.request(fake("lie"), FAKE, n=len(FAKE), at=FAKE_AT, retry=False)
+    assert code == 255 and out == b'{"ok": tr' and b"ended before it answered" in err  # never a JSON answer
+    assert relay.agents() == []
+
+
+def test_a_stuck_request_given_up_ends_its_agent_and_the_relay_still_exits(relay: Relay) -> None:
+    sid = relay.start(fake("hang"), FAKE, n=len(FAKE), at=FAKE_AT)
+    time.sleep(1.0)
+    assert [a["busy"] for a in relay.agents()] == [True]
+    relay.send(b"K", sid)  # ctl's deadline passed
+    relay.wait(sid, lambda fs: any(k == b"X" for k, _ in fs), 10)  # its X still comes: the id is free again
+    assert relay.agents() == []
+    t0 = time.monotonic()
+    assert relay.close() == 0
+    assert time.monotonic() - t0 < 5
+
+
+def test_busy_agents_are_capped_and_the_rest_run_as_execs(relay: Relay) -> None:
+    sids = [relay.start(fake("slow"), FAKE, n=len(FAKE), at=FAKE_AT) for _ in range(6)]
+    via = sorted(json.loads(relay.answer(s)[0])["via"] for s in sids)
+    assert via == ["exec", "exec", "serve", "serve", "serve", "serve"]  # RESIDENT_PER_KEY = 4
+    assert len(relay.agents()) == 4
+
+
+def test_a_container_that_refuses_answers_as_pct_would(relay: Relay) -> None:
+    """No staying agent can start (pct refuses: a stopped CT): the exec runs, and its refusal is the answer."""
+    refuse = ["sh", "-c", "echo \"container '999' not running!\" >&2; exit 2", "pct",
+              *real("hashes", "/", "/")]
+    out, err, code = relay.request(refuse, agent_source(), n=len(agent_source()), at=4 + VERB_AT)
+    assert (out, code) == (b"", 2) and b"container '999' not running!" in err
+    assert relay.agents() == []
+
+
+def test_a_large_input_runs_as_its_own_exec(relay: Relay) -> None:
+    big = FAKE + b"x" * (9 << 20)  # past hostrelay.RESIDENT_MAX_INPUT
+    assert json.loads(relay.request(fake(""), big, n=len(FAKE), at=FAKE_AT)[0])["via"] == "exec"
+    assert json.loads(relay.request(fake(""), FAKE, n=len(FAKE), at=FAKE_AT)[0])["via"] == "serve"
