@@ -5,7 +5,9 @@ size and mode, plus the git commit and dirty flag of the sources. Plan: one agen
 container for the hashes of every destination; only changed files travel. Apply: one agent call
 receives a tar of the changed files over the exec's stdin, writes each beside its destination,
 verifies it, keeps old and new versions in the container's content-addressed store, and only then
-renames them into place (see controller/remote/agent.py). Two execs per deploy, whatever the file count.
+renames them into place (see controller/remote/agent.py). Plan and apply are one `sync` conversation over
+one exec, whatever the file count; with a staying agent (a warm host session) they are one request, and a
+second one only when something changed (a transfer over 1 MiB keeps its exec, with its progress bar).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from controller.errors import ClobberError, CtlError, DriftError, InputError
 from controller.inventory import Container, Inventory
 from controller.names import check_container_path
 from controller.registry import DeployRecord, Registry
-from controller.remote.client import Agent, agent_source
+from controller.remote.client import STAYING_MAX_INPUT, Agent, agent_source
 from controller.settings import private_dir, private_file, state_dir
 from controller.transport.base import Duplex, Transport
 from controller.transport.pool import Pool
@@ -280,10 +282,12 @@ Progress = Callable[[str, int, int], None]  # (container, bytes sent, bytes tota
 
 
 class _Opening:
-    """t.open(argv) on a thread of its own; session() waits for it (and raises what it raised)."""
+    """The way to the container's agent, opened on a thread of its own while pinning runs here: with a staying
+    agent (Transport.keeps_agents) a `hello` request that starts it, else the exec of the `sync` conversation.
+    session() waits for it (and raises what it raised): the Duplex, or None for the staying agent."""
 
-    def __init__(self, t: Transport, argv: list[str]) -> None:
-        self._t, self._argv = t, argv
+    def __init__(self, t: Transport, agent: Agent, argv: list[str]) -> None:
+        self._t, self._agent, self._argv = t, agent, argv
         self._value: Duplex | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"open-{t.name}", daemon=True)
@@ -291,15 +295,17 @@ class _Opening:
 
     def _run(self) -> None:
         try:
-            self._value = self._t.open(self._argv)
+            if self._t.keeps_agents():
+                self._agent.call("hello", {})
+            else:
+                self._value = self._t.open(self._argv)
         except BaseException as e:  # handed to session()
             self._error = e
 
-    def session(self) -> Duplex:
+    def session(self) -> Duplex | None:
         self._thread.join()
         if self._error is not None:
             raise self._error
-        assert self._value is not None
         return self._value
 
     def discard(self) -> None:
@@ -311,18 +317,43 @@ class _Opening:
             self._value.finish(timeout=10)
 
 
+class _Conversation:
+    """`sync` over one exec: the header out, the plan back, then (or not) "apply" and the tar, in one exec."""
+
+    def __init__(self, agent: Agent, session: Duplex) -> None:
+        self.agent, self.session = agent, session
+
+    def plan(self, header: bytes) -> dict[str, Any]:
+        self.session.send(agent_source() + header)
+        first = Agent.json_line(self.session.readline(timeout=120))
+        if first is None:
+            self.agent.fail("sync", self.session.finish(timeout=30))
+        return first
+
+    def end(self) -> None:
+        self.session.finish(timeout=30)  # stdin closed: the agent applies nothing
+
+    def apply(self, data: bytes, progress: Callable[[int], None]) -> dict[str, Any]:
+        step = 1 << 20
+        for pos in range(0, len(data), step):
+            self.session.send(data[pos:pos + step])
+            progress(min(pos + step, len(data)))
+        return self.agent.parse("sync", self.session.finish(timeout=600))
+
+
 def deploy(
     inv: Inventory, ct: Container, t: Transport, reg: Registry | None, *, dry_run: bool = False,
     allow_dirty: bool = False, progress: Progress | None = None,
 ) -> DeployResult:
-    """One exec per container: the agent answers what it has, then receives only what changed."""
+    """One exec per container: the agent answers what it has, then receives only what changed. With a staying
+    agent (a warm host session), one request instead, and a second one to apply what changed."""
     t0 = time.monotonic()
     deploy_id = _new_id()
     agent = Agent(t)
     args = (t.path(STORE), deploy_id)
-    # The exec does not depend on the pins: open it in the background, so that the SSH handshake and the
-    # host's start of pct + agent overlap with pinning (templates, hashes, git state) here.
-    opening = _Opening(t, agent.argv("sync", args))
+    # The way to the agent does not depend on the pins: open it in the background, so that the SSH handshake and
+    # the host's start of pct + agent overlap with pinning (templates, hashes, git state) here.
+    opening = _Opening(t, agent, agent.argv("sync", args))
     try:
         manifest = pin(inv, ct)
         if manifest.dirty and not allow_dirty and not dry_run:
@@ -337,25 +368,24 @@ def deploy(
     entries = [{"index": i, "dest": f.dest, "sha256": f.sha256, "mode": f.mode, "size": f.size}
                for i, f in enumerate(manifest.files)]
     session = opening.session()
+    conv = None if session is None else _Conversation(agent, session)
     follow = list(ct.spec.follow_symlinks)
-    session.send(agent_source() + json.dumps({"files": entries, "dry_run": dry_run, "follow": follow}).encode()
-                 + b"\n")
-    answer = session.readline(timeout=120)
-    first = Agent.json_line(answer)
-    if first is None:
-        agent.fail("sync", session.finish(timeout=30))
+    header = json.dumps({"files": entries, "dry_run": dry_run, "follow": follow}).encode() + b"\n"
+    first = agent.sync(args, header)[0] if conv is None else conv.plan(header)
     have = agent.need(first, "have")
     try:
         fplan = [_file_plan(f, have.get(f.dest), ct.name) for f in manifest.files]
     except CtlError:
-        with contextlib.suppress(CtlError):
-            session.finish(timeout=30)  # stdin closed: the agent applies nothing
+        if conv is not None:
+            with contextlib.suppress(CtlError):
+                conv.end()
         raise
     changed = [(e, f) for e, f, p in zip(entries, manifest.files, fplan, strict=True) if p.action != "same"]
     bodies = [f.content for _e, f in changed]
-    data = b"apply\n" + bundle([e for e, _f in changed], bodies, manifest=False)
+    tar = bundle([e for e, _f in changed], bodies, manifest=False)
     if dry_run or not changed:
-        session.finish(timeout=30)
+        if conv is not None:
+            conv.end()
         commands: tuple[str, ...] = ()
         if dry_run and changed:
             # The exact exec, runnable by hand: its stdin (agent, pinned files, "apply", tar) is kept here.
@@ -363,16 +393,24 @@ def deploy(
             private_dir(stdin_file.parent.parent)
             private_dir(stdin_file.parent)
             header = json.dumps({"files": entries, "dry_run": False, "follow": follow}).encode() + b"\n"
-            private_file(stdin_file).write_bytes(agent_source() + header + data)  # rendered scripts: 0600
+            private_file(stdin_file).write_bytes(agent_source() + header + b"apply\n" + tar)  # rendered scripts: 0600
             commands = (f"{agent.shell_line('sync', *args)} < {shlex.quote(str(stdin_file))}",)
         return DeployResult(ct.name, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands,
                             dry_run=dry_run)
-    step = 1 << 20
-    for pos in range(0, len(data), step):
-        session.send(data[pos:pos + step])
+    data = b"apply\n" + tar
+
+    def sent(n: int) -> None:
         if progress is not None:
-            progress(ct.name, min(pos + step, len(data)), len(data))
-    doc = agent.parse("sync", session.finish(timeout=600))
+            progress(ct.name, n, len(data))
+
+    if conv is None and len(tar) > STAYING_MAX_INPUT:  # a large transfer: an exec of its own, with progress
+        conv = _Conversation(agent, t.open(agent.argv("sync", args)))
+        conv.plan(header)
+    if conv is None:
+        doc = agent.sync(args, header, tar, timeout=600)[1]
+        sent(len(data))
+    else:
+        doc = conv.apply(data, sent)
     prev_modes = {r["dest"]: r.get("previous_mode") for r in doc.get("files", [])}
     files = [{"dest": p.dest, "sha256": p.want, "mode": f.mode, "previous": p.have, "action": p.action,
               "previous_mode": prev_modes.get(p.dest)} for f, p in zip(manifest.files, fplan, strict=True)]

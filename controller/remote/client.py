@@ -107,14 +107,33 @@ class Agent:
             raise self.error(doc)
         return doc
 
-    def exec(self, verb: str, argv: list[str], stdin: bytes, timeout: float | None) -> Result:
+    def exec(self, verb: str, argv: list[str], stdin: bytes, timeout: float | None, *,
+             reads_only: bool | None = None) -> Result:
         """One request, answered by the container's staying agent when its transport keeps one (see
-        controller/remote/hostrelay.py), else by an agent of its own exec: the same Result either way."""
+        controller/remote/hostrelay.py), else by an agent of its own exec: the same Result either way.
+        `reads_only` (default: the verb is in READ_ONLY) lets the relay send it again to a new agent."""
         n = len(agent_source())
         if len(stdin) - n > STAYING_MAX_INPUT:
             return self.t.run(argv, stdin=stdin, timeout=timeout)
         assert argv[VERB_AT] == verb
-        return self.t.run_agent(argv, AgentStart(VERB_AT, n, verb in READ_ONLY), stdin=stdin, timeout=timeout)
+        retry = verb in READ_ONLY if reads_only is None else reads_only
+        return self.t.run_agent(argv, AgentStart(VERB_AT, n, retry), stdin=stdin, timeout=timeout)
+
+    def sync(self, args: Sequence[str], header: bytes, tar: bytes | None = None, *, timeout: float | None = None
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Verb sync as ONE request instead of a conversation (for a staying agent): its header line, then, with
+        `tar`, the "apply" line and that tar. (Its plan line {"have", "need"}, its final answer.) Without `tar` it
+        changes nothing: the plan is all it gives."""
+        payload = header if tar is None else header + b"apply\n" + tar
+        res = self.exec("sync", self.argv("sync", args), agent_source() + payload, timeout,
+                        reads_only=tar is None)
+        self.bounded("sync", res, MAX_REPLY)
+        lines = res.stdout.strip().splitlines()
+        plan = self.json_line(lines[0]) if len(lines) > 1 else None
+        final = self.json_line(lines[-1]) if len(lines) > 1 else None
+        if plan is None or final is None:
+            self.fail("sync", res)
+        return plan, final
 
     def read(self, verb: str, args: Mapping[str, Any], *, timeout: float | None = None
              ) -> tuple[dict[str, Any], bytes, int, int]:

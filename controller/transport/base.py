@@ -101,6 +101,11 @@ class Transport(ABC):
     def get(self, remote_path: str, local_path: str) -> None:
         """Copy remote_path to a local file."""
 
+    def keeps_agents(self) -> bool:
+        """Whether run_agent is answered by a staying agent here (starting the host session when there is none):
+        then a request costs a message, not an exec, and a caller may split a conversation into requests."""
+        return False
+
     def run_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
                   timeout: float | None = None) -> Result:
         """run(argv) for a request of ctl's agent; a transport whose host relay keeps staying agents has one of

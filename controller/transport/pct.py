@@ -113,6 +113,10 @@ class PctContainer(Transport):
         self._raise_pct(res)
         return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)
 
+    def keeps_agents(self) -> bool:
+        relay = self._relay()
+        return relay is not None and relay.staying
+
     def run_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
                   timeout: float | None = None) -> Result:
         """Through the host relay's staying agent for this container when it keeps them (no `pct exec` per

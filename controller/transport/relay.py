@@ -472,6 +472,10 @@ class RelayEndpoint(Transport):
             return self.ep.run(argv, stdin=stdin, timeout=timeout)
         return relay.run(argv, stdin=stdin, timeout=timeout)
 
+    def keeps_agents(self) -> bool:
+        relay = self._up()
+        return relay is not None and relay.staying
+
     def run_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
                   timeout: float | None = None) -> Result:
         relay = self._up()

@@ -41,13 +41,16 @@ def test_deploy_three_containers_then_nothing_travels(pve_env: Env, monkeypatch:
         assert oct(script.stat().st_mode & 0o777) == "0o755"
         assert "--tok-s 12800" in script.read_text()
     # Unchanged: one round trip per container, nothing sent; through the host's persistent session (the
-    # default), that is one request on the session and no exec of the command's own.
+    # default), that is a request to the agent the session kept in the container (after a `hello` sent while
+    # pinning): no exec of the command's own, and no `pct exec` on the host either.
     inv = load(pve_env.inventory)
+    before = len(pve_env.host.pct_calls("pve1"))
     with Pool(inv) as pool:
         ct = inv.container("ct200")
         res = deploy_mod.deploy(inv, ct, pool.container(ct), None, allow_dirty=True)
         assert res.changed == 0 and res.bytes_sent == 0
-        assert pool.round_trips() == 0 and pool._relays["pve1"].streams_opened == 1
+        assert pool.round_trips() == 0 and pool._relays["pve1"].streams_opened == 2
+    assert pve_env.host.pct_calls("pve1")[before:] == []
     monkeypatch.setenv("CTL_PERSIST", "0")
     with Pool(inv) as pool:  # persistence off: the command's own exec
         res = deploy_mod.deploy(inv, ct, pool.container(ct), None, allow_dirty=True)
@@ -239,3 +242,28 @@ def test_container_over_its_own_sshd(pve_env: Env) -> None:
     assert json.loads(p.stdout)[0]["ok"]
     again = json.loads(pve_env.ctl("deploy", "ct301", "--allow-dirty", "--json", check=True).stdout)[0]
     assert again["bytes_sent"] == 0
+
+
+def test_a_warm_session_applies_small_changes_by_request_and_large_ones_over_their_own_exec(pve_env: Env) -> None:
+    """With the session's staying agent, a small change is two requests to it (plan, apply) and no `pct exec`; a
+    change over 1 MiB travels over a `sync` exec of its own, with progress, as without a session."""
+    blob = pve_env.dir / "blob.bin"
+    blob.write_bytes(b"v1" * 1000)
+    dest = f"/root/{pve_env.tag}/blob.bin"
+    pve_env.write(payload=[{"src": "blob.bin", "dest": dest}])
+    pve_env.ctl("deploy", "ct200", "--allow-dirty", check=True)  # the session and its agent in CT 200 are up
+    landed = pve_env.host.rootfs(200) / dest.lstrip("/")
+    inv = load(pve_env.inventory)
+    ct = inv.container("ct200")
+    for body, execs in ((b"v2" * 1000, []), (os.urandom(3 << 20), ["sync"])):
+        blob.write_bytes(body)
+        seen: list[tuple[int, int]] = []
+        before = len(pve_env.host.pct_calls("pve1"))
+        with Pool(inv) as pool:
+            res = deploy_mod.deploy(inv, ct, pool.container(ct), None, allow_dirty=True,
+                                    progress=lambda _ct, n, total, seen=seen: seen.append((n, total)))
+        assert res.changed == 1 and sha(landed) == hashlib.sha256(body).hexdigest()
+        calls = pve_env.host.pct_calls("pve1")[before:]
+        assert [c["argv"][6] for c in calls] == execs, calls
+        assert seen and seen[-1][0] == seen[-1][1] and [n for n, _ in seen] == sorted(n for n, _ in seen)
+        assert len(seen) == (1 if not execs else -(-seen[-1][1] // (1 << 20)))  # a step per MiB sent

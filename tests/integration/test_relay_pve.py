@@ -40,6 +40,7 @@ def test_two_containers_of_one_host_deploy_through_one_exec(pve_env: Env) -> Non
     inv = load(pve_env.inventory)
     cts = [inv.container("ct200"), inv.container("ct201"), inv.container("ct300")]
     notes: list[str] = []
+    before = len(pve_env.host.pct_calls("pve1"))
     with Pool(inv, note=notes.append) as pool:
         assert pool.share_exec(cts) == ["pve1"]  # ct300 is alone on pve2: direct exec
         results = fanout(pool, cts, lambda ct, t: deploy_mod.deploy(inv, ct, t, None, allow_dirty=True))
@@ -48,11 +49,13 @@ def test_two_containers_of_one_host_deploy_through_one_exec(pve_env: Env) -> Non
         assert (pve1.connects, pve1.round_trips) == (1, 1)  # one connection, one exec for ct200 and ct201
         assert (pve2.connects, pve2.round_trips) == (1, 1)
         relay = pool._relays["pve1"]
-        assert relay.streams_opened == 2
-        # Again, nothing changed: still one exec for the host.
+        assert relay.streams_opened == 6  # per container: hello (while pinning), plan, apply
+        # Again, nothing changed: still one exec for the host, and the relay's staying agents answer.
         again = fanout(pool, cts[:2], lambda ct, t: deploy_mod.deploy(inv, ct, t, None, allow_dirty=True))
         assert all(r.ok and r.value is not None and r.value.changed == 0 for r in again)
-        assert pve1.round_trips == 1 and relay.streams_opened == 4
+        assert pve1.round_trips == 1 and relay.streams_opened == 10
+    calls = pve_env.host.pct_calls("pve1")[before:]  # one `pct exec` per container: its staying agent
+    assert sorted((c["args"][0], c["argv"][6]) for c in calls) == [("200", "serve"), ("201", "serve")], calls
     assert any("pve1: containers share one exec" in n for n in notes)
     for vmid in (200, 201, 300):
         landed = pve_env.host.rootfs(vmid) / "root" / pve_env.tag / "emit_metrics.py"
