@@ -258,10 +258,13 @@ def test_a_warm_session_applies_small_changes_by_request_and_large_ones_over_the
     for body, execs in ((b"v2" * 1000, []), (os.urandom(3 << 20), ["sync"])):
         blob.write_bytes(body)
         seen: list[tuple[int, int]] = []
+
+        def sent(_ct: str, n: int, total: int, seen: list[tuple[int, int]] = seen) -> None:
+            seen.append((n, total))
+
         before = len(pve_env.host.pct_calls("pve1"))
         with Pool(inv) as pool:
-            res = deploy_mod.deploy(inv, ct, pool.container(ct), None, allow_dirty=True,
-                                    progress=lambda _ct, n, total, seen=seen: seen.append((n, total)))
+            res = deploy_mod.deploy(inv, ct, pool.container(ct), None, allow_dirty=True, progress=sent)
         assert res.changed == 1 and sha(landed) == hashlib.sha256(body).hexdigest()
         calls = pve_env.host.pct_calls("pve1")[before:]
         assert [c["argv"][6] for c in calls] == execs, calls
