@@ -70,3 +70,60 @@ def test_a_session_whose_launcher_is_gone_is_not_waited_for(tmp_path: Path, monk
         assert time.monotonic() - t0 < agent_mod.EXIT_GRACE_S
     finally:
         subprocess.run(["tmux", "kill-server"], capture_output=True)
+
+
+def test_a_launcher_that_ends_between_the_reads_leaves_its_exit_status_seen(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """runstate reads LOG.exit (not there yet), then asks tmux: the launcher wrote LOG.exit and ended in between,
+    its session is gone. Read in that order alone, the run would be lost for good; LOG.exit is read again once the
+    launcher is known to have ended (a race a staying agent, answering within milliseconds, met in 1 of 30)."""
+    log = _dead_run(tmp_path, monkeypatch, "r4")
+    real = agent_mod._read_int
+    first = [True]
+
+    def late_exit(path: str) -> int | None:
+        if path.endswith(".exit") and first[0]:
+            first[0] = False
+            (Path(path + ".tmp")).write_text("0\n")
+            os.replace(path + ".tmp", path)  # written just after this read, as the launcher ends
+            return None
+        return real(path)
+
+    monkeypatch.setattr(agent_mod, "_read_int", late_exit)
+    st = agent_mod.runstate({"runs": [{"name": "r4", "log": str(log), "session": "rs-r4"}]})["runs"][0]
+    assert (st["alive"], st["exit"], st["session"]) == (False, 0, False), st
+
+
+def test_a_training_that_dies_while_it_is_checked_is_dead_not_an_impostor(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Alive at kill(0), a zombie by the time its environment is read (a zombie's environ is empty): it ended; it
+    is not another process squatting on the run's pid."""
+    log = _dead_run(tmp_path, monkeypatch, "r5")
+    (tmp_path / "train_r5.log.exit").write_text("3\n")
+    answers = iter([True, False])
+    monkeypatch.setattr(agent_mod, "_pid_alive", lambda pid: next(answers))
+    st = agent_mod.runstate({"runs": [{"name": "r5", "log": str(log), "session": "rs-r5"}]})["runs"][0]
+    assert (st["alive"], st["exit"], st.get("impostor")) == (False, 3, None), st
+
+
+def test_a_launch_as_the_tmux_server_exits_is_asked_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tmux answers "server exited unexpectedly" when its last session ends as a new one is asked for: nothing
+    started, so the agent asks again instead of failing the launch."""
+    monkeypatch.setenv("TMUX_TMPDIR", str(tmp_path))
+    real_tmux = shutil.which("tmux")
+    assert real_tmux is not None
+    shim = tmp_path / "bin" / "tmux"
+    shim.parent.mkdir()
+    flag = tmp_path / "failed-once"
+    shim.write_text(f'#!/bin/sh\nif [ "$1" = new-session ] && [ ! -e {flag} ]; then : > {flag}\n'
+                    f'  echo "server exited unexpectedly" >&2; exit 1; fi\nexec {real_tmux} "$@"\n')
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim.parent}:{os.environ['PATH']}")
+    log = tmp_path / "train_r6.log"
+    try:
+        doc = agent_mod.launch({"log": str(log), "session": "rs-r6", "record": {},
+                                "script": f"echo $$ > {log}.pid; sleep 30"})
+        assert doc["ok"] and doc["pid"], doc
+        assert flag.exists()  # the first ask did fail
+    finally:
+        subprocess.run([real_tmux, "kill-server"], capture_output=True)

@@ -788,6 +788,9 @@ def runstate(args):
               "session": _tmux_has(r["session"])}
         if alive:
             why = _not_the_run(pid, r["name"], log)
+            if why is not None and not _pid_alive(pid):  # it ended while we looked (a zombie's environ is empty)
+                why = None
+                st["alive"] = False
             if why is not None:
                 st["alive"] = False
                 st["impostor"] = "pid %d (%s): %s" % (pid, _proc_cmd(pid), why)
@@ -813,23 +816,34 @@ EXIT_GRACE_S = 3.0  # the launcher writes LOG.exit right after the training ends
 
 
 def _await_exit_status(root, runs, states):
-    """A training that has just ended, seen before its launcher wrote LOG.exit (its session is still there),
-    would read as lost for good; wait for that exit status, all such runs together, under one deadline."""
-    pending = [(_under(root, r["log"]), st) for r, st in zip(runs, states)
-               if st["pid"] and not st["alive"] and not st.get("impostor") and st["exit"] is None and st["session"]
-               and _tmux_pane_alive(r["session"])]
+    """A training that has just ended, seen before its launcher wrote LOG.exit, would read as lost for good. The
+    launcher writes LOG.exit before it ends: so whether it still runs is asked first, then LOG.exit is read
+    again; while it runs, its exit status is waited for, all such runs together, under one deadline."""
+    pending = []
+    for r, st in zip(runs, states):
+        if not (st["pid"] and not st["alive"] and not st.get("impostor") and st["exit"] is None):
+            continue
+        log = _under(root, r["log"])
+        launcher = st["session"] and _tmux_pane_alive(r["session"])
+        if not _take_exit(log, st) and launcher:
+            pending.append((log, st))
     deadline = time.time() + EXIT_GRACE_S
     while pending and time.time() < deadline:
         time.sleep(0.05)
-        for log, st in list(pending):
-            code = _read_int(log + ".exit")
-            if code is not None:
-                st["exit"] = code
-                try:
-                    st["exit_mtime"] = os.stat(log + ".exit").st_mtime
-                except OSError:
-                    pass
-                pending.remove((log, st))
+        pending = [(log, st) for log, st in pending if not _take_exit(log, st)]
+
+
+def _take_exit(log, st):
+    """LOG.exit into the run's state; whether it was there."""
+    code = _read_int(log + ".exit")
+    if code is None:
+        return False
+    st["exit"] = code
+    try:
+        st["exit_mtime"] = os.stat(log + ".exit").st_mtime
+    except OSError:
+        pass
+    return True
 
 
 def launch(args):
@@ -863,8 +877,13 @@ def launch(args):
         os.close(dfd)
     env = dict(os.environ)
     env.update(args.get("env", {}))
-    r = subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "200", "-y", "50",
-                        "bash", "-c", args["script"]], capture_output=True, text=True, env=env)
+    for _attempt in range(3):
+        r = subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "200", "-y", "50",
+                            "bash", "-c", args["script"]], capture_output=True, text=True, env=env)
+        # The tmux server was exiting (its last session had just ended) as we asked: nothing started, ask again.
+        if r.returncode == 0 or "server exited unexpectedly" not in r.stderr:
+            break
+        time.sleep(0.1)
     if r.returncode != 0:
         return {"ok": False, "error": "tmux new-session failed: " + (r.stderr.strip() or str(r.returncode)),
                 "code": "busy" if "duplicate session" in r.stderr else "tmux"}
