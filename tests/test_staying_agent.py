@@ -4,6 +4,7 @@ the ones of its own exec; misbehaving agents (sources written here) die, hang, f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -60,12 +61,12 @@ class Relay:
         self.p.stdin.flush()
 
     def start(self, argv: Sequence[str], stdin: bytes, *, n: int | None = None, at: int = VERB_AT,
-              retry: bool = True) -> int:
+              retry: bool = True, sha: str = "") -> int:
         """Send one A request (stdin: the agent's n-byte source, then the verb's input; n: all of it unless
         given) and its input; its stream id."""
         n = len(stdin) if n is None else n
         sid, self.next = self.next, self.next + 1
-        self.send(b"A", sid, json.dumps({"argv": list(argv), "at": at, "n": n, "retry": retry}).encode())
+        self.send(b"A", sid, json.dumps({"argv": list(argv), "at": at, "n": n, "retry": retry, "sha": sha}).encode())
         self.send(b"I", sid, stdin)
         self.send(b"C", sid)
         return sid
@@ -277,3 +278,22 @@ def test_a_large_input_runs_as_its_own_exec(relay: Relay) -> None:
     big = FAKE + b"x" * (9 << 20)  # past hostrelay.RESIDENT_MAX_INPUT
     assert json.loads(relay.request(fake(""), big, n=len(FAKE), at=FAKE_AT)[0])["via"] == "exec"
     assert json.loads(relay.request(fake(""), FAKE, n=len(FAKE), at=FAKE_AT)[0])["via"] == "serve"
+
+
+def test_a_source_the_relay_keeps_need_not_travel_again(relay: Relay) -> None:
+    """A request may leave out the agent's source (n 0, its sha256) once the relay has it; one it lacks is
+    answered U (and X), never run: ctl sends it again with the source."""
+    src = agent_source()
+    sha = hashlib.sha256(src).hexdigest()
+    argv = real("hashes", "/", "/")
+    sid = relay.start(argv, b"", n=0, sha=sha)
+    fs = relay.wait(sid, lambda fs: any(k == b"X" for k, _ in fs))
+    assert [k for k, _ in fs] == [b"U", b"X"] and relay.agents() == []
+    whole = relay.request(argv, src, sha=sha)
+    assert whole[2] == 0
+    assert relay.request(argv, b"", n=0, sha=sha) == whole  # the same answer, 77 KB lighter
+    big = FAKE + b"x" * (9 << 20)  # its exec fallback gets the kept source in front of its input too
+    relay.request(fake(""), FAKE, n=len(FAKE), at=FAKE_AT, sha=hashlib.sha256(FAKE).hexdigest())
+    out = relay.request(fake(""), big[len(FAKE):], n=0, at=FAKE_AT, sha=hashlib.sha256(FAKE).hexdigest())[0]
+    assert json.loads(out)["via"] == "exec"
+    assert sorted(a["requests"] for a in relay.agents()) == [1, 2]  # the real agent's 2; the fake's first

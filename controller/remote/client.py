@@ -15,6 +15,8 @@ one JSON line each way, then a tar).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
@@ -70,6 +72,11 @@ def agent_source() -> bytes:
     return source("agent.py")
 
 
+@functools.cache
+def agent_sha() -> str:
+    return hashlib.sha256(agent_source()).hexdigest()
+
+
 def agent_argv(verb: str, *args: str) -> list[str]:
     # -I -S: the agent is stdlib only; ignore PYTHON* variables and site-packages of the container.
     return ["python3", "-I", "-S", "-c", BOOT, str(len(agent_source())), verb, *args]
@@ -117,7 +124,7 @@ class Agent:
             return self.t.run(argv, stdin=stdin, timeout=timeout)
         assert argv[VERB_AT] == verb
         retry = verb in READ_ONLY if reads_only is None else reads_only
-        return self.t.run_agent(argv, AgentStart(VERB_AT, n, retry), stdin=stdin, timeout=timeout)
+        return self.t.run_agent(argv, AgentStart(VERB_AT, n, retry, agent_sha()), stdin=stdin, timeout=timeout)
 
     def sync(self, args: Sequence[str], header: bytes, tar: bytes | None = None, *, timeout: float | None = None
              ) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -10,12 +10,15 @@ same as over a direct exec, while the host's login shell and the SSH channel are
 Frame: 7-byte header (kind: 1 byte, stream id: 2 bytes, length: 4 bytes, big-endian), then the data.
   controller -> relay  S start (data: JSON argv)   I stdin data   C close that stdin
                        T (stream 0) what staying agents it keeps (answered by T, JSON {"agents": [...]})
-                       A start an agent request (data: JSON {"argv", "at", "n", "retry"}): like S for the
-                         argv `PREFIX... python3 -I -S -c BOOT N VERB ARGS` (argv[at] is VERB), whose stdin
-                         starts with the agent's N-byte source; answered by a staying agent (below)
+                       A start an agent request (data: JSON {"argv", "at", "n", "retry", "sha"}): like S for
+                         the argv `PREFIX... python3 -I -S -c BOOT N VERB ARGS` (argv[at] is VERB), whose stdin
+                         starts with the agent's n-byte source; answered by a staying agent (below). With n 0,
+                         the source is the one of that sha256 the relay kept from an earlier request; when it
+                         has none it answers U, then X, and ctl sends the request again with its source
                        K abandon: close its stdin and stop reading its output (its next write fails, as
                          when an SSH channel closes under a command); its X frame still comes
   relay -> controller  H hello (stream 0, JSON)    O stdout data  E stderr data  X exit status (ASCII)
+                       U (before X) that agent request's source is not kept here
 A child that cannot be started answers E (the reason) and X 127, as a shell would. A stream id is
 forgotten before its X frame goes out, so the controller may reuse it as soon as it has read that X (ids
 are 16 bits: a long-lived session wraps around them). End of the
@@ -363,6 +366,19 @@ class _Residents:
 
 
 _residents = _Residents()
+_sources = {}  # sha256 -> agent source, the newest SOURCES_KEPT (requests may omit a source kept here)
+_sources_lock = threading.Lock()
+SOURCES_KEPT = 8
+
+
+def _keep_source(source):
+    digest = hashlib.sha256(source).hexdigest()
+    with _sources_lock:
+        _sources.pop(digest, None)
+        _sources[digest] = source
+        while len(_sources) > SOURCES_KEPT:
+            del _sources[next(iter(_sources))]
+    return digest
 _closing = []  # set once the relay's input ended: staying agents are ended, not kept
 
 
@@ -375,6 +391,7 @@ class AgentRequest:
         self.at = int(spec["at"])
         self.n = int(spec["n"])
         self.retry = bool(spec.get("retry"))
+        self.sha = str(spec.get("sha") or "")
         if not (0 < self.at < len(self.argv)) or self.n < 0:
             raise ValueError("bad agent request")
         self.buf = bytearray()
@@ -428,10 +445,18 @@ class AgentRequest:
     def _run(self):
         if self.abandoned:
             return self._done(255)
+        if self.n == 0 and self.sha:
+            with _sources_lock:
+                kept = _sources.get(self.sha)
+            if kept is None:
+                self._emit(b"U", b"")
+                return self._done(254)
+            self.buf[0:0] = kept
+            self.n = len(kept)
         if self.oversize or len(self.buf) < self.n:
             return self._exec()
         source, data = bytes(self.buf[:self.n]), bytes(self.buf[self.n:])
-        key = (tuple(self.argv[:self.at]), hashlib.sha256(source).hexdigest())
+        key = (tuple(self.argv[:self.at]), _keep_source(source))
         for _attempt in range(2):
             r, may_start = _residents.take(key)
             if r is None and may_start:

@@ -70,12 +70,13 @@ class Duplex(ABC):
 @dataclass(frozen=True)
 class AgentStart:
     """How an argv of ctl's agent (`... python3 -I -S -c BOOT N VERB ...`) may be answered by a staying agent:
-    argv[at] is VERB, its stdin starts with the agent's n-byte source, and `retry` says that the verb only reads
-    (the relay may run it again when the agent it chose had ended)."""
+    argv[at] is VERB, its stdin starts with the agent's n-byte source (sha256 `sha`), and `retry` says that the verb
+    only reads (the relay may run it again when the agent it chose had ended)."""
 
     at: int
     n: int
     retry: bool
+    sha: str = ""
 
 
 class Transport(ABC):

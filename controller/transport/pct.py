@@ -12,6 +12,7 @@ connection is opened only when there is none (or the host cannot run it).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 import shlex
@@ -124,7 +125,7 @@ class PctContainer(Transport):
         relay = self._relay()
         if relay is None or not relay.staying:
             return self.run(argv, stdin=stdin, timeout=timeout)
-        shifted = AgentStart(len(self.exec_argv([])) + start.at, start.n, start.retry)
+        shifted = dataclasses.replace(start, at=len(self.exec_argv([])) + start.at)
         res = relay.run(self.exec_argv(argv), stdin=stdin, timeout=timeout, agent=shifted)
         self._raise_pct(res)
         return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)

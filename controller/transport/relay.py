@@ -20,6 +20,7 @@ DeadlineExceeded, and the relay is then closed without waiting for it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -90,6 +91,7 @@ class _Stream:
         self.code: int | None = None
         self.dead: ConnectionFailed | None = None  # how the channel this stream ran on ended
         self.abandoned = False  # the caller stopped reading (K sent): its output is dropped, its id kept until X
+        self.unknown_source = False  # U: an agent request sent without its source, which the relay does not have
         self.t0 = time.monotonic()
 
 
@@ -113,6 +115,8 @@ class HostRelay:
         self.streams_opened = 0
         self.python: str | None = None  # the host's python that runs the relay (from its hello)
         self.staying = False  # the relay keeps agents that stay (relay protocol 3, its hello says)
+        self.sources_sent: set[str] = set()  # sha256 of agent sources this relay received from us
+        self.sources_missing: set[str] = set()  # ... and of those it said it lacks (U)
         self.why_unavailable: str | None = None  # why the host cannot run the relay
         self.stuck = False  # a stream passed its deadline: close() does not wait for the relay
 
@@ -249,6 +253,8 @@ class HostRelay:
                 st.err += payload
             elif kind == b"X":
                 st.code = int(payload.decode() or "-1")
+            elif kind == b"U":
+                st.unknown_source = True
             self._cond.notify_all()
 
     def _fail(self, end: ConnectionFailed) -> None:
@@ -273,7 +279,8 @@ class HostRelay:
             self._streams[sid] = _Stream(tuple(argv))
         self.streams_opened += 1
         if agent is not None:
-            kind, start = b"A", json.dumps({"argv": list(argv), "at": agent.at, "n": agent.n, "retry": agent.retry})
+            kind, start = b"A", json.dumps({"argv": list(argv), "at": agent.at, "n": agent.n, "retry": agent.retry,
+                                            "sha": agent.sha})
         else:
             kind, start = b"S", json.dumps(list(argv))
         try:
@@ -286,11 +293,34 @@ class HostRelay:
 
     def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
             agent: AgentStart | None = None) -> Result:
-        """argv on the host through the relay, waited for (SshEndpoint.run's contract, without a login shell)."""
+        """argv on the host through the relay, waited for (SshEndpoint.run's contract, without a login shell).
+        An agent request whose source the relay has (sent before on this relay, or kept by a session this command
+        did not start) travels without it; when the relay answers that it lacks it (U), it is sent again with it."""
+        if agent is not None and agent.sha and stdin is not None and agent.n and self.has_source(agent.sha):
+            d = self.open(argv, agent=dataclasses.replace(agent, n=0))
+            d.send(stdin[agent.n:])
+            res = d.finish(timeout)
+            if not d.st.unknown_source:
+                return res
+            with self._cond:
+                self.sources_missing.add(agent.sha)
         d = self.open(argv, agent=agent)
         if stdin:
             d.send(stdin)
-        return d.finish(timeout)
+        res = d.finish(timeout)
+        if agent is not None and agent.sha:
+            with self._cond:
+                self.sources_sent.add(agent.sha)
+        return res
+
+    def has_source(self, sha: str) -> bool:
+        """Whether the relay (probably) keeps the agent source of this sha256."""
+        with self._cond:
+            return sha in self.sources_sent or (self.may_keep_sources() and sha not in self.sources_missing)
+
+    def may_keep_sources(self) -> bool:
+        """Whether the relay may have sources from before this command (a relay of one command has none)."""
+        return False
 
     def stream(self, argv: Sequence[str], *, timeout: float | None = None,
                idle: float | None = None) -> Iterator[tuple[str, bytes]]:

@@ -344,3 +344,33 @@ def test_every_operation_of_every_command_goes_through_the_one_session(persist: 
     after = logins()
     assert {k: after[k] - before[k] for k in logs} == {"pve1": 1, "ct301": 1}, (before, after)
     assert sorted(d["host"] for d in mux_mod.sessions()) == ["ct301", "pve1"]
+
+
+def test_agent_requests_leave_out_the_source_a_session_already_keeps(persist: Env) -> None:
+    """The agent's 77 KB travel once per session, not with every request: a command that finds a session sends
+    its agent requests without the source; a session that never got it answers U, and the request goes again
+    with it (nothing runs twice); a session this command starts gets the source with the first request."""
+    from controller.remote.client import Agent, agent_sha
+
+    inv = load(persist.inventory)
+    ct = inv.container("ct200")
+    with Pool(inv) as pool:  # starts the session with a `pct status` only: its relay has no agent source yet
+        t = pool.container(ct)
+        assert isinstance(t, PctContainer) and t.status() == "running"
+        assert t.relay is not None and t.relay.started_session
+    with Pool(inv) as pool:  # finds it: tries without the source, is told U, sends it
+        t = pool.container(ct)
+        assert Agent(t).call("hello", {})["staying"] is True
+        assert t.relay is not None and not t.relay.started_session
+        assert t.relay.sources_missing == {agent_sha()} and t.relay.sources_sent == {agent_sha()}
+    with Pool(inv) as pool:  # finds it, now with the source: none travels, none is missing
+        t = pool.container(ct)
+        agent = Agent(t)
+        assert agent.call("hello", {})["staying"] is True and agent.call("hashes", ["/"])["ok"]
+        assert t.relay is not None and t.relay.sources_missing == set() and t.relay.sources_sent == set()
+    persist.ctl("mux", "stop", check=True)
+    with Pool(inv) as pool:  # a session this command starts: the first request carries the source
+        t = pool.container(ct)
+        assert Agent(t).call("hello", {})["staying"] is True
+        assert t.relay is not None and t.relay.started_session
+        assert t.relay.sources_missing == set() and t.relay.sources_sent == {agent_sha()}

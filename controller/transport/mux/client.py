@@ -311,6 +311,9 @@ class MuxRelay(HostRelay):
                                     "the next ctl command starts a new one)")
         super()._fail(end)
 
+    def may_keep_sources(self) -> bool:
+        return self.staying and not self.started_session  # a session earlier commands used
+
     def _reconnect_if_ended(self) -> None:
         with self._lock:
             with self._cond:
@@ -329,6 +332,9 @@ class MuxRelay(HostRelay):
                 self._dead = None
             self._state = "new"
             self.started_session = False
+            with self._cond:
+                self.sources_sent.clear()  # a new session: a new relay
+                self.sources_missing.clear()
             self._start()
             if self._state != "up":
                 raise ConnectionFailed(f"{self.host.name}: ctl's session ended and no new one could start")
