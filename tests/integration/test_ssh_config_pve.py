@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,10 @@ def test_hostname_identityfile_and_proxyjump(pvehost: PveHost, tmp_path: Path, m
         res = ep.run(["sh", "-c", "echo $PVE_NODE"])
         assert (res.returncode, res.out.strip()) == (0, "pve2")
         assert (ep._jump_ep is not None) == jump
+        # Small frames go out at once (no Nagle wait for a delayed ACK: 40 ms a request); through a jump, the
+        # jump host's TCP connection carries them.
+        tcp = (ep._jump_ep if jump else ep).connection().get_transport().sock  # type: ignore[union-attr]
+        assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
     finally:
         ep.close()
 
