@@ -259,10 +259,8 @@ def resolve_baseline(inv: Inventory | None, reg: Registry, run: RunRecord) -> Ba
                                  "(`ctl runs` lists them)") from None
         if base.id != run.id:
             return Baseline(base, "inventory")
-    good = [r for r in reg.runs(None, limit=100_000) if r.good and r.id != run.id]
-    same_ct = [r for r in good if r.ct == run.ct]
-    pick = same_ct or good
-    return Baseline(pick[0], "marked good") if pick else None
+    pick = reg.baseline(run.ct, other_than=run.id)
+    return Baseline(pick, "marked good") if pick is not None else None
 
 
 # --- judgement -----------------------------------------------------------------------------------
