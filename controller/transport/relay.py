@@ -120,6 +120,7 @@ class HostRelay:
         self.sources_missing: set[str] = set()  # ... and of those it said it lacks (U)
         self.why_unavailable: str | None = None  # why the host cannot run the relay
         self.stuck = False  # a stream passed its deadline: close() does not wait for the relay
+        self._telling: list[threading.Thread] = []  # K frames of streams past their deadline, on their way
 
     # --- start-up ---------------------------------------------------------------------------------
 
@@ -387,6 +388,9 @@ class HostRelay:
         chan = self._chan
         if chan is None:
             return
+        until = time.monotonic() + 1.0  # K frames before our end of input: the relay ends those streams' work
+        for t in self._telling:
+            t.join(timeout=max(0.0, until - time.monotonic()))
         with contextlib.suppress(OSError, EOFError):
             chan.shutdown_write()
         if self._reader is not None and not self.stuck:
@@ -445,7 +449,9 @@ class _RelayDuplex(Duplex):
                 st.abandoned = True
                 st.out = st.err = b""
             self.relay.stuck = True
-        threading.Thread(target=self._tell_late, name=f"late-{self.relay.host.name}", daemon=True).start()
+        telling = threading.Thread(target=self._tell_late, name=f"late-{self.relay.host.name}", daemon=True)
+        telling.start()
+        self.relay._telling.append(telling)
         return DeadlineExceeded(f"{self.relay.host.name}: {doing} `{shlex.join(self.st.argv[:3])} ...` "
                                 f"through {self.relay.what()}: no answer in {timeout:g}s",
                                 hint="the host, its relay, pct or the command stopped answering "
