@@ -393,3 +393,22 @@ def test_staying_agents_leave_the_relay_descriptors_for_its_execs() -> None:
         if relay.p.poll() is None:
             relay.p.kill()
             relay.p.wait()
+
+
+def test_a_verb_that_fails_leaves_no_descriptor_behind_in_a_staying_agent(relay: Relay, tmp_path: Path) -> None:
+    """An exec's leaked descriptor ends with it; a staying agent's would pile up request after request. A store
+    whose "deploys" is not a directory makes storelist and apply fail after they opened "objects"."""
+    store = tmp_path / "store"
+    (store / "objects").mkdir(parents=True)
+    (store / "deploys").write_text("not a directory")
+    src = agent_source()
+    requests = [real("storelist", json.dumps({"root": "/", "store": str(store)})),
+                real("apply", "/", str(store), "d1")]
+    relay.request(requests[0], src)  # the staying agent starts
+    (pid,) = [a["pid"] for a in relay.agents()]
+    before = len(os.listdir(f"/proc/{pid}/fd"))
+    for _ in range(3):
+        for argv in requests:
+            assert relay.request(argv, src)[2] != 0
+    assert [a["pid"] for a in relay.agents()] == [pid]
+    assert len(os.listdir(f"/proc/{pid}/fd")) == before
