@@ -83,8 +83,8 @@ class Relay:
         return (b"".join(d for k, d in fs if k == b"O"), b"".join(d for k, d in fs if k == b"E"),
                 int(next(d for k, d in fs if k == b"X")))
 
-    def request(self, argv: Sequence[str], stdin: bytes, **kw: Any) -> Answer:
-        return self.answer(self.start(argv, stdin, **kw))
+    def request(self, argv: Sequence[str], stdin: bytes, *, timeout: float = 30.0, **kw: Any) -> Answer:
+        return self.answer(self.start(argv, stdin, **kw), timeout)
 
     def agents(self) -> list[dict[str, Any]]:
         with self.cond:
@@ -212,6 +212,9 @@ while True:
         time.sleep(3600)
     if MODE == "slow":
         time.sleep(1.5)
+    if MODE == "minus":  # an exit status that only looks like a number
+        put(b"X", b"--5")
+        continue
     if MODE == "lie":
         put(b"O", b'{"ok": tr')
         put(b"Z", b"?")
@@ -252,6 +255,12 @@ def test_an_agent_that_ends_is_replaced_for_a_read_and_reported_for_a_write(rela
 def test_an_agent_that_breaks_the_protocol_is_ended(relay: Relay) -> None:
     out, err, code = relay.request(fake("lie"), FAKE, n=len(FAKE), at=FAKE_AT, retry=False)
     assert code == 255 and out == b'{"ok": tr' and b"ended before it answered" in err  # never a JSON answer
+    assert relay.agents() == []
+
+
+def test_an_agent_that_sends_a_malformed_exit_status_is_ended(relay: Relay) -> None:
+    out, err, code = relay.request(fake("minus"), FAKE, n=len(FAKE), at=FAKE_AT, retry=False, timeout=10)
+    assert (out, code) == (b"", 255) and b"ended before it answered" in err
     assert relay.agents() == []
 
 

@@ -306,10 +306,11 @@ class Resident:
             kind, _sid, n = HEADER.unpack(head)
             if kind == b"X":
                 code = self._read(n, stop) if n <= 16 else None
-                if code is None or not code.strip().lstrip(b"-").isdigit():
+                try:
+                    return int(code), True, answered  # what the agent says: not trusted to be a number
+                except (TypeError, ValueError):
                     self.kill()
                     return None, True, answered
-                return int(code), True, answered
             if kind not in (b"O", b"E") or n > RESIDENT_MAX_FRAME:
                 self.kill()
                 return None, True, answered
@@ -511,6 +512,16 @@ class AgentRequest:
             child.close_stdin()
 
     def _run(self):
+        try:
+            self._answer()
+        except Exception as e:  # whatever went wrong, the stream gets its X (unless its exec has the id)
+            with self._lock:
+                handed = self.handoff is not None
+            if not handed:
+                self._emit(b"E", ("ctl relay: agent request failed: %r\n" % (e,)).encode())
+                self._done(255)
+
+    def _answer(self):
         if self.abandoned:
             return self._done(255)
         if self.lost or not self._with_source():
