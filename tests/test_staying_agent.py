@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -27,10 +28,16 @@ Answer = tuple[bytes, bytes, int]  # stdout, stderr, exit status
 class Relay:
     """hostrelay.py in a subprocess, its frames read by a thread and kept per stream id."""
 
-    def __init__(self) -> None:
+    def __init__(self, nofile: int | None = None) -> None:
+        """nofile: the relay's limit of open descriptors (a host's own may be as low as 1024)."""
         src = relay_source()
+
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
         self.p = subprocess.Popen([sys.executable, "-I", "-S", "-c", BOOT, str(len(src))], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE)
+                                  stdout=subprocess.PIPE, preexec_fn=limit)
         assert self.p.stdin is not None and self.p.stdout is not None
         self.p.stdin.write(src)
         self.p.stdin.flush()
@@ -76,8 +83,8 @@ class Relay:
         return (b"".join(d for k, d in fs if k == b"O"), b"".join(d for k, d in fs if k == b"E"),
                 int(next(d for k, d in fs if k == b"X")))
 
-    def request(self, argv: Sequence[str], stdin: bytes, **kw: Any) -> Answer:
-        return self.answer(self.start(argv, stdin, **kw))
+    def request(self, argv: Sequence[str], stdin: bytes, *, timeout: float = 30.0, **kw: Any) -> Answer:
+        return self.answer(self.start(argv, stdin, **kw), timeout)
 
     def agents(self) -> list[dict[str, Any]]:
         with self.cond:
@@ -194,6 +201,8 @@ if sys.argv[2] != "serve":
     sys.stdout.write(json.dumps({"ok": True, "via": "exec", "pid": os.getpid()}))
     sys.exit(0)
 put(b"H", b"{}")
+if MODE == "deaf":  # said hello, then never reads again
+    time.sleep(3600)
 while True:
     k, _, n = F.unpack(take(F.size))
     take(n)
@@ -203,6 +212,9 @@ while True:
         time.sleep(3600)
     if MODE == "slow":
         time.sleep(1.5)
+    if MODE == "minus":  # an exit status that only looks like a number
+        put(b"X", b"--5")
+        continue
     if MODE == "lie":
         put(b"O", b'{"ok": tr')
         put(b"Z", b"?")
@@ -243,6 +255,12 @@ def test_an_agent_that_ends_is_replaced_for_a_read_and_reported_for_a_write(rela
 def test_an_agent_that_breaks_the_protocol_is_ended(relay: Relay) -> None:
     out, err, code = relay.request(fake("lie"), FAKE, n=len(FAKE), at=FAKE_AT, retry=False)
     assert code == 255 and out == b'{"ok": tr' and b"ended before it answered" in err  # never a JSON answer
+    assert relay.agents() == []
+
+
+def test_an_agent_that_sends_a_malformed_exit_status_is_ended(relay: Relay) -> None:
+    out, err, code = relay.request(fake("minus"), FAKE, n=len(FAKE), at=FAKE_AT, retry=False, timeout=10)
+    assert (out, code) == (b"", 255) and b"ended before it answered" in err
     assert relay.agents() == []
 
 
@@ -297,3 +315,109 @@ def test_a_source_the_relay_keeps_need_not_travel_again(relay: Relay) -> None:
     out = relay.request(fake(""), big[len(FAKE):], n=0, at=FAKE_AT, sha=hashlib.sha256(FAKE).hexdigest())[0]
     assert json.loads(out)["via"] == "exec"
     assert sorted(a["requests"] for a in relay.agents()) == [1, 2]  # the real agent's 2; the fake's first
+
+
+def test_a_large_input_starts_its_exec_before_it_has_all_arrived(relay: Relay) -> None:
+    """Input past the staying agent's limit is never gathered whole in the relay: the exec starts as soon as the
+    limit is passed and takes the rest as it comes (here the exec answers before the input has even ended)."""
+    for n, extra in ((len(FAKE), 9 << 20), (1 << 40, 17 << 20)):  # a huge claimed source is no larger limit
+        sid, relay.next = relay.next, relay.next + 1
+        relay.send(b"A", sid, json.dumps({"argv": fake(""), "at": FAKE_AT, "n": n, "retry": True}).encode())
+        relay.send(b"I", sid, FAKE + b"x" * extra)  # no C
+        assert json.loads(relay.answer(sid, timeout=15)[0])["via"] == "exec"
+        relay.send(b"C", sid)
+    assert relay.close() == 0
+
+
+def test_an_agent_that_never_reads_is_given_up_at_k(relay: Relay) -> None:
+    """A staying agent that does not take its source (pct hangs) or its request (a frozen container) holds the
+    relay's writes: a K still ends it at once, its X comes, and the relay exits at the end of its input."""
+    big = FAKE + b"#" * (1 << 20)  # more than a pipe holds
+    hung = ["sh", "-c", "exec sleep 3600", *fake("")[3:]]
+    deaf = fake("deaf")
+    for argv, src, data in ((hung, big, b""), (deaf, FAKE, b"y" * (1 << 20))):
+        sid = relay.start(argv, src + data, n=len(src), at=FAKE_AT, retry=False)
+        time.sleep(1.0)
+        relay.send(b"K", sid)
+        relay.wait(sid, lambda fs: any(k == b"X" for k, _ in fs), 5)
+    t0 = time.monotonic()
+    assert relay.close() == 0
+    assert time.monotonic() - t0 < 5
+
+
+def _in_process(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[tuple[bytes, int, bool]]]:
+    """hostrelay imported here, its frames recorded with whether their stream id was still known as they went."""
+    from controller.remote import hostrelay as hr
+
+    sent: list[tuple[bytes, int, bool]] = []
+
+    def emit(kind: bytes, sid: int, data: bytes = b"") -> None:
+        with hr._children_lock:
+            sent.append((kind, sid, sid in hr._children))
+
+    monkeypatch.setattr(hr, "_emit", emit)
+    return hr, sent
+
+
+def test_an_exec_that_cannot_start_forgets_its_id_before_its_x(monkeypatch: pytest.MonkeyPatch) -> None:
+    hr, sent = _in_process(monkeypatch)
+    req = hr.AgentRequest(4001, {"argv": ["/nonexistent/ctl-pct", "x", "y"], "at": 2, "n": 1})
+    req.send(b"s")
+    req.close_stdin()
+    req.join()
+    assert [k for k, _, _ in sent] == [b"E", b"X"]
+    assert sent[-1] == (b"X", 4001, False), sent  # ctl may reuse the id the moment it reads that X
+    assert 4001 not in hr._children
+
+
+def test_a_k_that_meets_the_request_as_its_exec_takes_over_reaches_the_exec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay's reader may have looked the id up just before the request handed it to its exec: the K it
+    then delivers to the request still reaches the exec."""
+    hr, _sent = _in_process(monkeypatch)
+    req = hr.AgentRequest(4002, {"argv": [sys.executable, "-c", "import time; time.sleep(60)"], "at": 1, "n": 0})
+    req.close_stdin()
+    req.join()  # the exec runs, under the same id
+    child = hr._children[4002]
+    try:
+        assert isinstance(child, hr.Child) and not child.abandoned
+        req.abandon()  # the K, delivered to what the reader had looked up
+        assert child.abandoned
+    finally:
+        child.proc.kill()
+        child.join()
+    assert 4002 not in hr._children
+
+
+def test_staying_agents_leave_the_relay_descriptors_for_its_execs() -> None:
+    """Each staying agent holds three of the relay's descriptors for as long as it stays: past a share of the
+    relay's limit, a container's requests run as execs, never failing for want of a descriptor."""
+    relay = Relay(nofile=64)
+    try:
+        answers = [relay.request(fake(f"ct{i}"), FAKE, n=len(FAKE), at=FAKE_AT) for i in range(24)]
+        assert [code for _out, _err, code in answers] == [0] * 24, [err for _out, err, _code in answers]
+        via = [json.loads(out)["via"] for out, _err, _code in answers]
+        assert via[:4] == ["serve"] * 4 and via[-4:] == ["exec"] * 4, via
+        assert relay.close() == 0
+    finally:
+        if relay.p.poll() is None:
+            relay.p.kill()
+            relay.p.wait()
+
+
+def test_a_verb_that_fails_leaves_no_descriptor_behind_in_a_staying_agent(relay: Relay, tmp_path: Path) -> None:
+    """An exec's leaked descriptor ends with it; a staying agent's would pile up request after request. A store
+    whose "deploys" is not a directory makes storelist and apply fail after they opened "objects"."""
+    store = tmp_path / "store"
+    (store / "objects").mkdir(parents=True)
+    (store / "deploys").write_text("not a directory")
+    src = agent_source()
+    requests = [real("storelist", json.dumps({"root": "/", "store": str(store)})),
+                real("apply", "/", str(store), "d1")]
+    relay.request(requests[0], src)  # the staying agent starts
+    (pid,) = [a["pid"] for a in relay.agents()]
+    before = len(os.listdir(f"/proc/{pid}/fd"))
+    for _ in range(3):
+        for argv in requests:
+            assert relay.request(argv, src)[2] != 0
+    assert [a["pid"] for a in relay.agents()] == [pid]
+    assert len(os.listdir(f"/proc/{pid}/fd")) == before

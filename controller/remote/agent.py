@@ -216,16 +216,24 @@ def hashes(root, paths, follow=()):
 def _store_dirs(root, store):
     """(objects, deploys) directory descriptors of the store, made 0700 (versions of 0600 files live there)."""
     fd = _opendir(root, _container_path(root, store), (), [], 0o700)
+    out = []
     try:
         os.fchmod(fd, 0o700)
-        out = []
         for sub in ("objects", "deploys"):
-            sfd = _opendir_at(fd, sub)
-            os.fchmod(sfd, 0o700)
-            out.append(sfd)
+            out.append(_opendir_at(fd, sub))
+            os.fchmod(out[-1], 0o700)
         return out
+    except BaseException:
+        _close_all(out)  # a staying agent (serve) would keep them request after request
+        raise
     finally:
         os.close(fd)
+
+
+def _close_all(fds):
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
 
 
 def _opendir_at(fd, name):
@@ -1222,14 +1230,17 @@ def _store_open(args):
         fd = _opendir(root, _container_path(root, args["store"]))
     except FileNotFoundError:
         return None
+    out = []
     try:
-        out = []
         for sub in ("objects", "deploys"):
             try:
                 out.append(os.open(sub, _DIRFLAGS | _NOFOLLOW, dir_fd=fd))
             except FileNotFoundError:
                 out.append(None)
         return out
+    except BaseException:
+        _close_all(out)  # a staying agent (serve) would keep them request after request
+        raise
     finally:
         os.close(fd)
 

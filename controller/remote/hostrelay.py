@@ -29,8 +29,11 @@ Staying agents. An A request runs in a process that stays: `PREFIX... python3 -I
 (agent.py's serve()), one per container and agent source (its sha256), kept while the relay lives, so a
 request costs neither `pct exec`, nor a python3 start, nor a compile of the agent. The answer is the O, E
 and X frames the exec would have given. The relay falls back to that very exec when a staying agent cannot
-start (pct's refusal then reaches ctl as it always did), when its input is large, when RESIDENT_PER_KEY of
-them are busy, and, for a request marked "retry" (a verb that only reads), when one ended before answering.
+start (pct's refusal then reaches ctl as it always did), when its input is large (that exec starts as soon as
+the input passes RESIDENT_MAX_INPUT, so the relay never holds more), when RESIDENT_PER_KEY of them are busy or
+the relay keeps as many as its descriptors allow, and, for a request marked "retry" (a verb that only reads),
+when one ended before answering. A K ends the staying agent answering that stream, even one that stopped
+reading (its writes never block).
 """
 
 import hashlib
@@ -54,9 +57,28 @@ _children_lock = threading.Lock()
 
 RESIDENT_MAX_INPUT = 8 << 20  # a request with more input (an apply's tar) runs as its own exec
 RESIDENT_PER_KEY = 4  # staying agents per container and source; when all are busy a request runs as an exec
-RESIDENT_TOTAL = 512  # staying agents per relay
+RESIDENT_TOTAL = 512  # staying agents per relay, and at most one per 8 descriptors the relay may open (below)
 RESIDENT_HELLO_S = 30.0  # a staying agent that has not said hello by then is given up (the request runs as an exec)
 RESIDENT_MAX_FRAME = 1 << 30  # a reply frame claiming more is not the agent: that agent is ended
+
+
+def _nofile():
+    """The relay's limit of open descriptors (each staying agent holds three of them while it stays)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 1024
+    return soft if soft >= 0 else 1 << 20  # RLIM_INFINITY
+
+
+def _ready(fd, events, timeout):
+    """Whether fd is ready (POLLIN or POLLOUT; its end or an error count as ready) within timeout seconds. poll,
+    not select: a relay holding many staying agents has descriptors past select's 1024."""
+    p = select.poll()
+    p.register(fd, events)
+    return bool(p.poll(int(timeout * 1000)))
 
 
 def _emit(kind, sid, data=b""):
@@ -82,7 +104,7 @@ def _read_exact(stream, n):
 
 
 class Child:
-    def __init__(self, sid, argv):
+    def __init__(self, sid, argv, replaces=None):
         self.sid = sid
         self.inbox = queue.Queue(maxsize=256)  # bounded: a slow reader holds the relay back, not its memory
         self.threads = []
@@ -94,6 +116,10 @@ class Child:
                                          stderr=subprocess.PIPE, close_fds=True)
         except OSError as e:
             self.proc = None
+            if replaces is not None:  # the agent request whose id this was: forgotten before X, as every id
+                with _children_lock:
+                    if _children.get(sid) is replaces:
+                        del _children[sid]
             _emit(b"E", sid, ("ctl relay: cannot start %s: %s\n" % (argv[0] if argv else "?", e.strerror or e))
                   .encode())
             _emit(b"X", sid, b"127")
@@ -113,8 +139,7 @@ class Child:
         fd = pipe.fileno()
         while not self.abandoned:
             try:
-                ready = select.select([fd], [], [], 0.5)[0]
-                b = os.read(fd, _CHUNK) if ready else None
+                b = os.read(fd, _CHUNK) if _ready(fd, select.POLLIN, 0.5) else None
             except (OSError, ValueError):
                 b = b""
             if b is None:
@@ -193,16 +218,14 @@ class Resident:
         self._err_thread = threading.Thread(target=self._drain_err)
         self._err_thread.daemon = True
         self._err_thread.start()
-        try:
-            self.proc.stdin.write(source)
-            self.proc.stdin.flush()
-        except OSError:
-            pass  # it ended already: no hello below says so
         deadline = time.monotonic() + RESIDENT_HELLO_S
 
         def late():
             return stop() or time.monotonic() > deadline
 
+        # A pct that hangs never takes the source: the write gives up with the hello (and at a K).
+        os.set_blocking(self.proc.stdin.fileno(), False)
+        self._write(source, late)  # when it fails, no hello below says so
         head = self._read(HEADER.size, late)
         kind, _sid, n = HEADER.unpack(head) if head is not None else (None, 0, 0)
         hello = self._read(n, late) if kind == b"H" and n < 4096 else None
@@ -231,7 +254,7 @@ class Resident:
             if stop():
                 return None
             try:
-                if not select.select([fd], [], [], 0.5)[0]:
+                if not _ready(fd, select.POLLIN, 0.5):
                     continue
                 b = os.read(fd, min(n - got, _CHUNK))
             except (OSError, ValueError):
@@ -241,6 +264,24 @@ class Resident:
             parts.append(b)
             got += len(b)
         return b"".join(parts)
+
+    def _write(self, data, stop):
+        """All of data to its stdin (non-blocking); False once it ended or stop() is true (checked every half
+        second): a staying agent that stopped reading (a frozen container) never holds a request past its K."""
+        fd = self.proc.stdin.fileno()
+        view = memoryview(data)
+        while view:
+            if stop():
+                return False
+            try:
+                if not _ready(fd, select.POLLOUT, 0.5):
+                    continue
+                view = view[os.write(fd, view[:_CHUNK]):]
+            except BlockingIOError:
+                continue
+            except (OSError, ValueError):
+                return False
+        return True
 
     def alive(self):
         return self.proc.poll() is None
@@ -252,10 +293,8 @@ class Resident:
         True once any of its output went to emit."""
         body = json.dumps(argv).encode() + b"\n" + data
         self.requests += 1
-        try:
-            self.proc.stdin.write(HEADER.pack(b"R", 0, len(body)) + body)
-            self.proc.stdin.flush()
-        except (OSError, ValueError):
+        # The agent runs nothing before its whole request arrived: a write cut short delivered nothing.
+        if not self._write(HEADER.pack(b"R", 0, len(body)) + body, stop):
             self.kill()
             return None, False, False
         answered = False
@@ -267,10 +306,11 @@ class Resident:
             kind, _sid, n = HEADER.unpack(head)
             if kind == b"X":
                 code = self._read(n, stop) if n <= 16 else None
-                if code is None or not code.strip().lstrip(b"-").isdigit():
+                try:
+                    return int(code), True, answered  # what the agent says: not trusted to be a number
+                except (TypeError, ValueError):
                     self.kill()
                     return None, True, answered
-                return int(code), True, answered
             if kind not in (b"O", b"E") or n > RESIDENT_MAX_FRAME:
                 self.kill()
                 return None, True, answered
@@ -306,6 +346,8 @@ class _Residents:
         self.count = {}  # key -> live residents (idle or busy)
         self.total = 0
         self.kept = set()  # every started Resident not yet forgotten (for T)
+        # Past this, requests run as execs: staying agents never take the descriptors an exec needs.
+        self.cap = min(RESIDENT_TOTAL, _nofile() // 8)
 
     def take(self, key):
         """An idle staying agent for key, marked busy; or None, and whether one may be started."""
@@ -317,7 +359,7 @@ class _Residents:
                     r.busy = True
                     return r, False
                 self._forget(r)
-            if self.count.get(key, 0) >= RESIDENT_PER_KEY or self.total >= RESIDENT_TOTAL:
+            if self.count.get(key, 0) >= RESIDENT_PER_KEY or self.total >= self.cap:
                 return None, False
             self.count[key] = self.count.get(key, 0) + 1  # held for the one about to start
             self.total += 1
@@ -383,7 +425,8 @@ _closing = []  # set once the relay's input ended: staying agents are ended, not
 
 
 class AgentRequest:
-    """Stream of an A frame: its input is gathered until C, then answered by a staying agent (or an exec)."""
+    """Stream of an A frame: its input is gathered until C, then answered by a staying agent (or an exec). Input
+    past what a staying agent takes goes to its exec at once, as it comes: the relay never holds more of it."""
 
     def __init__(self, sid, spec):
         self.sid = sid
@@ -397,18 +440,23 @@ class AgentRequest:
         self.buf = bytearray()
         self.closed = False
         self.abandoned = False
-        self.oversize = False
+        self.lost = False  # its source was left out and is not kept here: its input is dropped, U at C
+        self.handoff = None  # the Child its exec runs in, once it took our id
+        self._lock = threading.Lock()  # abandoned and handoff: a K never falls between them
         self.worker = None
         with _children_lock:
             _children[sid] = self
             _live.add(self)
 
     def send(self, data):
-        if self.closed:
+        if self.closed or self.lost:
             return
-        if len(self.buf) + len(data) > self.n + RESIDENT_MAX_INPUT:
-            self.oversize = True
         self.buf += data
+        if len(self.buf) > min(self.n, RESIDENT_MAX_INPUT) + RESIDENT_MAX_INPUT:
+            if self._with_source():
+                self._exec(close=False)  # from now on our id, and so the rest of the input, is the exec's
+            else:
+                self.lost, self.buf = True, bytearray()
 
     def close_stdin(self):
         if self.closed:
@@ -420,40 +468,66 @@ class AgentRequest:
 
     def abandon(self):
         """K: the controller stopped reading. A request still gathering its input never runs; one being answered
-        is cut, and its staying agent ended (it may be stuck in that request)."""
-        self.abandoned = True
-        if not self.closed:
+        is cut, and its staying agent ended (it may be stuck in that request); one whose exec took over (the
+        reader had looked the id up just before) reaches that exec."""
+        with self._lock:
+            self.abandoned = True
+            child = self.handoff
+        if child is not None:
+            child.abandon()
+        elif not self.closed:
             self.close_stdin()
 
     def _emit(self, kind, data):
         if not self.abandoned:
             _emit(kind, self.sid, data)
 
-    def _exec(self):
-        """The request as its own exec, exactly as an S frame would have run it."""
-        child = Child(self.sid, self.argv)  # takes our id: a K from now on reaches it
-        with _children_lock:
-            if _children.get(self.sid) is self:  # it could not start (its E and X are out)
-                del _children[self.sid]
-            _live.discard(self)
-        for pos in range(0, len(self.buf), _CHUNK):
-            child.send(bytes(self.buf[pos:pos + _CHUNK]))
-        child.close_stdin()
-        if self.abandoned:
-            child.abandon()
-
-    def _run(self):
-        if self.abandoned:
-            return self._done(255)
+    def _with_source(self):
+        """The kept source in front of the input of a request that left it out; False when none is kept."""
         if self.n == 0 and self.sha:
             with _sources_lock:
                 kept = _sources.get(self.sha)
             if kept is None:
-                self._emit(b"U", b"")
-                return self._done(254)
+                return False
             self.buf[0:0] = kept
             self.n = len(kept)
-        if self.oversize or len(self.buf) < self.n:
+        return True
+
+    def _exec(self, close=True):
+        """The request as its own exec, exactly as an S frame would have run it (with close, its input is all
+        here; without, the rest comes to the exec as I frames)."""
+        child = Child(self.sid, self.argv, replaces=self)  # takes our id: a K from now on reaches it
+        with self._lock:
+            self.handoff = child
+            abandoned = self.abandoned
+        with _children_lock:
+            _live.discard(self)
+        if abandoned:
+            child.abandon()
+            return
+        for pos in range(0, len(self.buf), _CHUNK):
+            child.send(bytes(self.buf[pos:pos + _CHUNK]))
+        self.buf = bytearray()
+        if close:
+            child.close_stdin()
+
+    def _run(self):
+        try:
+            self._answer()
+        except Exception as e:  # whatever went wrong, the stream gets its X (unless its exec has the id)
+            with self._lock:
+                handed = self.handoff is not None
+            if not handed:
+                self._emit(b"E", ("ctl relay: agent request failed: %r\n" % (e,)).encode())
+                self._done(255)
+
+    def _answer(self):
+        if self.abandoned:
+            return self._done(255)
+        if self.lost or not self._with_source():
+            self._emit(b"U", b"")
+            return self._done(254)
+        if self.n == 0 or len(self.buf) < self.n:  # no source to start a staying agent with: as S would run it
             return self._exec()
         source, data = bytes(self.buf[:self.n]), bytes(self.buf[self.n:])
         key = (tuple(self.argv[:self.at]), _keep_source(source))

@@ -14,7 +14,8 @@ reason goes to the `note` callback (`ctl --debug` prints it) and callers use one
 When the channel ends under open streams, each of them fails with the kind of end as its type:
 ConnectionDropped (the SSH connection went away) or RelayExited (the relay exited by itself). A stream that
 gets no answer within its deadline (the host's request_timeout unless the caller gave one) fails with
-DeadlineExceeded, and the relay is then closed without waiting for it.
+DeadlineExceeded; the relay is told (K: a staying agent stuck in it is ended, an exec's pipes close) and then
+closed without waiting for it.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class HostRelay:
         self.sources_missing: set[str] = set()  # ... and of those it said it lacks (U)
         self.why_unavailable: str | None = None  # why the host cannot run the relay
         self.stuck = False  # a stream passed its deadline: close() does not wait for the relay
+        self._telling: list[threading.Thread] = []  # K frames of streams past their deadline, on their way
 
     # --- start-up ---------------------------------------------------------------------------------
 
@@ -386,6 +388,9 @@ class HostRelay:
         chan = self._chan
         if chan is None:
             return
+        until = time.monotonic() + 1.0  # K frames before our end of input: the relay ends those streams' work
+        for t in self._telling:
+            t.join(timeout=max(0.0, until - time.monotonic()))
         with contextlib.suppress(OSError, EOFError):
             chan.shutdown_write()
         if self._reader is not None and not self.stuck:
@@ -424,8 +429,8 @@ class _RelayDuplex(Duplex):
         taken until the relay's X frame frees it."""
         with self.relay._cond:
             st = self.relay._streams.get(self.sid)
-            if st is not self.st:
-                return  # already finished (or forgotten past a deadline)
+            if st is not self.st or st.abandoned:
+                return  # already finished, or abandoned (K sent) past its deadline
             if st.code is not None or st.dead is not None:
                 del self.relay._streams[self.sid]
                 return
@@ -435,14 +440,26 @@ class _RelayDuplex(Duplex):
             self.relay._send(b"K", self.sid)
 
     def _late(self, doing: str, timeout: float) -> DeadlineExceeded:
-        """Past the deadline: forget the stream (its late frames are dropped) and say who did not answer."""
+        """Past the deadline: drop the stream's output, tell the relay (K: the staying agent stuck in it is ended, an
+        exec's pipes close) and say who did not answer. Its id stays taken until the relay's X frees it. The K goes
+        from a thread of its own: a relay that stopped reading never holds the caller past its deadline."""
         with self.relay._cond:
-            self.relay._streams.pop(self.sid, None)
+            st = self.relay._streams.get(self.sid)
+            if st is self.st:
+                st.abandoned = True
+                st.out = st.err = b""
             self.relay.stuck = True
+        telling = threading.Thread(target=self._tell_late, name=f"late-{self.relay.host.name}", daemon=True)
+        telling.start()
+        self.relay._telling.append(telling)
         return DeadlineExceeded(f"{self.relay.host.name}: {doing} `{shlex.join(self.st.argv[:3])} ...` "
                                 f"through {self.relay.what()}: no answer in {timeout:g}s",
                                 hint="the host, its relay, pct or the command stopped answering "
                                      "(CTL_TIMEOUT, hosts.H.timeout)")
+
+    def _tell_late(self) -> None:
+        with contextlib.suppress(ConnectionFailed):
+            self.relay._send(b"K", self.sid)
 
     def readline(self, timeout: float | None = None) -> bytes:
         timeout = limit(timeout, self.relay.host.request_timeout)

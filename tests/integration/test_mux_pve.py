@@ -374,3 +374,31 @@ def test_agent_requests_leave_out_the_source_a_session_already_keeps(persist: En
         assert Agent(t).call("hello", {})["staying"] is True
         assert t.relay is not None and t.relay.started_session
         assert t.relay.sources_missing == set() and t.relay.sources_sent == {agent_sha()}
+
+
+def test_a_request_past_its_deadline_ends_its_staying_agent_at_once(persist: Env) -> None:
+    """ctl gives up on an agent request at its deadline and tells the relay (K): the staying agent stuck in it
+    is ended while the command goes on (not only when it exits), and the stream's id is freed by the relay's X."""
+    from controller.errors import DeadlineExceeded
+    from controller.remote.client import BOOT
+    from controller.transport.base import AgentStart
+    from tests.test_staying_agent import FAKE, FAKE_AT
+
+    inv = load(persist.inventory)
+    argv = ["sh", "-c", 'exec "$0" "$@" hang', "python3", "-I", "-S", "-c", BOOT, str(len(FAKE)), "verb"]
+    start = AgentStart(FAKE_AT, len(FAKE), False, hashlib.sha256(FAKE).hexdigest())
+
+    def busy() -> list[dict[str, object]]:
+        (doc,) = [d for d in mux_mod.sessions() if d["host"] == "pve1"]
+        return [a for a in doc["agents"] or [] if a["busy"]]
+
+    with Pool(inv) as pool:
+        t = pool.container(inv.container("ct200"))
+        assert isinstance(t, PctContainer) and t.keeps_agents()
+        with pytest.raises(DeadlineExceeded, match="no answer in 2s"):
+            t.run_agent(argv, start, stdin=FAKE, timeout=2)
+        deadline = time.monotonic() + 10
+        while busy() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert busy() == []
+        assert t.relay is not None and t.relay._streams == {}  # the relay's X came: the id is free again

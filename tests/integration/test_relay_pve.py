@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -193,3 +194,49 @@ def test_every_fanout_shares_one_exec_per_host(pve_env: Env) -> None:
         pve1 = pool.host("pve1")
         assert (pve1.connects, pve1.round_trips) == (1, 1)
         assert pool._relays["pve1"].streams_opened == 2
+
+
+def test_a_request_past_its_deadline_ends_its_staying_agent_and_the_relay_ends_too(pve_env: Env) -> None:
+    """A command's relay: at the deadline ctl tells the relay (K), so the `pct exec` of the staying agent stuck in
+    that request is ended, and the relay, at the end of the command, has nothing left to wait for. (The agent
+    inside, as after an exec's end, stops at its next write; this one only sleeps and is killed here.)"""
+    from controller.errors import DeadlineExceeded
+    from controller.remote.client import BOOT
+    from controller.transport.base import AgentStart
+    from tests.test_staying_agent import FAKE, FAKE_AT
+
+    token = f"ctl-late-{os.getpid()}-{time.monotonic_ns()}".encode()  # in the argv of every process of it
+
+    def holding() -> dict[int, bytes]:
+        out = {}
+        for p in Path("/proc").glob("[0-9]*"):
+            try:
+                cmd = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if token in cmd:
+                out[int(p.name)] = cmd
+        return out
+
+    def on_host() -> list[bytes]:  # pct exec and what it runs on the host, not the agent in the container
+        return [c for c in holding().values() if not c.startswith(b"python3\0")]
+
+    inv = load(pve_env.inventory)
+    argv = ["sh", "-c", f'exec "$0" "$@" hang {token.decode()}', "python3", "-I", "-S", "-c", BOOT, str(len(FAKE)),
+            "verb"]
+    try:
+        with Pool(inv) as pool:
+            assert pool.share_exec([inv.container("ct200"), inv.container("ct201")]) == ["pve1"]
+            t = pool.container(inv.container("ct200"))
+            assert isinstance(t, PctContainer) and t.keeps_agents()
+            with pytest.raises(DeadlineExceeded, match="no answer in 2s"):
+                t.run_agent(argv, AgentStart(FAKE_AT, len(FAKE), False), stdin=FAKE, timeout=2)
+        deadline = time.monotonic() + 10
+        while on_host() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert on_host() == []
+        assert [c.split(b"\0")[6:8] for c in holding().values()] == [[b"serve", b"hang"]]  # it did start
+    finally:
+        for pid in holding():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
