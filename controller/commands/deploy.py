@@ -403,14 +403,18 @@ def deploy(
         if progress is not None:
             progress(ct.name, n, len(data))
 
+    again = first  # the plan the agent applies by: made again when plan and apply are two requests
     if conv is None and len(tar) > STAYING_MAX_INPUT:  # a large transfer: an exec of its own, with progress
         conv = _Conversation(agent, t.open(agent.argv("sync", args)))
-        conv.plan(header)
+        again = conv.plan(header)
     if conv is None:
-        doc = agent.sync(args, header, tar, timeout=600)[1]
+        again, doc = agent.sync(args, header, tar, timeout=600)
         sent(len(data))
     else:
         doc = conv.apply(data, sent)
+    need = again.get("need")
+    want = {i for i, p in enumerate(fplan) if p.action != "same"}  # the indices of `changed`
+    moved: list[int] = sorted({i for i in need if isinstance(i, int)} ^ want) if isinstance(need, list) else []
     prev_modes = {r["dest"]: r.get("previous_mode") for r in doc.get("files", [])}
     files = [{"dest": p.dest, "sha256": p.want, "mode": f.mode, "previous": p.have, "action": p.action,
               "previous_mode": prev_modes.get(p.dest)} for f, p in zip(manifest.files, fplan, strict=True)]
@@ -422,6 +426,10 @@ def deploy(
     if reg is not None:
         reg.add_deploy(DeployRecord(deploy_id, ct.name, "partial" if partial else "deploy", time.time(),
                                     manifest.commit, manifest.dirty, ok, files, doc.get("error")))
+    if not ok and moved and not partial:
+        shown = ", ".join(str(entries[i]["dest"]) for i in moved if 0 <= i < len(entries))
+        raise DriftError(f"{ct.name}: files in the container changed while this deploy ran ({shown or '?'}); "
+                         "nothing was replaced", hint="run the deploy again (`ctl deploy --check` shows drift)")
     if not ok:
         raise agent.error(doc, suffix=_failure_suffix(doc, deploy_id))
     return DeployResult(ct.name, tuple(fplan), deploy_id, time.monotonic() - t0, sum(len(b) for b in bodies))

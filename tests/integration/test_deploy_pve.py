@@ -10,11 +10,12 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from controller.commands import deploy as deploy_mod
-from controller.errors import DiskError, ExitCode, VerifyError
+from controller.errors import DiskError, DriftError, ExitCode, VerifyError
 from controller.inventory import load
 from controller.registry import Registry
 from controller.remote.client import Agent
@@ -270,3 +271,29 @@ def test_a_warm_session_applies_small_changes_by_request_and_large_ones_over_the
         assert [c["argv"][6] for c in calls] == execs, calls
         assert seen and seen[-1][0] == seen[-1][1] and [n for n, _ in seen] == sorted(n for n, _ in seen)
         assert len(seen) == (1 if not execs else -(-seen[-1][1] // (1 << 20)))  # a step per MiB sent
+
+
+def test_a_container_file_changed_between_plan_and_apply_is_drift_and_nothing_is_replaced(
+        pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan and apply are two requests to a staying agent: a file changed in the container in between is needed
+    too, and its body is not in the tar. The deploy says so (exit 8, the file named), and replaces nothing."""
+    pve_env.ctl("deploy", "ct200", "--allow-dirty", check=True)  # the session and its agent in CT 200 are up
+    inv = load(pve_env.inventory)
+    ct = inv.container("ct200")
+    root = pve_env.host.rootfs(200) / "root" / pve_env.tag
+    (pve_env.dir / "emit_metrics.py").write_text((pve_env.dir / "emit_metrics.py").read_text() + "\n# v2\n")
+    before = (root / "emit_metrics.py").read_bytes()
+    real_sync = Agent.sync
+
+    def meddling(self: Agent, args: Any, header: bytes, tar: bytes | None = None, **kw: Any) -> Any:
+        if tar is not None:  # between the plan and the apply, someone edits the start script by hand
+            (root / "start_training.sh").write_text("#!/bin/sh\necho edited by hand\n")
+        return real_sync(self, args, header, tar, **kw)
+
+    monkeypatch.setattr(Agent, "sync", meddling)
+    with Pool(inv) as pool, pytest.raises(DriftError) as e:
+        deploy_mod.deploy(inv, ct, pool.container(ct), None, allow_dirty=True)
+    assert "changed while this deploy ran" in str(e.value) and "start_training.sh" in str(e.value)
+    assert "nothing was replaced" in str(e.value) and e.value.exit_code == ExitCode.DRIFT
+    assert (root / "emit_metrics.py").read_bytes() == before
+    assert (root / "start_training.sh").read_text() == "#!/bin/sh\necho edited by hand\n"
