@@ -240,3 +240,17 @@ def test_a_request_past_its_deadline_ends_its_staying_agent_and_the_relay_ends_t
         for pid in holding():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_ping_asks_each_container_once_without_a_staying_agent_and_four_times_with_one(pve_env: Env) -> None:
+    """Without a session, a lone container's ping is one agent exec (its first answer is the round trip of a
+    request); two containers of one host share the command's relay, which keeps an agent in each: one `pct exec`
+    each, and three more requests to it for the round trip."""
+    before = {n: len(pve_env.host.pct_calls(n)) for n in ("pve1", "pve2")}
+    r = pve_env.ctl("--json", "ping", "ct300", "ct200", "ct201", check=True)
+    rows = {row["ct"]: row for row in json.loads(r.stdout)}
+    assert rows["ct300"]["staying"] is False and rows["ct300"]["rtt_ms"] == rows["ct300"]["first_ms"]
+    assert rows["ct200"]["staying"] is True and rows["ct201"]["staying"] is True
+    calls = {n: [(c["args"][0], c["argv"][6]) for c in pve_env.host.pct_calls(n)[before[n]:]] for n in before}
+    assert calls["pve2"] == [("300", "hello")], calls
+    assert sorted(calls["pve1"]) == [("200", "serve"), ("201", "serve")], calls
