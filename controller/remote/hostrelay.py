@@ -82,12 +82,18 @@ def _ready(fd, events, timeout):
 
 
 def _emit(kind, sid, data=b""):
+    _emit_raw(HEADER.pack(kind, sid, len(data)) + data)
+
+
+def _emit_raw(frames):
+    """Frames already packed, in one write: an answer's O, E and X leave together (sshd does not set TCP_NODELAY
+    on a session without a terminal: frames written apart could each wait for the controller's delayed ACK)."""
     if _broken:
         return
     with _out_lock:
         try:
             out = sys.stdout.buffer
-            out.write(HEADER.pack(kind, sid, len(data)) + data)
+            out.write(frames)
             out.flush()
         except (OSError, ValueError):
             _broken.append(True)
@@ -444,6 +450,8 @@ class AgentRequest:
         self.handoff = None  # the Child its exec runs in, once it took our id
         self._lock = threading.Lock()  # abandoned and handoff: a K never falls between them
         self.worker = None
+        self.pending = []  # frames of the answer not written yet (_emit)
+        self.pending_n = 0
         with _children_lock:
             _children[sid] = self
             _live.add(self)
@@ -479,8 +487,20 @@ class AgentRequest:
             self.close_stdin()
 
     def _emit(self, kind, data):
-        if not self.abandoned:
-            _emit(kind, self.sid, data)
+        """Kept until the answer ends (or 64 KiB are waiting), so that a small answer leaves in one write."""
+        if self.abandoned:
+            return
+        self.pending.append(HEADER.pack(kind, self.sid, len(data)) + data)
+        self.pending_n += len(data)
+        if self.pending_n >= _CHUNK:
+            self._flush()
+
+    def _flush(self, last=b""):
+        """What _emit kept (dropped once abandoned), then `last` (the X frame), in one write."""
+        pending, self.pending, self.pending_n = self.pending, [], 0
+        frames = (b"" if self.abandoned else b"".join(pending)) + last
+        if frames:
+            _emit_raw(frames)
 
     def _with_source(self):
         """The kept source in front of the input of a request that left it out; False when none is kept."""
@@ -496,6 +516,7 @@ class AgentRequest:
     def _exec(self, close=True):
         """The request as its own exec, exactly as an S frame would have run it (with close, its input is all
         here; without, the rest comes to the exec as I frames)."""
+        self._flush()  # nothing is kept by now; were anything, it would go before the exec's output
         child = Child(self.sid, self.argv, replaces=self)  # takes our id: a K from now on reaches it
         with self._lock:
             self.handoff = child
@@ -561,7 +582,8 @@ class AgentRequest:
     def _done(self, code):
         with _children_lock:
             _children.pop(self.sid, None)  # forgotten BEFORE X, as for a Child
-        _emit(b"X", self.sid, str(code).encode())
+        x = str(code).encode()
+        self._flush(HEADER.pack(b"X", self.sid, len(x)) + x)
         with _children_lock:
             _live.discard(self)
 
