@@ -7,13 +7,15 @@ dataclasses that schema.py builds and checks (no pydantic: it cost every command
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import marshal
 import os
 import re
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn
-
-import yaml
 
 from controller import settings
 from controller.errors import CtlError, InputError, InventoryError
@@ -383,6 +385,8 @@ def _parse(text: str) -> tuple[dict[tuple[Any, ...], int] | None, Any]:
     """The line of every key (None for an empty document) and the data, from one parse by libyaml when PyYAML
     has it (the pure-Python parser, run twice, was a fifth of a command's start-up). Lines are indexed before
     the data is built: building flattens `<<` merge keys inside the node tree, which would move them."""
+    import yaml
+
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
     try:
         node = loader.get_single_node()
@@ -394,6 +398,71 @@ def _parse(text: str) -> tuple[dict[tuple[Any, ...], int] | None, Any]:
         loader.dispose()
 
 
+PARSE_CACHE_KEEP = 32  # parsed inventories kept in STATE/inventory (one per content seen); the oldest go first
+
+
+def _parser_id() -> bytes:
+    """What a parse depends on besides the text: this module and yamlpos (how lines are indexed), and the PyYAML
+    installed (found without importing it: its package file's path, size and mtime)."""
+    import importlib.util
+
+    from controller import yamlpos
+
+    spec = importlib.util.find_spec("yaml")
+    origin = spec.origin if spec is not None and spec.origin else ""
+    parts = [origin]
+    for f in (origin, __file__, yamlpos.__file__ or ""):
+        try:
+            st = os.stat(f)
+            parts.append(f"{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            parts.append("?")
+    return "\0".join(parts).encode()
+
+
+def _parsed(text: str, name: str) -> tuple[dict[tuple[Any, ...], int] | None, Any]:
+    """_parse(text), kept in the state directory under the hash of the text and of the parser: a command whose
+    inventory did not change neither imports PyYAML nor parses (a tenth of a warm command). An entry holds the
+    sha256 of its marshalled (lines, data) and is used only when it matches; a document marshal cannot hold (a
+    YAML timestamp) is parsed every time. Private (0700/0600): the inventory names hosts and variables."""
+    key = hashlib.sha256(_parser_id() + b"\0" + text.encode()).hexdigest()
+    try:
+        cache = settings.state_dir() / "inventory"
+        hit = cache / key
+        head, _, blob = hit.read_bytes().partition(b"\n")
+        if head == hashlib.sha256(blob).hexdigest().encode():
+            # ctl's own file in its private state directory (0700/0600), checked against its hash; marshal holds
+            # plain data here, and whatever it held is checked field by field by build() as a parse would be.
+            items, data = marshal.loads(blob)  # noqa: S302
+            with contextlib.suppress(OSError):
+                os.utime(hit)  # pruning drops the least recently used
+            return (None if items is None else dict(items)), data
+    except (OSError, ValueError, EOFError, TypeError):
+        pass
+    import yaml
+
+    try:
+        lines, data = _parse(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark is not None else None
+        raise InventoryError(name, f"YAML syntax error: {e.problem or e.context}", line=line) from None
+    except yaml.YAMLError as e:
+        raise InventoryError(name, f"YAML error: {e}") from None
+    try:
+        blob = marshal.dumps((None if lines is None else list(lines.items()), data))
+        settings.private_dir(cache)
+        tmp = settings.private_file(cache / f".{key}.{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(hashlib.sha256(blob).hexdigest().encode() + b"\n" + blob)
+        tmp.replace(hit)
+        old = sorted(cache.iterdir(), key=lambda p: p.stat().st_mtime)
+        for p in old[:max(0, len(old) - PARSE_CACHE_KEEP)]:
+            p.unlink(missing_ok=True)
+    except (OSError, ValueError):
+        pass  # not marshallable, or a read-only or full state directory: parsed again next time
+    return lines, data
+
+
 def load(path: str | Path | None = None) -> Inventory:
     p = resolve_path(str(path) if path is not None else None)
     name = str(p)
@@ -403,14 +472,7 @@ def load(path: str | Path | None = None) -> Inventory:
         raise InventoryError(name, "inventory file not found (give -i PATH or set CTL_INVENTORY)") from None
     except OSError as e:
         raise InventoryError(name, f"cannot read: {e.strerror}") from None
-    try:
-        lines, data = _parse(text)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        line = mark.line + 1 if mark is not None else None
-        raise InventoryError(name, f"YAML syntax error: {e.problem or e.context}", line=line) from None
-    except yaml.YAMLError as e:
-        raise InventoryError(name, f"YAML error: {e}") from None
+    lines, data = _parsed(text, name)
     if lines is None or not isinstance(data, dict):
         raise InventoryError(name, "expected a mapping with 'hosts' and 'containers'", line=1)
     try:

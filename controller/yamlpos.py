@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import yaml
+if TYPE_CHECKING:
+    import yaml
 
 Path_ = tuple[Any, ...]
 
@@ -18,6 +19,8 @@ class DuplicateKey(ValueError):
 def line_index(node: yaml.Node, *, unique: bool = False) -> dict[Path_, int]:
     """Every key path of the document -> the 1-based line where it appears (a key's own line for mappings).
     With `unique`, a key given twice in one mapping raises DuplicateKey (YAML keeps the last silently)."""
+    import yaml  # here, not at import: a command whose inventory parse is cached never loads PyYAML
+
     out: dict[Path_, int] = {}
 
     def walk(n: yaml.Node, path: Path_) -> None:

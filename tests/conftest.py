@@ -35,6 +35,14 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(autouse=True)
+def _own_state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ctl's state (caches of renderings and parsed inventories, the registry) of in-process calls goes to a
+    directory of the test session, never to the user's own state directory. A test that sets CTL_STATE_DIR wins."""
+    if not os.environ.get("CTL_STATE_DIR"):
+        monkeypatch.setenv("CTL_STATE_DIR", str(tmp_path_factory.getbasetemp() / "ctl-state"))
+
+
 def make_venv(path: Path) -> Path:
     """A venv without pip (fast); install into it with `python -m pip --python VENV/bin/python install ...`."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)

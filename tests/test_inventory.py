@@ -232,3 +232,47 @@ def test_host_keepalive_and_deadlines(tmp_path: Path, monkeypatch: pytest.Monkey
     assert msg.startswith("INV:5: hosts.kpro6.keepalive.count:"), msg
     msg = error_of(tmp_path, GOOD.replace("    port: 22\n", "    port: 22\n    keepalive: {intervl: 5}\n"))
     assert "hosts.kpro6.keepalive.intervl: unknown key" in msg, msg
+
+
+def _load_in_a_new_process(path: Path, state: Path) -> dict[str, object]:
+    """Load the inventory in a fresh interpreter: what it found, and whether PyYAML was imported for it."""
+    code = ("import json, sys\nfrom controller.inventory import load\n"
+            "from controller.errors import CtlError\n"
+            "try:\n    inv = load(sys.argv[1]); got = sorted(inv.model.containers)\n"
+            "except CtlError as e:\n    got = str(e)\n"
+            "print(json.dumps({'got': got, 'yaml': 'yaml' in sys.modules}))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
+                       env={"CTL_STATE_DIR": str(state), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path.cwd())})
+    import json
+
+    doc: dict[str, object] = json.loads(r.stdout)
+    return doc
+
+
+def test_an_unchanged_inventory_is_parsed_once_and_its_errors_keep_their_lines(tmp_path: Path) -> None:
+    """The parse (data and the line of every key) is kept in the state directory under the hash of the text: the
+    next command neither imports PyYAML nor parses, and says the same thing, line included."""
+    state = tmp_path / "state"
+    p = write(tmp_path, GOOD)
+    assert _load_in_a_new_process(p, state) == {"got": ["ct200", "ct201"], "yaml": True}
+    assert _load_in_a_new_process(p, state) == {"got": ["ct200", "ct201"], "yaml": False}
+    bad = GOOD.replace("vmid: 201", "vmid: 42")
+    write(tmp_path, bad)
+    first = _load_in_a_new_process(p, state)
+    assert first["yaml"] is True and ":12: containers.ct201.vmid: must be >= 100" in str(first["got"]), first
+    assert _load_in_a_new_process(p, state) == {**first, "yaml": False}
+    entries = list((state / "inventory").iterdir())
+    assert len(entries) == 2 and all(e.stat().st_mode & 0o777 == 0o600 for e in entries)
+    assert (state / "inventory").stat().st_mode & 0o777 == 0o700
+    for e in entries:  # an entry cut short or altered is not used: parsed again (and kept again)
+        e.write_bytes(e.read_bytes()[:-3])
+    assert _load_in_a_new_process(p, state) == {**first, "yaml": True}
+    assert _load_in_a_new_process(p, state) == {**first, "yaml": False}
+
+
+def test_a_document_marshal_cannot_hold_is_parsed_every_time(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    p = write(tmp_path, GOOD + "vars:\n  since: 2026-12-02 10:00:00\n")  # a YAML timestamp: a datetime
+    for _ in range(2):
+        assert _load_in_a_new_process(p, state) == {"got": ["ct200", "ct201"], "yaml": True}
+    assert not list((state / "inventory").glob("[0-9a-f]*"))
