@@ -4,7 +4,6 @@ ends, as when an SSH channel closes. Both ends run here (tests/test_relay_ids.py
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +46,14 @@ def test_stream_reports_silence_and_keeps_following(relay: HostRelay) -> None:
     assert kinds.count("idle") >= 2 and kinds[-2:] == ["out", "exit"]
 
 
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (it may vanish between any two looks at /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 def test_a_follow_left_early_ends_its_child_and_frees_its_id(relay: HostRelay, tmp_path: Path) -> None:
     pidfile = tmp_path / "pid"
     gen = relay.stream(["sh", "-c", f"echo $$ > {pidfile}; while :; do echo tick; sleep 0.1; done"])
@@ -55,10 +62,9 @@ def test_a_follow_left_early_ends_its_child_and_frees_its_id(relay: HostRelay, t
     gen.close()  # the caller stops reading: K
     pid = int(pidfile.read_text())
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (os.path.exists(f"/proc/{pid}") and
-                                            Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"):
+    while time.monotonic() < deadline and _running(pid):
         time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{pid}") or Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+    assert not _running(pid)
     while time.monotonic() < deadline and relay._streams:  # its X frame frees the id
         time.sleep(0.05)
     assert not relay._streams
