@@ -894,7 +894,7 @@ class Evaluator:
             drafter.train()
 
 
-def run_drafter(args, topo: dx.Topo, groups, t_start: float) -> None:
+def run_drafter(args, topo: dx.Topo, groups, t_start: float) -> Inbox:
     lead = topo.lead
     cfg, embed, head, shared = share_frozen(topo, groups["share"])
     prov = shared.get("provenance") or {}
@@ -1055,6 +1055,11 @@ def run_drafter(args, topo: dx.Topo, groups, t_start: float) -> None:
             why = (f" (--stop-at-step {args.stop_at_step} reached)" if args.stop_at_step == done
                    else f" (--max-minutes {args.max_minutes:g} reached)")
         print(f"done steps={done}{why}", flush=True)
+    # After an early stop the 'stop' acks are not waited for (those beyond the targets' posted receives never
+    # complete); the caller keeps the inbox, and so their works, alive until the exit barrier: with gloo a send
+    # whose work is garbage-collected before it completes can vanish, and its target then waits in acquire()
+    # for good (a hang seen in CI: target in Outbox.acquire, drafter in the exit all_reduce).
+    return inbox
 
 
 def log_step(args, metrics, win, step, lr, loss, depths, t_start, topo, stopping, result=None) -> None:
@@ -1168,7 +1173,7 @@ def main(argv=None) -> int:
         if topo.is_target:
             run_target(args, topo, groups)
         else:
-            run_drafter(args, topo, groups, t_start)
+            inbox = run_drafter(args, topo, groups, t_start)  # noqa: F841 - its ack works live to the barrier
         # Nobody exits (freeing IPC-shared memory) while a peer may still read it. Its own group: the default
         # one still holds receives nobody will answer after an early stop.
         dist.all_reduce(torch.zeros(1), group=groups["exit"])
