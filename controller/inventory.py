@@ -7,12 +7,10 @@ dataclasses that schema.py builds and checks (no pydantic: it cost every command
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import marshal
 import os
 import re
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -402,22 +400,10 @@ PARSE_CACHE_KEEP = 32  # parsed inventories kept in STATE/inventory (one per con
 
 
 def _parser_id() -> bytes:
-    """What a parse depends on besides the text: this module and yamlpos (how lines are indexed), and the PyYAML
-    installed (found without importing it: its package file's path, size and mtime)."""
-    import importlib.util
-
+    """What a parse depends on besides the text: this module and yamlpos (how lines are indexed), and PyYAML."""
     from controller import yamlpos
 
-    spec = importlib.util.find_spec("yaml")
-    origin = spec.origin if spec is not None and spec.origin else ""
-    parts = [origin]
-    for f in (origin, __file__, yamlpos.__file__ or ""):
-        try:
-            st = os.stat(f)
-            parts.append(f"{st.st_size}:{st.st_mtime_ns}")
-        except OSError:
-            parts.append("?")
-    return "\0".join(parts).encode()
+    return settings.file_stamps(__file__, yamlpos.__file__ or "", packages=("yaml",))
 
 
 def _parsed(text: str, name: str) -> tuple[dict[tuple[Any, ...], int] | None, Any]:
@@ -426,19 +412,15 @@ def _parsed(text: str, name: str) -> tuple[dict[tuple[Any, ...], int] | None, An
     sha256 of its marshalled (lines, data) and is used only when it matches; a document marshal cannot hold (a
     YAML timestamp) is parsed every time. Private (0700/0600): the inventory names hosts and variables."""
     key = hashlib.sha256(_parser_id() + b"\0" + text.encode()).hexdigest()
-    try:
-        cache = settings.state_dir() / "inventory"
-        hit = cache / key
-        head, _, blob = hit.read_bytes().partition(b"\n")
-        if head == hashlib.sha256(blob).hexdigest().encode():
+    blob = settings.cache_get("inventory", key)
+    if blob is not None:
+        try:
             # ctl's own file in its private state directory (0700/0600), checked against its hash; marshal holds
             # plain data here, and whatever it held is checked field by field by build() as a parse would be.
             items, data = marshal.loads(blob)  # noqa: S302
-            with contextlib.suppress(OSError):
-                os.utime(hit)  # pruning drops the least recently used
             return (None if items is None else dict(items)), data
-    except (OSError, ValueError, EOFError, TypeError):
-        pass
+        except (ValueError, EOFError, TypeError):
+            pass
     import yaml
 
     try:
@@ -451,15 +433,9 @@ def _parsed(text: str, name: str) -> tuple[dict[tuple[Any, ...], int] | None, An
         raise InventoryError(name, f"YAML error: {e}") from None
     try:
         blob = marshal.dumps((None if lines is None else list(lines.items()), data))
-        settings.private_dir(cache)
-        tmp = settings.private_file(cache / f".{key}.{uuid.uuid4().hex[:8]}")
-        tmp.write_bytes(hashlib.sha256(blob).hexdigest().encode() + b"\n" + blob)
-        tmp.replace(hit)
-        old = sorted(cache.iterdir(), key=lambda p: p.stat().st_mtime)
-        for p in old[:max(0, len(old) - PARSE_CACHE_KEEP)]:
-            p.unlink(missing_ok=True)
-    except (OSError, ValueError):
-        pass  # not marshallable, or a read-only or full state directory: parsed again next time
+    except ValueError:
+        return lines, data  # not marshallable (a YAML timestamp): parsed again next time
+    settings.cache_put("inventory", key, blob, PARSE_CACHE_KEEP)
     return lines, data
 
 

@@ -8,6 +8,7 @@ A malformed value is an InputError naming the variable or the file and key, neve
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -351,3 +352,59 @@ def build_commit() -> str:
         return head.stdout.strip() + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def file_stamps(*paths: str, packages: tuple[str, ...] = ()) -> bytes:
+    """What a cache entry depends on besides its input: each file's path, size and mtime, and each installed
+    package's by its package file (found without importing it)."""
+    import importlib.util
+
+    files = list(paths)
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        files.append(spec.origin if spec is not None and spec.origin else name)
+    parts = []
+    for f in files:
+        try:
+            st = os.stat(f)
+            parts.append(f"{f}:{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            parts.append(f"{f}:?")
+    return "\0".join(parts).encode()
+
+
+def cache_get(name: str, key: str) -> bytes | None:
+    """The content kept under `key` in the state directory's cache `name` (see cache_put), or None: missing,
+    unreadable, or not matching the sha256 it was written with (a file cut short is never used)."""
+    import hashlib
+
+    hit = state_dir() / name / key
+    try:
+        head, _, content = hit.read_bytes().partition(b"\n")
+    except OSError:
+        return None
+    if head != hashlib.sha256(content).hexdigest().encode():
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(hit)  # pruning drops the least recently used
+    return content
+
+
+def cache_put(name: str, key: str, content: bytes, keep: int) -> None:
+    """Keep `content` under `key` (its sha256 first, written whole then renamed) in the private cache `name` of
+    the state directory, and only the `keep` most recently used entries. A cache that cannot be written is
+    skipped: the caller computes the content again next time."""
+    import hashlib
+    import uuid
+
+    cache = state_dir() / name
+    try:
+        private_dir(cache)
+        tmp = private_file(cache / f".{key}.{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(hashlib.sha256(content).hexdigest().encode() + b"\n" + content)
+        tmp.replace(cache / key)
+        old = sorted(cache.iterdir(), key=lambda p: p.stat().st_mtime)
+        for p in old[:max(0, len(old) - keep)]:
+            p.unlink(missing_ok=True)
+    except OSError:
+        pass

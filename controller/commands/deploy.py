@@ -17,7 +17,6 @@ import functools
 import hashlib
 import io
 import json
-import os
 import shlex
 import subprocess
 import tarfile
@@ -36,7 +35,7 @@ from controller.inventory import Container, Inventory
 from controller.names import check_container_path
 from controller.registry import DeployRecord, Registry
 from controller.remote.client import STAYING_MAX_INPUT, Agent, agent_source
-from controller.settings import private_dir, private_file, state_dir
+from controller.settings import cache_get, cache_put, file_stamps, private_dir, private_file, state_dir
 from controller.transport.base import Duplex, Transport
 from controller.transport.pool import Pool
 
@@ -153,20 +152,11 @@ RENDER_CACHE_KEEP = 256  # renderings kept in STATE/render (a few KB each); the 
 
 @functools.cache
 def _renderer_id() -> bytes:
-    """What a rendering depends on besides template and context: ctl's renderer (its source) and the Jinja2
-    installed (found without importing it: its package file's path, size and mtime)."""
-    import importlib.util
-
+    """What a rendering depends on besides template and context: ctl's renderer (its source) and Jinja2."""
     from controller.core import render as module
 
-    spec = importlib.util.find_spec("jinja2")
-    origin = spec.origin if spec is not None and spec.origin else ""
-    try:
-        st = os.stat(origin)
-        jinja = f"{origin}:{st.st_size}:{st.st_mtime_ns}"
-    except OSError:
-        jinja = origin
-    return hashlib.sha256(Path(module.__file__ or "").read_bytes() + jinja.encode()).digest()
+    return hashlib.sha256(Path(module.__file__ or "").read_bytes()
+                          + file_stamps(packages=("jinja2",))).digest()
 
 
 def rendered(src: Path, ctx: dict[str, Any], name: str) -> bytes:
@@ -180,27 +170,11 @@ def rendered(src: Path, ctx: dict[str, Any], name: str) -> bytes:
     except OSError:
         return render(src, ctx, display_name=name)  # which says what is wrong with the template
     key = hashlib.sha256(b"\0".join([_renderer_id(), source, repr(ctx).encode()])).hexdigest()
-    cache = state_dir() / "render"
-    hit = cache / key
-    try:
-        head, _, content = hit.read_bytes().partition(b"\n")
-        if head == hashlib.sha256(content).hexdigest().encode():
-            with contextlib.suppress(OSError):
-                os.utime(hit)  # pruning drops the least recently used
-            return content
-    except OSError:
-        pass
+    hit = cache_get("render", key)
+    if hit is not None:
+        return hit
     content = render(src, ctx, display_name=name)
-    try:
-        private_dir(cache)
-        tmp = private_file(cache / f".{key}.{uuid.uuid4().hex[:8]}")
-        tmp.write_bytes(hashlib.sha256(content).hexdigest().encode() + b"\n" + content)
-        tmp.replace(hit)
-        old = sorted(cache.iterdir(), key=lambda p: p.stat().st_mtime)
-        for p in old[:max(0, len(old) - RENDER_CACHE_KEEP)]:
-            p.unlink(missing_ok=True)
-    except OSError:
-        pass  # a read-only or full state directory: rendered again next time
+    cache_put("render", key, content, RENDER_CACHE_KEEP)  # a read-only or full state directory: rendered again
     return content
 
 
