@@ -128,3 +128,19 @@ def test_option_values_reach_the_command_converted() -> None:
     for bad, message in ((["--grace", "11"], "must be <= 10, not 11"), (["-n", "x"], "'x' is not an integer")):
         with pytest.raises(Exception, match=message):
             command(["r3", *bad], standalone_mode=False)
+
+
+def test_paramiko_is_imported_without_invoke_or_importlib_metadata_and_knows_its_version() -> None:
+    """ssh._paramiko leaves out what paramiko's import does not need (invoke, importlib.metadata) and leaves
+    nothing of that behind: its banner's version is the installed one, and both modules import as usual later."""
+    code = (
+        "import sys, json\n"
+        "from controller.transport.ssh import _paramiko\n"
+        "p = _paramiko()\n"
+        "skipped = [m for m in ('invoke', 'importlib.metadata') if m in sys.modules]\n"
+        "import importlib.metadata\n"
+        "print(json.dumps([skipped, p.__version__, importlib.metadata.version('paramiko'),\n"
+        "                  type(sys.modules['importlib.metadata']).__name__]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    skipped, banner, installed, kind = json.loads(r.stdout)
+    assert skipped == [] and banner == installed and kind == "module", r.stdout

@@ -24,6 +24,7 @@ import stat
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,15 +40,56 @@ SSH_CONFIGS = ("~/.ssh/config", "/etc/ssh/ssh_config")  # the user's first: the 
 _CHUNK = 1 << 16
 
 
+class _Versions(types.ModuleType):
+    """What paramiko's import asks of importlib.metadata (its own version, for its SSH banner), answered from the
+    name of its dist-info directory: importlib.metadata itself (email, zipfile, csv...) is a fifth of paramiko's
+    import. Any other question goes to the real module."""
+
+    def __init__(self) -> None:
+        super().__init__("importlib.metadata")
+
+    def version(self, name: str) -> str:
+        for base in sys.path:
+            try:
+                names = os.listdir(base or ".")
+            except OSError:
+                continue
+            for n in names:
+                stem = n.removesuffix(".dist-info")
+                if stem != n and stem.startswith(name + "-") and stem.count("-") == 1:
+                    return stem[len(name) + 1:]
+        return str(self._real().version(name))
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._real(), attr)
+
+    def _real(self) -> Any:
+        if sys.modules.get("importlib.metadata") is self:
+            del sys.modules["importlib.metadata"]
+        import importlib.metadata
+
+        return importlib.metadata
+
+
 def _paramiko() -> Any:
-    """paramiko, imported on first use without invoke: paramiko.config imports invoke (~40 ms, most of
-    paramiko's import time) only to evaluate `Match exec` in ssh_config, which _ssh_config loads on demand."""
+    """paramiko, imported on first use without invoke (paramiko.config imports it, ~40 ms, only to evaluate
+    `Match exec` in ssh_config, which _ssh_config loads on demand) and without importlib.metadata (_Versions)."""
     if "paramiko" not in sys.modules and "invoke" not in sys.modules:
         sys.modules["invoke"] = None  # type: ignore[assignment]  # import invoke -> ImportError, handled by paramiko
+        versions = None
+        if "importlib.metadata" not in sys.modules:
+            versions = sys.modules["importlib.metadata"] = _Versions()
         try:
             import paramiko
         finally:
             del sys.modules["invoke"]
+            if versions is not None and sys.modules.get("importlib.metadata") is versions:
+                del sys.modules["importlib.metadata"]
+        import logging
+
+        # paramiko's transport thread logs what ended it (with a traceback) at ERROR; with no handler configured,
+        # logging's last resort would print that on the user's terminal. ctl reports the failure itself, once.
+        logging.getLogger("paramiko").addHandler(logging.NullHandler())
     import paramiko
 
     return paramiko
@@ -350,7 +392,19 @@ class SshEndpoint(Transport):
                 hint=f"if the host was reinstalled, remove the old line from {self.known_hosts} and {accept}",
             ) from None
         except paramiko.SSHException as e:
+            # paramiko's start_client gives up silently at its timeout; what follows then fails on a session that
+            # never began ("No existing session"). No banner read: the port answers TCP but no SSH server speaks.
+            t = client.get_transport()
+            spoke, keyed = getattr(t, "remote_version", None), getattr(t, "session_id", None)
             client.close()
+            if not spoke and not isinstance(e, paramiko.AuthenticationException):
+                raise ConnectionFailed(
+                    f"{self.name}: {self.address}:{self.port} accepted the connection but no SSH server answered "
+                    f"in {self.connect_timeout:g}s (no SSH banner)") from None
+            if not keyed and not isinstance(e, paramiko.AuthenticationException):
+                raise ConnectionFailed(
+                    f"{self.name}: the SSH handshake with {self.address}:{self.port} did not finish in "
+                    f"{self.connect_timeout:g}s ({spoke})") from None
             if isinstance(e, paramiko.AuthenticationException):
                 raise ConnectionFailed(
                     f"{self.name}: authentication as {self.user}@{self.address}:{self.port} refused "
