@@ -46,6 +46,7 @@ Verbs (each prints one JSON document on stdout; exit 0 when "ok" is true):
 import hashlib
 import io
 import json
+import marshal
 import os
 import re
 import shutil
@@ -57,8 +58,38 @@ import tarfile
 import time
 import traceback
 
-BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-agent','exec'))"
 _BLOCK = 1 << 20
+COMPILED_KEEP = 4  # compiled agents kept in /run/ctl (one per ctl version met), newest first
+
+
+def keep_compiled(entry):
+    """Keep the code BOOT just compiled (entry: (path, code), set by BOOT only when it compiled), so that the
+    next start of this agent reads it instead of compiling the source again. Best effort, never in the way:
+    only in a directory of our own that nobody else may enter, written under a temporary name then renamed;
+    the oldest beyond COMPILED_KEEP go."""
+    if not entry:
+        return
+    path, code = entry
+    d = os.path.dirname(path)
+    try:
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return
+        tmp = "%s.%d.tmp" % (path, os.getpid())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(marshal.dumps(code))
+        os.replace(tmp, path)
+        kept = sorted((e for e in os.scandir(d) if e.name.startswith("agent-") and not e.name.endswith(".tmp")),
+                      key=lambda e: e.stat(follow_symlinks=False).st_mtime, reverse=True)
+        for e in kept[COMPILED_KEEP:]:
+            os.unlink(e.path)
+    except (OSError, ValueError):
+        pass
 
 
 def _under(root, path):
@@ -1734,6 +1765,7 @@ def serve():
     os.close(null)
     hello = json.dumps({"agent": "serve", "pid": os.getpid(), "python": sys.version.split()[0]}).encode()
     _write_all(wfd, _FRAME.pack(b"H", 0, len(hello)) + hello)
+    keep_compiled(globals().pop("__ctl_compiled__", None))  # after the hello: the relay is not kept waiting
     while True:
         head = _read_exact(rfd, _FRAME.size)
         if head is None:
@@ -1783,6 +1815,8 @@ def _serve_one(argv, data):
 
 def main(argv):
     verb = argv[0]
+    if verb != "serve":
+        keep_compiled(globals().pop("__ctl_compiled__", None))
     if verb == "hashes":  # hashes ROOT [--follow=JSON] PATH...
         paths, follow = argv[2:], []
         if paths and paths[0].startswith("--follow="):

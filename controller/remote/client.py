@@ -35,7 +35,25 @@ from controller.errors import (
 from controller.remote import source
 from controller.transport.base import AgentStart, Duplex, Result, Transport
 
-BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-agent','exec'))"
+# What `python3 -c` runs: N bytes of agent source from stdin, run as __main__. Its compiled code is kept in the
+# container (agent.py keep_compiled: /run/ctl, root's own, gone at reboot) under the source's sha256 and the
+# python's version, so the next start of the same agent reads it instead of compiling 77 KB again (~20 ms of
+# CPU; a fan-out starts one per container). Used only when the file is the running user's, not writable by
+# others, not a symlink, and holds a code object; anything else compiles, as before.
+_BOOT = """import sys,os,marshal,hashlib
+s=sys.stdin.buffer.read(int(sys.argv[1]));c=None
+k='/run/ctl/agent-%s-%x'%(hashlib.sha256(s).hexdigest()[:32],sys.hexversion)
+try:
+ f=os.open(k,os.O_RDONLY|os.O_NOFOLLOW)
+ try:
+  t=os.fstat(f)
+  if t.st_uid==os.geteuid() and not t.st_mode&18:c=marshal.loads(os.read(f,t.st_size))
+ finally:os.close(f)
+except Exception:c=None
+if type(c) is not type(compile('','','exec')):c=compile(s,'ctl-agent','exec');__ctl_compiled__=(k,c)
+del s
+exec(c)"""
+BOOT = f"exec({_BOOT!r})"  # one line: it is shown in --dry-run's commands
 
 #: The agent's refusal codes and what ctl raises for each: (exception, text put before the agent's message).
 ERRORS: Mapping[str, tuple[type[CtlError], str]] = {
