@@ -104,7 +104,8 @@ def test_only_the_cli_session_builds_a_pool() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Pool":
                 builders.append(path.relative_to(PKG).as_posix())
-    assert builders == ["cli/app.py"], builders
+    # cli/early.py builds one only to begin starting the sessions the command's own pool (cli/app.py) will use
+    assert sorted(builders) == ["cli/app.py", "cli/early.py"], builders
 
 
 def test_libraries_stay_in_their_layers() -> None:

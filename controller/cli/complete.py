@@ -158,36 +158,60 @@ def _words(shell: str, env: dict[str, str]) -> tuple[list[str], str]:
     return words, ""
 
 
+class Line:
+    """`ctl ARGS...` as the command tree reads it, without typer: the command (`path`, its `node` in the tree),
+    its positional words, the options given (name -> value, "" for a flag) and the -i/--inventory value."""
+
+    def __init__(self, args: list[str], spec: dict[str, Any] | None = None) -> None:
+        if spec is None:
+            from controller.cli.compspec import SPEC
+
+            spec = SPEC
+        self.root = spec
+        self.node = spec
+        self.path: list[str] = []
+        self.words: list[str] = []
+        self.options: dict[str, str] = {}
+        self.inventory: str | None = None
+        i = 0
+        while i < len(args):
+            a = args[i]
+            if a.startswith("-") and len(a) > 1:
+                name, eq, value = a.partition("=")
+                takes = self.opts().get(name, None)
+                if takes is not None and not eq:
+                    value = args[i + 1] if i + 1 < len(args) else ""
+                    i += 1
+                if name in ("-i", "--inventory") and takes is not None:
+                    self.inventory = value
+                self.options[name] = value
+                i += 1
+                continue
+            if self.node.get("commands") and not self.words and a in self.node["commands"]:
+                self.node = self.node["commands"][a]
+                self.path.append(a)
+            else:
+                self.words.append(a)
+            i += 1
+
+    def opts(self) -> dict[str, str | None]:
+        """The options the command takes (with the global ones): name -> the kind of its value, None for a flag."""
+        node, root = self.node, self.root
+        return {**root["opts"], **node["opts"]} if node is not root else node["opts"]
+
+    def kinds(self) -> list[str]:
+        """The kind of name each positional word is ("targets", "containers", "runs", ...; "" for none)."""
+        out: list[str] = []
+        for k, nargs in self.node.get("args", []):
+            out += [k] * (len(self.words) - len(out) if nargs == -1 else nargs)
+        return (out + [""] * len(self.words))[:len(self.words)]
+
+
 def candidates(args: list[str], incomplete: str, spec: dict[str, Any] | None = None) -> list[str]:
     """What may follow `ctl ARGS...`, starting with `incomplete`: a command, an option, or a name."""
-    if spec is None:
-        from controller.cli.compspec import SPEC
-
-        spec = SPEC
-    root = spec
-    node = spec
-    pos = 0  # positional arguments given to the current command
-    inventory: str | None = None
-    i = 0
-    while i < len(args):
-        a = args[i]
-        opts = {**root["opts"], **node["opts"]} if node is not root else node["opts"]
-        if a.startswith("-") and len(a) > 1:
-            name, eq, value = a.partition("=")
-            takes = opts.get(name, None)
-            if takes is not None and not eq:
-                value = args[i + 1] if i + 1 < len(args) else ""
-                i += 1
-            if name in ("-i", "--inventory") and takes is not None:
-                inventory = value
-            i += 1
-            continue
-        if node.get("commands") and pos == 0 and a in node["commands"]:
-            node = node["commands"][a]
-        else:
-            pos += 1
-        i += 1
-    opts = {**root["opts"], **node["opts"]} if node is not root else node["opts"]
+    line = Line(args, spec)
+    root, node, pos, inventory = line.root, line.node, len(line.words), line.inventory
+    opts = line.opts()
     if args:
         prev = args[-1]
         takes = opts.get(prev) if prev.startswith("-") and "=" not in prev else None

@@ -118,6 +118,9 @@ def main() -> None:
     if _plain_help(sys.argv[1:]):
         sys.exit(0)
     _completion_shell(sys.argv[1:])
+    from controller.cli.early import start
+
+    start(sys.argv[1:])  # the hosts' sessions come up while typer and the command load
     _main()
 
 

@@ -17,7 +17,7 @@ from controller.inventory import Container, HostSpec, Inventory
 from controller.settings import persist_seconds
 from controller.transport.base import Transport
 from controller.transport.local import LocalContainer
-from controller.transport.mux import MuxRelay
+from controller.transport.mux import MuxRelay, start_early
 from controller.transport.pct import PctContainer
 from controller.transport.relay import HostRelay, RelayEndpoint
 from controller.transport.ssh import SshEndpoint
@@ -130,16 +130,7 @@ class Pool:
             assert ct.root is not None
             return LocalContainer(ct.name, ct.root)
         if spec.transport == "ssh":
-            with self._lock:
-                ep = self._direct.get(ct.name)
-                if ep is None:
-                    assert spec.address is not None
-                    ep = SshEndpoint(
-                        ct.name, spec.address, port=spec.port, user=spec.user,
-                        identity_file=self._abs(spec.identity_file), known_hosts=self._abs(spec.known_hosts),
-                        **self.limits(None),
-                    )
-                    self._direct[ct.name] = ep
+            ep = self._direct_ep(ct)
             seconds = self.persist(None)
             if not seconds:
                 return ep
@@ -153,6 +144,43 @@ class Pool:
             self._relay(ct.host_name)
         return PctContainer(ct.name, self.host(ct.host_name), spec.vmid, pct=ct.host.pct,
                             stage_dir=ct.host.stage_dir, relay=self._relays.get(ct.host_name))
+
+    def _direct_ep(self, ct: Container) -> SshEndpoint:
+        """The endpoint of a container with its own sshd."""
+        spec = ct.spec
+        with self._lock:
+            ep = self._direct.get(ct.name)
+            if ep is None:
+                assert spec.address is not None
+                ep = SshEndpoint(
+                    ct.name, spec.address, port=spec.port, user=spec.user,
+                    identity_file=self._abs(spec.identity_file), known_hosts=self._abs(spec.known_hosts),
+                    **self.limits(None),
+                )
+                self._direct[ct.name] = ep
+            return ep
+
+    def start_sessions(self, cts: Iterable[Container]) -> list[str]:
+        """Begin starting, in the background, the persistent sessions these containers are reached through (one
+        per host, or per container with its own sshd), for a command that will need them once it has loaded
+        (mux.start_early; the command's own requests wait for them). Returns the names of those begun."""
+        begun: list[str] = []
+        seen: set[str] = set()
+        for ct in cts:
+            if ct.spec.transport == "pct" and ct.host_name is not None:
+                name, seconds = ct.host_name, self.persist(ct.host_name)
+                ep = self.host(name) if seconds else None
+            elif ct.spec.transport == "ssh":
+                name, seconds = ct.name, self.persist(None)
+                ep = self._direct_ep(ct) if seconds else None
+            else:
+                continue
+            if ep is None or name in seen:
+                continue
+            seen.add(name)
+            if start_early(ep, seconds, warn=self.warn):
+                begun.append(name)
+        return begun
 
     def round_trips(self) -> int:
         return sum(ep.round_trips for ep in [*self._hosts.values(), *self._direct.values()])

@@ -179,6 +179,29 @@ def test_64_concurrent_commands_from_cold_start_one_session_and_all_succeed(env:
     assert [i["host"] for i in _infos(env)] == ["pve1"]
 
 
+def test_a_command_gone_while_its_session_starts_leaves_one_session_that_the_next_command_uses(env: Env) -> None:
+    """`ctl env check ct200` names a container, so its session begins to start while ctl loads (cli/early.py); the
+    command then refuses at once (no lock configured) and exits before the session listens. That session must
+    neither die on the closed pipe of its starter nor let a second one start beside it: the next command uses it."""
+    before = sshd_sessions(env, "pve1")
+    for _ in range(3):
+        gone = env.ctl("--debug", "env", "check", "ct200")
+        assert gone.returncode == ExitCode.INPUT and "no lock configured" in gone.stderr, gone.stderr
+        assert "starting ctl's persistent session for pve1 while ctl loads" in gone.stderr
+        nxt = env.ctl("--debug", "ping", "ct200")
+        assert nxt.returncode == 0, nxt.stdout + nxt.stderr
+        how, pid = _session(nxt)
+        assert how == "reused", nxt.stderr  # the session the refused command began
+        infos = _infos(env)
+        assert [(i["host"], i["pid"]) for i in infos] == [("pve1", pid)]
+        assert len(sshd_sessions(env, "pve1") - before) == 1
+        log = next((env.state / "mux").glob("*.log")).read_text()
+        assert "Traceback" not in log, log
+        env.ctl("mux", "stop", check=True)
+        _wait(lambda pid=pid: not _alive(pid), what="the session to end")
+        before = sshd_sessions(env, "pve1")
+
+
 def test_state_directory_too_long_for_a_socket_path_puts_the_socket_under_a_short_one(
         env: Env, tmp_path: Path) -> None:
     state = tmp_path / ("s" * 100) / ("t" * 100)

@@ -114,6 +114,8 @@ def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env)
     assert "deployed 2 of 2 files" in first.stdout
     pid = _session_pid(first.stderr)
     assert "started ctl's persistent session" in first.stderr
+    # begun while ctl loaded (cli/early.py), and still the one session and connection
+    assert "starting ctl's persistent session for pve1 while ctl loads" in first.stderr
     sessions = sshd_sessions(env, "pve1")
     mine = sessions - before
     assert len(mine) == 1  # the session's own SSH connection, kept after ctl exited
@@ -154,6 +156,24 @@ def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env)
     assert f"pve1: stopped session (pid {pid})" in stop.stdout
     assert _wait_gone(pid)
     assert not sockets(env)
+
+
+def test_a_cold_command_starts_each_hosts_session_while_it_loads_and_uses_it(persist: Env) -> None:
+    env = persist
+    before = {n: sshd_sessions(env, n) for n in ("pve1", "pve2")}
+    r = env.ctl("--debug", "ping", "ct200", "ct201", "ct300", check=True)
+    assert "starting ctl's persistent session for pve1, pve2 while ctl loads" in r.stderr, r.stderr
+    for n in ("pve1", "pve2"):
+        assert re.search(rf"{n}: started ctl's persistent session \(pid (\d+)", r.stderr), r.stderr
+        assert len(sshd_sessions(env, n) - before[n]) == 1, n  # one connection each, the session's
+    for m in re.finditer(r"started ctl's persistent session \(pid (\d+)", r.stderr):
+        _pids_seen.append(int(m.group(1)))
+    assert [ln.split()[:2] for ln in r.stdout.splitlines()] == [["ct200", "ok"], ["ct201", "ok"], ["ct300", "ok"]]
+    assert sorted(d["host"] for d in json.loads(env.ctl("mux", "status", "--json", check=True).stdout)) == [
+        "pve1", "pve2"]
+    again = env.ctl("--debug", "ping", "ct200", check=True)
+    assert "while ctl loads" not in again.stderr  # a session runs: nothing begun early, it is reused
+    assert "pve1: reused ctl's persistent session" in again.stderr
 
 
 def test_socket_directory_and_socket_are_private(persist: Env) -> None:

@@ -23,7 +23,7 @@ daemon.py  the session process
 sock.py    the socket's place and permissions, its frames (the wire protocol), peer and host key checks
 """
 
-from controller.transport.mux.client import ENV, MuxRelay, sessions, stop
+from controller.transport.mux.client import ENV, MuxRelay, sessions, start_early, stop
 from controller.transport.mux.sock import mux_dir, session_key, socket_dir
 
-__all__ = ["ENV", "MuxRelay", "mux_dir", "session_key", "sessions", "socket_dir", "stop"]
+__all__ = ["ENV", "MuxRelay", "mux_dir", "session_key", "sessions", "socket_dir", "start_early", "stop"]

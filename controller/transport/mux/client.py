@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from controller import settings
-from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded
+from controller.errors import ConnectionDropped, ConnectionFailed, CtlError, DeadlineExceeded
 from controller.transport.base import AgentStart
 from controller.transport.mux.sock import (
     PROTOCOL,
@@ -143,6 +143,8 @@ class MuxRelay(HostRelay):
         path = socket_dir(create=True) / f"{key}.sock"
         check_length(path)
         self._path, self._info = path, meta / f"{key}.json"
+        if not self._early_outcome(key):
+            return
         why = "no hello"
         for _attempt in range(4):  # a session ending as we connected, or one replaced: connect again
             sock = connect(path)
@@ -180,6 +182,30 @@ class MuxRelay(HostRelay):
             how = "started" if self.started_session else "reused"
             self.note(f"{self.host.name}: {how} ctl's persistent session (pid {hello.get('pid')}, "
                       f"{self.idle}s idle timeout, relay python {hello.get('python')})")
+
+    def _early_outcome(self, key: str) -> bool:
+        """What the start begun for this session before the command needed it (start_early) came to, waited for:
+        its error raised, the host found unable to run the relay (False), else True (connect to the session).
+        The error is the one this start would have met: a host that does not answer is waited for once."""
+        with _EARLY_LOCK:
+            early = _EARLY.get(key)
+            if early is None or early.thread is threading.current_thread():
+                return True  # none begun, or this is it
+            del _EARLY[key]
+        wait = self.host.connect_timeout + self.hello_timeout + 15
+        early.thread.join(wait)
+        if early.thread.is_alive():
+            raise DeadlineExceeded(f"{self.host.name}: ctl's session did not start in {wait:g}s")
+        if isinstance(early.outcome, CtlError):
+            raise early.outcome
+        if early.outcome is None or early.outcome[0] != "up":
+            self._state = "unavailable"
+            self.why_unavailable = early.outcome[1] if early.outcome is not None else "ctl's relay did not start"
+            if self.note is not None:
+                self.note(f"{self.host.name}: {self.why_unavailable}; falling back to one exec per container")
+            return False
+        self.started_session = early.outcome[1]
+        return True
 
     def _stale(self, hello: dict[str, Any]) -> tuple[str, float] | None:
         """Why the session that said `hello` must not be used, and the grace its commands get (None: use it)."""
@@ -240,7 +266,7 @@ class MuxRelay(HostRelay):
             sock = connect(path)
             if sock is not None:
                 return sock
-            if not self._spawn(meta, key, path):
+            if not self._spawn(meta, key, path, lock.fileno()):
                 return None
             sock = connect(path)
             if sock is None:
@@ -250,8 +276,10 @@ class MuxRelay(HostRelay):
         finally:
             lock.close()
 
-    def _spawn(self, meta: Path, key: str, path: Path) -> bool:
-        """Start the session process; True once it listens, False when the host cannot run the relay."""
+    def _spawn(self, meta: Path, key: str, path: Path, lock_fd: int) -> bool:
+        """Start the session process; True once it listens, False when the host cannot run the relay. It inherits
+        the spawn lock (lock_fd) and lets it go once it listens: a command that exits, or is killed, while its
+        session starts never lets a second one start beside it."""
         ep = self.host
         log = meta / f"{key}.log"
         spec = {"name": ep.name, "address": ep.address, "port": ep.port, "user": ep.user,
@@ -259,14 +287,15 @@ class MuxRelay(HostRelay):
                 "connect_timeout": ep.connect_timeout, "idle": self.idle, "socket": str(path),
                 "info": str(meta / f"{key}.json"),
                 "keepalive_interval": ep.keepalive_interval, "keepalive_count": ep.keepalive_count,
-                "request_timeout": ep.request_timeout}
+                "request_timeout": ep.request_timeout, "lock_fd": lock_fd}
         old = os.umask(0o077)
         try:
             with open(log, "ab") as logf:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "controller.transport.mux.daemon", json.dumps(spec)],
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf, cwd="/",
-                    env=session_env(os.environ, meta.parent), start_new_session=True, close_fds=True)
+                    env=session_env(os.environ, meta.parent), start_new_session=True, close_fds=True,
+                    pass_fds=(lock_fd,))
         finally:
             os.umask(old)
         assert proc.stdout is not None
@@ -368,6 +397,51 @@ class MuxRelay(HostRelay):
             return
         chan.close()  # nothing running: the session stays for the next command
         self._chan = None
+
+
+class _Early:
+    """A session start begun in the background (start_early); `outcome`, once the thread ends: ("up", whether it
+    started the session process), ("unavailable", why), or the CtlError it met."""
+
+    def __init__(self, ep: SshEndpoint, idle: int, warn: Callable[[str], None] | None) -> None:
+        self.ep, self.idle, self.warn = ep, idle, warn
+        self.outcome: tuple[str, Any] | CtlError | None = None
+        self.thread = threading.Thread(target=self._run, name=f"early-{ep.name}", daemon=True)
+
+    def _run(self) -> None:
+        relay = MuxRelay(self.ep, self.idle, warn=self.warn)
+        try:
+            up = relay.available()
+            self.outcome = ("up", relay.started_session) if up else ("unavailable", relay.why_unavailable)
+        except CtlError as e:
+            self.outcome = e
+        finally:
+            relay.close()  # the session stays; the command connects to it again
+
+
+_EARLY: dict[str, _Early] = {}  # session key -> the start begun for it; the command's MuxRelay takes it
+_EARLY_LOCK = threading.Lock()
+
+
+def start_early(ep: SshEndpoint, idle: int, *, warn: Callable[[str], None] | None = None) -> bool:
+    """Begin starting the persistent session for ep in a background thread, so that it comes up while the command
+    is still loading; the command's MuxRelay for ep waits for it and meets its outcome, as if it had started it
+    itself. Nothing is begun when a socket for the session exists (a session that runs: the command connects to
+    it, and checks it, as always) or one was begun already. True when one was begun."""
+    key = session_key(ep)
+    try:
+        if (socket_dir(create=False) / f"{key}.sock").exists():
+            return False
+    except FileNotFoundError:
+        pass  # no socket directory yet: no session
+    except CtlError:
+        return False  # a directory ctl refuses: the command says so
+    with _EARLY_LOCK:
+        if key in _EARLY:
+            return False
+        early = _EARLY[key] = _Early(ep, idle, warn)
+    early.thread.start()
+    return True
 
 
 def _ident(path: Path) -> tuple[int, int] | None:

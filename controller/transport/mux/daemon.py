@@ -22,6 +22,7 @@ each of its streams and the rest of their output.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -226,8 +227,14 @@ class _Mux(HostRelay):
 
 
 def _say(doc: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(doc) + "\n")
-    sys.stdout.flush()
+    """One line to the command that started us. It may have gone (it failed on its own, or was killed) while we
+    started: the session still serves the next command, so a closed pipe is not our end."""
+    try:
+        sys.stdout.write(json.dumps(doc) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 
 
 def _unlink_if(path: Path, ident: tuple[int, int]) -> None:
@@ -274,7 +281,23 @@ def serve(spec: dict[str, Any]) -> int:
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
-        srv.bind(str(path))
+        try:
+            srv.bind(str(path))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            # Another session of the same key came up while we connected (the spawn lock is ctl's; a session
+            # started by hand does not take it): use that one, or take the name of one that is gone.
+            existing = connect(path)
+            if existing is not None:
+                existing.close()
+                srv.close()
+                mux.end()
+                _say({"ready": True, "existing": True})
+                return 0
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            srv.bind(str(path))
     finally:
         os.umask(old)
     os.chmod(path, 0o600)
@@ -282,6 +305,11 @@ def serve(spec: dict[str, Any]) -> int:
     ident = (st.st_dev, st.st_ino)
     srv.listen(128)
     srv.settimeout(0.2)
+    if isinstance(spec.get("lock_fd"), int):
+        # The starter's spawn lock, held through our start so that no second session starts beside us even
+        # when the starter went away; a command waiting on it now finds us listening.
+        with contextlib.suppress(OSError):
+            os.close(spec["lock_fd"])
     part = info.with_name(f".{info.name}.{os.getpid()}")
     part.write_text(json.dumps({"host": ep.name, "address": ep.address, "port": ep.port, "user": ep.user,
                                 "pid": os.getpid(), "idle": mux.idle, "started": time.time(), "socket": str(path),

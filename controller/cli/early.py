@@ -1,0 +1,86 @@
+"""Host sessions that start while ctl is still loading.
+
+A cold command spends its first ~0.1 s importing typer and its command module before it asks for a connection,
+and only then starts the host's session process (paramiko, the handshake, the relay). When the command line
+names containers, read here against the generated command tree (compspec.py, as a TAB is) and the inventory as
+last parsed, the sessions of their hosts begin to start in the background before those imports
+(Pool.start_sessions, mux.start_early); the command's own requests wait for them and meet their outcome, an
+error included, as if they had started them. A line this cannot read for certain (no such command or name, an
+inventory that does not load, --help, a dry run that does not connect) begins nothing: the command then starts
+its sessions itself, as it always did, and says what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from controller.inventory import Container, Inventory
+
+# Positional words of these kinds name containers (a run name does not say where it ran without the registry).
+NAME_KINDS = ("targets", "containers", "container_or_run")
+# Commands that, given no names, act on every container (`ctl ping`), or on the one the inventory has.
+ALL_WHEN_NONE = ("ping",)
+ONLY_WHEN_NONE = ("deploy", "store prune", "store status")
+DRY_RUN_CONNECTS = ("deploy",)  # its plan is made against the containers' files
+
+
+def containers(argv: list[str]) -> tuple[Inventory, list[Container]] | None:
+    """The inventory and the containers `ctl ARGV` will reach, when the line says so for certain; else None."""
+    from controller.cli.complete import Line
+
+    if "--" in argv or "--help" in argv:
+        return None
+    line = Line(argv)
+    command = " ".join(line.path)
+    if not line.path or line.node.get("commands") or ("--dry-run" in line.options
+                                                      and command not in DRY_RUN_CONNECTS):
+        return None
+    names = []
+    for word, kind in zip(line.words, line.kinds(), strict=True):
+        if kind in NAME_KINDS:
+            names.append(word.split("/", 1)[0] if kind == "container_or_run" else word)
+    if not names and not (command in ALL_WHEN_NONE or command in ONLY_WHEN_NONE):
+        return None
+    from controller import inventory
+    from controller.errors import CtlError
+
+    try:
+        inv = inventory.load(line.inventory)
+        if names:
+            cts = inv.select(names)
+        elif command in ALL_WHEN_NONE or "--all" in line.options:
+            cts = inv.select([])
+        else:
+            cts = inv.targets([], all_=False, purpose="")
+    except CtlError:
+        return None  # the command says what is wrong
+    return inv, cts
+
+
+def start(argv: list[str]) -> list[str]:
+    """Begin starting the sessions `ctl ARGV` will use (see the module doc); the hosts begun."""
+    from controller import settings
+    from controller.errors import CtlError
+
+    if os.environ.get(settings.PERSIST, "").strip() == "0":
+        return []
+    try:
+        found = containers(argv)
+        if found is None:
+            return []
+        inv, cts = found
+        from controller.core.terminal import clean_line
+        from controller.transport.pool import Pool
+
+        def warn(line: str) -> None:
+            sys.stderr.write(f"ctl: warning: {clean_line(line)}\n")
+
+        begun = Pool(inv, warn=warn).start_sessions(cts)
+    except (CtlError, OSError):
+        return []  # a setting or directory the command will refuse, in its own words
+    if begun and "--debug" in argv:
+        sys.stderr.write(f"ctl: debug: starting ctl's persistent session for {', '.join(begun)} while ctl loads\n")
+    return begun

@@ -1,0 +1,123 @@
+"""Sessions started while ctl loads (controller/cli/early.py): which command lines begin them, and that a command
+meets the outcome of the start begun for it (a host that never answers is waited for once, not twice)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from controller.cli.early import containers
+from tests.conftest import REPO
+
+INVENTORY = """\
+hosts:
+  pve1: {address: 127.0.0.2, known_hosts: kh}
+  pve2: {address: 127.0.0.3, known_hosts: kh}
+containers:
+  ct200: {host: pve1, vmid: 200}
+  ct201: {host: pve1, vmid: 201}
+  ct300: {host: pve2, vmid: 300}
+groups:
+  pair: [ct201, ct300]
+"""
+
+
+@pytest.fixture
+def inv(tmp_path: Path) -> str:
+    p = tmp_path / "inventory.yaml"
+    p.write_text(INVENTORY)
+    (tmp_path / "kh").write_text("")
+    return str(p)
+
+
+def names(argv: list[str]) -> list[str] | None:
+    found = containers(argv)
+    return None if found is None else [ct.name for ct in found[1]]
+
+
+@pytest.mark.parametrize(("line", "want"), [
+    ("deploy ct200 --allow-dirty", ["ct200"]),
+    ("deploy --dry-run ct200", ["ct200"]),  # deploy's plan reads the containers' files
+    ("--json deploy pair", ["ct201", "ct300"]),
+    ("deploy --all", ["ct200", "ct201", "ct300"]),
+    ("ping", ["ct200", "ct201", "ct300"]),  # no names: every container
+    ("ping ct300", ["ct300"]),
+    ("status ct201 ct300 --stall-after 30", ["ct201", "ct300"]),
+    ("launch ct200 --run r1 -f", ["ct200"]),  # --run's value is not a name
+    ("tail ct300/r7 -n 5", ["ct300"]),
+    ("env probe ct201", ["ct201"]),
+    ("snapshot create ct200 before-upgrade", ["ct200"]),
+])
+def test_lines_that_name_containers(inv: str, line: str, want: list[str]) -> None:
+    assert names(["-i", inv, *line.split()]) == want
+
+
+@pytest.mark.parametrize("line", [
+    "deploy",  # several containers and no --all: the command refuses
+    "status",  # live runs: where they are is the registry's to say
+    "show r1", "stop r1",  # runs, not containers
+    "tail r7",  # a run name, not a container
+    "deploy ct999",  # not in the inventory: the command says so
+    "deploy ct200 --help",
+    "snapshot create ct200 snap1 --dry-run",  # a dry run that does not connect
+    "mux stop pve1",  # never start a session to stop it
+    "config show", "mux status", "nosuch ct200",
+    "deploy -- ct200",
+])
+def test_lines_that_begin_nothing(inv: str, line: str) -> None:
+    assert names(["-i", inv, *line.split()]) is None
+
+
+def test_an_inventory_that_does_not_load_begins_nothing(tmp_path: Path) -> None:
+    p = tmp_path / "inventory.yaml"
+    p.write_text("hosts: [unclosed\n")
+    assert names(["-i", str(p), "deploy", "ct200"]) is None
+    assert names(["-i", str(tmp_path / "missing.yaml"), "ping"]) is None
+
+
+def test_a_host_that_never_answers_is_waited_for_once(tmp_path: Path) -> None:
+    """The early start meets the silent host first; the command must report that outcome, not try again (which
+    would double every wait on a dead host)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)  # held open, never a banner
+
+    threading.Thread(target=serve, daemon=True).start()
+    (tmp_path / "kh").write_text("")
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(f"hosts:\n  mute: {{address: 127.0.0.1, port: {port}, known_hosts: kh}}\n"
+                   "containers:\n  ct1: {host: mute, vmid: 101}\n")
+    env = {k: v for k, v in os.environ.items() if k != "CTL_PERSIST"}
+    env.update(CTL_STATE_DIR=str(tmp_path / "state"), CTL_CONNECT_TIMEOUT="1", PYTHONPATH=str(REPO))
+    argv = [sys.executable, "-m", "controller", "-i", str(inv), "ping", "ct1"]
+    try:
+        r = subprocess.run([*argv, "--debug"], capture_output=True, text=True, env=env, timeout=60)
+        once = len(accepted)
+        direct = subprocess.run(argv, capture_output=True, text=True, env=dict(env, CTL_PERSIST="0"), timeout=60)
+    finally:
+        listener.close()
+        for c in accepted:
+            c.close()
+    assert r.returncode != 0, r.stdout
+    assert "starting ctl's persistent session for mute while ctl loads" in r.stderr, r.stderr
+    assert once == 1, (once, r.stdout, r.stderr)
+    # what the user reads, with or without a session: the one line that says what happened, no traceback
+    # (paramiko's transport thread logs one; its "No existing session" said nothing of the silence)
+    for res in (r, direct):
+        assert (f"ct1          FAIL  mute: 127.0.0.1:{port} accepted the connection but no SSH server answered "
+                "in 1s (no SSH banner)") in res.stdout, (res.stdout, res.stderr)
+        assert "Traceback" not in res.stderr and "Exception" not in res.stderr, res.stderr
