@@ -5,6 +5,8 @@ and two users on one machine."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -200,6 +202,64 @@ def test_a_command_gone_while_its_session_starts_leaves_one_session_that_the_nex
         env.ctl("mux", "stop", check=True)
         _wait(lambda pid=pid: not _alive(pid), what="the session to end")
         before = sshd_sessions(env, "pve1")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                if int((d / "stat").read_text().rsplit(") ", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+    return out
+
+
+@pytest.mark.parametrize("closed", [None, 0, 1, 2])
+def test_a_command_with_a_standard_stream_closed_hands_its_spawn_lock_to_the_session(env: Env,
+                                                                                    closed: int | None) -> None:
+    """A command started with stdin, stdout or stderr closed (`<&-`, a supervisor) opens its spawn lock on that
+    low fd. The session it starts must still inherit the lock (held until it listens, even with the command
+    killed), and must neither close its own stdout before its "ready" line nor its log (stderr)."""
+    code = textwrap.dedent(f"""
+        import os
+        from controller.inventory import load
+        from controller.transport.pool import Pool
+        inv = load({str(env.inventory)!r})
+        if {closed!r} is not None:
+            os.close({closed!r})  # the lowest free fd: the spawn lock gets it
+        with Pool(inv) as pool:
+            pool.container(inv.container("ct200")).run(["true"])
+        """)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env.env, cwd=REPO, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon: list[int] = []
+
+    def spawned() -> bool:
+        daemon[:] = [c for c in _children(proc.pid)
+                     if b"controller.transport.mux.daemon" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        return bool(daemon)
+
+    _wait(spawned, 60, "the session process")
+    os.kill(daemon[0], signal.SIGSTOP)  # it cannot listen (and let the lock go) while we look
+    try:
+        (info,) = (env.state / "mux").glob("*.spawn")
+        sock = socket_dir(create=False) / f"{info.stem}.sock"
+        assert not sock.exists(), "the session listened before it was stopped"
+        proc.kill()
+        proc.wait(timeout=30)
+        with open(info) as lock, pytest.raises(BlockingIOError):  # the session process holds it
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.kill(daemon[0], signal.SIGCONT)
+    _wait(lambda: sock.exists(), 60, "the session to listen")
+    nxt = env.ctl("--debug", "ping", "ct200")
+    assert nxt.returncode == 0, nxt.stdout + nxt.stderr
+    assert _session(nxt) == ("reused", daemon[0]), nxt.stderr
+    log = next((env.state / "mux").glob("*.log")).read_text()
+    assert "Traceback" not in log, log
+    env.ctl("mux", "stop", check=True)
+    _wait(lambda: not _alive(daemon[0]), what="the session to end")
+    assert "ending: " in (env.state / "mux" / f"{info.stem}.log").read_text()  # its log still written
 
 
 def test_state_directory_too_long_for_a_socket_path_puts_the_socket_under_a_short_one(

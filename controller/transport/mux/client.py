@@ -282,6 +282,9 @@ class MuxRelay(HostRelay):
         session starts never lets a second one start beside it."""
         ep = self.host
         log = meta / f"{key}.log"
+        # Passed at 3 or above: a command started with stdin, stdout or stderr closed has its lock on that fd,
+        # which the session's own standard streams would replace (the lock lost) and which it would then close.
+        lock_fd = fcntl.fcntl(lock_fd, fcntl.F_DUPFD_CLOEXEC, 3)
         spec = {"name": ep.name, "address": ep.address, "port": ep.port, "user": ep.user,
                 "identity_file": ep.identity_file, "known_hosts": ep.known_hosts,
                 "connect_timeout": ep.connect_timeout, "idle": self.idle, "socket": str(path),
@@ -298,6 +301,7 @@ class MuxRelay(HostRelay):
                     pass_fds=(lock_fd,))
         finally:
             os.umask(old)
+            os.close(lock_fd)
         assert proc.stdout is not None
         # It connects (connect_timeout) and starts the relay (its hello deadline) before it answers.
         wait = ep.connect_timeout + self.hello_timeout + 10

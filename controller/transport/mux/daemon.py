@@ -305,7 +305,7 @@ def serve(spec: dict[str, Any]) -> int:
     ident = (st.st_dev, st.st_ino)
     srv.listen(128)
     srv.settimeout(0.2)
-    if isinstance(spec.get("lock_fd"), int):
+    if isinstance(spec.get("lock_fd"), int) and spec["lock_fd"] > 2:  # never one of our standard streams
         # The starter's spawn lock, held through our start so that no second session starts beside us even
         # when the starter went away; a command waiting on it now finds us listening.
         with contextlib.suppress(OSError):
