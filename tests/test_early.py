@@ -121,3 +121,30 @@ def test_a_host_that_never_answers_is_waited_for_once(tmp_path: Path) -> None:
         assert (f"ct1          FAIL  mute: 127.0.0.1:{port} accepted the connection but no SSH server answered "
                 "in 1s (no SSH banner)") in res.stdout, (res.stdout, res.stderr)
         assert "Traceback" not in res.stderr and "Exception" not in res.stderr, res.stderr
+
+
+def test_an_error_of_any_kind_in_the_early_start_is_the_commands_own(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the early start meets, whatever its type (here: out of file descriptors as the session process is
+    started), is what the command's own start raises, as if it had started the session itself; never a traceback
+    from the background thread and a silent fall back to one exec per container."""
+    from controller.transport.mux import client
+    from controller.transport.ssh import SshEndpoint
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("CTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+
+    def spawn_once(*_: object) -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(client.MuxRelay, "_spawn_once", spawn_once)
+    hooked: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", hooked.append)
+    ep = SshEndpoint("h1", "127.0.0.1", port=9, known_hosts=str(tmp_path / "kh"))
+    assert client.start_early(ep, 60)
+    relay = client.MuxRelay(ep, 60)
+    with pytest.raises(OSError, match="Too many open files"):
+        relay.available()
+    assert hooked == []

@@ -196,7 +196,7 @@ class MuxRelay(HostRelay):
         early.thread.join(wait)
         if early.thread.is_alive():
             raise DeadlineExceeded(f"{self.host.name}: ctl's session did not start in {wait:g}s")
-        if isinstance(early.outcome, CtlError):
+        if isinstance(early.outcome, Exception):
             raise early.outcome
         if early.outcome is None or early.outcome[0] != "up":
             self._state = "unavailable"
@@ -405,11 +405,12 @@ class MuxRelay(HostRelay):
 
 class _Early:
     """A session start begun in the background (start_early); `outcome`, once the thread ends: ("up", whether it
-    started the session process), ("unavailable", why), or the CtlError it met."""
+    started the session process), ("unavailable", why), or the exception it met (of any type: the command raises
+    it as its own start would have; the thread prints nothing)."""
 
     def __init__(self, ep: SshEndpoint, idle: int, warn: Callable[[str], None] | None) -> None:
         self.ep, self.idle, self.warn = ep, idle, warn
-        self.outcome: tuple[str, Any] | CtlError | None = None
+        self.outcome: tuple[str, Any] | Exception | None = None
         self.thread = threading.Thread(target=self._run, name=f"early-{ep.name}", daemon=True)
 
     def _run(self) -> None:
@@ -417,7 +418,7 @@ class _Early:
         try:
             up = relay.available()
             self.outcome = ("up", relay.started_session) if up else ("unavailable", relay.why_unavailable)
-        except CtlError as e:
+        except Exception as e:  # the command raises it (_early_outcome)
             self.outcome = e
         finally:
             relay.close()  # the session stays; the command connects to it again
