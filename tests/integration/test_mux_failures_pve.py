@@ -262,6 +262,35 @@ def test_a_command_with_a_standard_stream_closed_hands_its_spawn_lock_to_the_ses
     assert "ending: " in (env.state / "mux" / f"{info.stem}.log").read_text()  # its log still written
 
 
+def test_a_session_process_that_never_listens_is_ended_by_the_command_that_gave_up_on_it(env: Env) -> None:
+    """The session process holds the spawn lock until it listens. One that hangs before (here: stopped) is given
+    up on by its command at that command's deadline, and must not keep the lock from there on: the next command
+    starts a session of its own instead of waiting for the lock and failing with "another ctl command has been
+    starting the session"."""
+    env.env.update(CTL_CONNECT_TIMEOUT="2", CTL_TIMEOUT="2")  # the starter waits 2 + 2 + 10 s
+    first = _ctl(env, "ping", "ct200")
+    daemon: list[int] = []
+
+    def spawned() -> bool:
+        daemon[:] = [c for c in _children(first.pid)
+                     if b"controller.transport.mux.daemon" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        return bool(daemon)
+
+    _wait(spawned, 60, "the session process")
+    os.kill(daemon[0], signal.SIGSTOP)
+    try:
+        assert not any((env.state / "mux").glob("*.json")), "the session listened before it was stopped"
+        out, err = first.communicate(timeout=60)
+        assert first.returncode != 0 and "did not say it listens in 14s" in out + err, out + err
+        nxt = env.ctl("--debug", "ping", "ct200", timeout=60)
+        assert nxt.returncode == 0, nxt.stdout + nxt.stderr
+        assert _session(nxt)[0] == "started"
+        assert not _alive(daemon[0])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(daemon[0], signal.SIGKILL)
+
+
 def test_state_directory_too_long_for_a_socket_path_puts_the_socket_under_a_short_one(
         env: Env, tmp_path: Path) -> None:
     state = tmp_path / ("s" * 100) / ("t" * 100)

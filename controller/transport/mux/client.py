@@ -309,8 +309,14 @@ class MuxRelay(HostRelay):
         line = proc.stdout.readline() if ready else b""
         proc.stdout.close()
         if not ready:
+            # Its own deadlines (connect_timeout, the relay's hello) have passed: it hangs (an ssh agent that
+            # never answers...). It holds the spawn lock until it listens, so it would keep every later command
+            # from starting a session; it is ours and nobody will use it: it goes, with what it started.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             raise DeadlineExceeded(f"{ep.name}: ctl's session process (pid {proc.pid}) did not say it listens "
-                                   f"in {wait:g}s (see {log})")
+                                   f"in {wait:g}s and was ended (see {log})")
         try:
             doc = json.loads(line) if line.strip() else {}
         except json.JSONDecodeError:
