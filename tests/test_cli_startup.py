@@ -144,3 +144,35 @@ def test_paramiko_is_imported_without_invoke_or_importlib_metadata_and_knows_its
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     skipped, banner, installed, kind = json.loads(r.stdout)
     assert skipped == [] and banner == installed and kind == "module", r.stdout
+
+
+def test_importlib_metadata_imported_by_another_thread_while_paramiko_loads_works() -> None:
+    """_Versions stands in for importlib.metadata in sys.modules while paramiko imports: another thread that
+    imports importlib.metadata then (`import importlib.metadata; importlib.metadata.version(...)`) must get a
+    working module, and two threads that both load paramiko must both get it."""
+    code = (
+        "import sys, threading, json\n"
+        "from controller.transport.ssh import _paramiko\n"
+        "out = []\n"
+        "def other():\n"
+        "    while type(sys.modules.get('importlib.metadata')).__name__ != '_Versions':\n"
+        "        pass\n"
+        "    try:\n"
+        "        import importlib.metadata\n"
+        "        out.append(importlib.metadata.version('paramiko'))\n"
+        "    except Exception as e:\n"
+        "        out.append(repr(e))\n"
+        "def para():\n"
+        "    try:\n"
+        "        out.append(_paramiko().__version__)\n"
+        "    except Exception as e:\n"
+        "        out.append(repr(e))\n"
+        "ts = [threading.Thread(target=other), threading.Thread(target=para), threading.Thread(target=para)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "print(json.dumps([sorted(out), 'invoke' in sys.modules]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
+                       timeout=60)
+    out, invoke = json.loads(r.stdout)
+    import paramiko
+
+    assert out == [paramiko.__version__] * 3 and not invoke, r.stdout

@@ -71,28 +71,50 @@ class _Versions(types.ModuleType):
         return importlib.metadata
 
 
+_PARAMIKO_LOCK = threading.Lock()
+
+
 def _paramiko() -> Any:
     """paramiko, imported on first use without invoke (paramiko.config imports it, ~40 ms, only to evaluate
     `Match exec` in ssh_config, which _ssh_config loads on demand) and without importlib.metadata (_Versions)."""
-    if "paramiko" not in sys.modules and "invoke" not in sys.modules:
-        sys.modules["invoke"] = None  # type: ignore[assignment]  # import invoke -> ImportError, handled by paramiko
-        versions = None
-        if "importlib.metadata" not in sys.modules:
-            versions = sys.modules["importlib.metadata"] = _Versions()
-        try:
-            import paramiko
-        finally:
-            del sys.modules["invoke"]
-            if versions is not None and sys.modules.get("importlib.metadata") is versions:
-                del sys.modules["importlib.metadata"]
-        import logging
+    if "paramiko" in sys.modules:
+        import paramiko
 
-        # paramiko's transport thread logs what ended it (with a traceback) at ERROR; with no handler configured,
-        # logging's last resort would print that on the user's terminal. ctl reports the failure itself, once.
-        logging.getLogger("paramiko").addHandler(logging.NullHandler())
+        return paramiko
+    # One import at a time: the stand-ins in sys.modules are the whole process's, and a second thread must
+    # neither put its own over them nor take them away under the first one's import.
+    with _PARAMIKO_LOCK:
+        if "paramiko" not in sys.modules and "invoke" not in sys.modules:
+            _import_paramiko()
     import paramiko
 
     return paramiko
+
+
+def _import_paramiko() -> None:
+    import importlib
+
+    sys.modules["invoke"] = None  # type: ignore[assignment]  # import invoke -> ImportError, handled by paramiko
+    versions = None
+    if "importlib.metadata" not in sys.modules:
+        # Also the package's attribute: another thread's `import importlib.metadata` finds the stand-in in
+        # sys.modules and then reads importlib.metadata (no attribute is set for a module found there).
+        versions = sys.modules["importlib.metadata"] = _Versions()
+        importlib.metadata = versions
+    try:
+        import paramiko  # noqa: F401
+    finally:
+        del sys.modules["invoke"]
+        if versions is not None:
+            if sys.modules.get("importlib.metadata") is versions:
+                del sys.modules["importlib.metadata"]
+            if getattr(importlib, "metadata", None) is versions:
+                del importlib.metadata
+    import logging
+
+    # paramiko's transport thread logs what ended it (with a traceback) at ERROR; with no handler configured,
+    # logging's last resort would print that on the user's terminal. ctl reports the failure itself, once.
+    logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 def _ssh_config(address: str) -> dict[str, Any]:
