@@ -69,6 +69,8 @@ def test_lines_that_name_containers(inv: str, line: str, want: list[str]) -> Non
     "mux stop pve1",  # never start a session to stop it
     "config show", "mux status", "nosuch ct200",
     "deploy -- ct200",
+    "--version ping ct200",  # prints the version and exits: no connection
+    "ping ct200 --show-completion",
 ])
 def test_lines_that_begin_nothing(inv: str, line: str) -> None:
     assert names(["-i", inv, *line.split()]) is None

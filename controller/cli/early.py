@@ -25,13 +25,16 @@ NAME_KINDS = ("targets", "containers", "container_or_run")
 ALL_WHEN_NONE = ("ping",)
 ONLY_WHEN_NONE = ("deploy", "store prune", "store status")
 DRY_RUN_CONNECTS = ("deploy",)  # its plan is made against the containers' files
+# Lines on which the command never connects (eager options that print and exit), or after `--` names are not
+# what they seem.
+NEVER = frozenset({"--", "--help", "--version", "--install-completion", "--show-completion"})
 
 
 def containers(argv: list[str]) -> tuple[Inventory, list[Container]] | None:
     """The inventory and the containers `ctl ARGV` will reach, when the line says so for certain; else None."""
     from controller.cli.complete import Line
 
-    if "--" in argv or "--help" in argv:
+    if NEVER & set(argv):
         return None
     line = Line(argv)
     command = " ".join(line.path)
