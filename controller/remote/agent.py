@@ -84,9 +84,13 @@ def keep_compiled(entry):
         with os.fdopen(fd, "wb") as f:
             f.write(marshal.dumps(code))
         os.replace(tmp, path)
-        kept = sorted((e for e in os.scandir(d) if e.name.startswith("agent-") and not e.name.endswith(".tmp")),
+        entries = [e for e in os.scandir(d) if e.name.startswith("agent-")]
+        kept = sorted((e for e in entries if not e.name.endswith(".tmp")),
                       key=lambda e: e.stat(follow_symlinks=False).st_mtime, reverse=True)
-        for e in kept[COMPILED_KEEP:]:
+        # a temporary name left by an agent killed while it wrote goes once it is surely nobody's
+        stale = [e for e in entries if e.name.endswith(".tmp")
+                 and time.time() - e.stat(follow_symlinks=False).st_mtime > 600]
+        for e in kept[COMPILED_KEEP:] + stale:
             os.unlink(e.path)
     except (OSError, ValueError):
         pass

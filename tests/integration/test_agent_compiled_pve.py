@@ -70,6 +70,11 @@ def test_the_compiled_agent_is_kept_and_only_a_trusted_copy_runs(pve_env: Env,
         path.write_bytes(b"\x00not marshal")
         os.chmod(path, 0o600)
 
+    left = run / (path.name + ".999.tmp")  # an agent killed while it wrote
+    left.write_bytes(b"partial")
+    os.utime(left, (1, 1))
+    young = run / (path.name + ".998.tmp")  # one that may be writing now
+    young.write_bytes(b"partial")
     for plant in (other_owner, writable_by_others, symlink, garbage):
         plant()
         r = env.ctl("ping", "ct200")
@@ -79,4 +84,6 @@ def test_the_compiled_agent_is_kept_and_only_a_trusted_copy_runs(pve_env: Env,
         assert (st.st_uid, st.st_mode & 0o7777) == (0, 0o600) and not path.is_symlink(), plant.__name__
         assert isinstance(marshal.loads(path.read_bytes()), types.CodeType), plant.__name__
     assert elsewhere.read_bytes() == planted  # a symlink's target is never written either
+    assert not left.exists() and young.exists()
+    young.unlink()
     assert _kept(run) == [path]
