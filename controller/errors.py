@@ -130,6 +130,11 @@ class ApiError(CtlError):
     exit_code = ExitCode.API
 
 
+class OutputTooLarge(CtlError):
+    """A command wrote more than its caller would hold (a reply of ctl's agent is bounded): it was stopped there,
+    and the rest never read, let alone kept in memory."""
+
+
 class RemoteCommandError(CtlError):
     """A remote command exited non-zero. Shows where, what, the exit code and the last lines of stderr."""
 

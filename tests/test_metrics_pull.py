@@ -291,9 +291,10 @@ def test_a_pull_that_lost_a_race_stores_nothing(fake_run: tuple[Counting, Regist
     log.write_bytes(lines(1, 10))
 
     class Racing(Counting):
-        def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None) -> Result:
+        def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
+                max_output: int | None = None) -> Result:
             reg.set_cursor(rec.id, 7, "x", b"")  # another ctl moved the cursor meanwhile
-            return super().run(argv, stdin=stdin, timeout=timeout)
+            return super().run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
 
     with pytest.raises(BusyError, match="pulling"):
         monitor.pull(Racing(t.inner), reg, rec)

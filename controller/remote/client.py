@@ -29,6 +29,7 @@ from controller.errors import (
     DiskError,
     EnvMismatch,
     InputError,
+    OutputTooLarge,
     RemoteCommandError,
     VerifyError,
 )
@@ -126,23 +127,29 @@ class Agent:
              timeout: float | None = None, check: bool = True) -> dict[str, Any]:
         """Run one verb; its answer. With `check`, a refusal ({"ok": false}) raises what its code names."""
         res = self.exec(verb, self.argv(verb, args), agent_source() + payload, timeout)
-        self.bounded(verb, res, MAX_REPLY)
         doc = self.parse(verb, res)
         if check and not doc.get("ok"):
             raise self.error(doc)
         return doc
 
     def exec(self, verb: str, argv: list[str], stdin: bytes, timeout: float | None, *,
-             reads_only: bool | None = None) -> Result:
+             reads_only: bool | None = None, limit: int = MAX_REPLY) -> Result:
         """One request, answered by the container's staying agent when its transport keeps one (see
         controller/remote/hostrelay.py), else by an agent of its own exec: the same Result either way.
-        `reads_only` (default: the verb is in READ_ONLY) lets the relay send it again to a new agent."""
+        `reads_only` (default: the verb is in READ_ONLY) lets the relay send it again to a new agent. A reply
+        past `limit` bytes is stopped as it arrives and refused in one line: a container never makes ctl hold
+        more than that."""
         n = len(agent_source())
-        if len(stdin) - n > STAYING_MAX_INPUT:
-            return self.t.run(argv, stdin=stdin, timeout=timeout)
-        assert argv[VERB_AT] == verb
-        retry = verb in READ_ONLY if reads_only is None else reads_only
-        return self.t.run_agent(argv, AgentStart(VERB_AT, n, retry, agent_sha()), stdin=stdin, timeout=timeout)
+        try:
+            if len(stdin) - n > STAYING_MAX_INPUT:
+                return self.t.run(argv, stdin=stdin, timeout=timeout, max_output=limit)
+            assert argv[VERB_AT] == verb
+            retry = verb in READ_ONLY if reads_only is None else reads_only
+            return self.t.run_agent(argv, AgentStart(VERB_AT, n, retry, agent_sha()), stdin=stdin, timeout=timeout,
+                                    max_output=limit)
+        except OutputTooLarge:
+            raise AgentReplyError(f"{self.name}: agent {verb}: reply over {limit:,} bytes refused "
+                                  "(stopped there; the rest was not read)") from None
 
     def sync(self, args: Sequence[str], header: bytes, tar: bytes | None = None, *, timeout: float | None = None
              ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -152,7 +159,6 @@ class Agent:
         payload = header if tar is None else header + b"apply\n" + tar
         res = self.exec("sync", self.argv("sync", args), agent_source() + payload, timeout,
                         reads_only=tar is None)
-        self.bounded("sync", res, MAX_REPLY)
         lines = res.stdout.strip().splitlines()
         plan = self.json_line(lines[0]) if len(lines) > 1 else None
         final = self.json_line(lines[-1]) if len(lines) > 1 else None
@@ -166,8 +172,7 @@ class Agent:
         The header's "length" must match what arrived: a short read is a dropped connection."""
         argv = self.argv(verb, args)
         stdin = agent_source()
-        res = self.exec(verb, argv, stdin, timeout)
-        self.bounded(verb, res, MAX_REPLY + int(args.get("max_bytes", 8 << 20)))
+        res = self.exec(verb, argv, stdin, timeout, limit=MAX_REPLY + int(args.get("max_bytes", 8 << 20)))
         head, sep, data = res.stdout.partition(b"\n")
         doc = self.json_line(head) if sep else None
         if doc is None:
@@ -254,12 +259,6 @@ class Agent:
                                   + (kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)))
         return value
 
-    def bounded(self, verb: str, res: Result, limit: int) -> None:
-        """Refuse an answer larger than `limit` bytes with one line (a reply is never shown or parsed whole)."""
-        size = len(res.stdout) + len(res.stderr)
-        if size > limit:
-            raise AgentReplyError(f"{self.name}: agent {verb}: reply of {size:,} bytes refused (limit {limit:,})")
-
     @staticmethod
     def json_line(line: bytes | str) -> dict[str, Any] | None:
         try:
@@ -280,9 +279,12 @@ class Agent:
 
     def probe_env(self, *, venv: str | None, cache_dir: str | None) -> dict[str, Any]:
         """One exec: `python3 - [--venv V] [--cache-dir C]` with the probe on stdin; its JSON document."""
-        res = self.t.run(["python3", "-", *self.env_probe_args(venv=venv, cache_dir=cache_dir)],
-                         stdin=source("probe_env.py"), timeout=120)
-        self.bounded("env probe", res, MAX_REPLY)
+        try:
+            res = self.t.run(["python3", "-", *self.env_probe_args(venv=venv, cache_dir=cache_dir)],
+                             stdin=source("probe_env.py"), timeout=120, max_output=MAX_REPLY)
+        except OutputTooLarge:
+            raise AgentReplyError(f"{self.name}: env probe: reply over {MAX_REPLY:,} bytes refused "
+                                  "(stopped there; the rest was not read)") from None
         return self.env_doc(res.stdout, res.returncode, res.err)
 
     def env_probe_request(self, *, venv: str | None, cache_dir: str | None) -> tuple[dict[str, Any], bytes]:

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from controller.errors import RemoteCommandError
+from controller.errors import OutputTooLarge, RemoteCommandError
 
 #: A timeout that means "no deadline": for work that is legitimately long (a cache save, a venv build). A
 #: timeout of None means the endpoint's default deadline (`Transport.request_timeout`, CTL_TIMEOUT).
@@ -79,6 +79,11 @@ class AgentStart:
     sha: str = ""
 
 
+def too_large(name: str, argv: Sequence[str], max_output: int) -> OutputTooLarge:
+    return OutputTooLarge(f"{name}: `{shlex.join(argv[:3])} ...` wrote more than {max_output:,} bytes: stopped there, "
+                          "the rest not read")
+
+
 class Transport(ABC):
     """Somewhere commands run and files land: a host or a container."""
 
@@ -90,9 +95,12 @@ class Transport(ABC):
 
     @abstractmethod
     def run(
-        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None
+        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
+        max_output: int | None = None,
     ) -> Result:
-        """Run argv (no shell unless argv itself starts one) and wait for it."""
+        """Run argv (no shell unless argv itself starts one) and wait for it. With `max_output`, stdout and stderr
+        together past that many bytes stop it there (OutputTooLarge): what a container writes is never held
+        whole before it is judged."""
 
     @abstractmethod
     def put(self, local_path: str, remote_path: str) -> None:
@@ -108,10 +116,10 @@ class Transport(ABC):
         return False
 
     def run_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
-                  timeout: float | None = None) -> Result:
+                  timeout: float | None = None, max_output: int | None = None) -> Result:
         """run(argv) for a request of ctl's agent; a transport whose host relay keeps staying agents has one of
         them answer it (the same Result, without an exec, a python3 start or a compile)."""
-        return self.run(argv, stdin=stdin, timeout=timeout)
+        return self.run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
 
     def stream(
         self, argv: Sequence[str], *, timeout: float | None = None, idle: float | None = None

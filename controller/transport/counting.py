@@ -14,8 +14,9 @@ class Counting(Transport):
         self.inner, self.name = inner, inner.name
         self.sent = self.received = self.calls = 0
 
-    def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None) -> Result:
-        res = self.inner.run(argv, stdin=stdin, timeout=timeout)
+    def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
+            max_output: int | None = None) -> Result:
+        res = self.inner.run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
         self.calls += 1
         self.sent += len(stdin or b"") + sum(len(a.encode()) for a in argv)
         self.received += len(res.stdout) + len(res.stderr)

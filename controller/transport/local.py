@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from controller.errors import ConnectionFailed
-from controller.transport.base import Duplex, Result, Transport, limit
+from controller.transport.base import Duplex, Result, Transport, limit, too_large
 
 
 class LocalContainer(Transport):
@@ -27,7 +27,8 @@ class LocalContainer(Transport):
         return str(self.root / container_path.lstrip("/"))
 
     def run(
-        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None
+        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
+        max_output: int | None = None,
     ) -> Result:
         self.root.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
@@ -41,6 +42,8 @@ class LocalContainer(Transport):
             return Result(tuple(argv), 127, b"", f"{argv[0]}: command not found\n".encode(), 0.0)
         except subprocess.TimeoutExpired:
             raise ConnectionFailed(f"{self.name}: `{argv[0]}` timed out after {timeout}s") from None
+        if max_output is not None and len(p.stdout) + len(p.stderr) > max_output:
+            raise too_large(self.name, argv, max_output)  # the operator's own machine: judged once it is all here
         return Result(tuple(argv), p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
 
     def stream(

@@ -68,12 +68,13 @@ class PctContainer(Transport):
     def _relay(self) -> HostRelay | None:
         return self.relay if self.relay is not None and self.relay.available() else None
 
-    def _host_run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None) -> Result:
+    def _host_run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
+                  max_output: int | None = None) -> Result:
         """argv on the host: through the relay when there is one, else over the host's own exec."""
         relay = self._relay()
         if relay is not None:
-            return relay.run(argv, stdin=stdin, timeout=timeout)
-        return self.host.run(argv, stdin=stdin, timeout=timeout)
+            return relay.run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
+        return self.host.run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
 
     def _host_stream(self, argv: Sequence[str], *, timeout: float | None = None,
                      idle: float | None = None) -> Iterator[tuple[str, bytes]]:
@@ -108,9 +109,10 @@ class PctContainer(Transport):
     # --- Transport ------------------------------------------------------------------------------
 
     def run(
-        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None
+        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
+        max_output: int | None = None,
     ) -> Result:
-        res = self._host_run(self.exec_argv(argv), stdin=stdin, timeout=timeout)
+        res = self._host_run(self.exec_argv(argv), stdin=stdin, timeout=timeout, max_output=max_output)
         self._raise_pct(res)
         return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)
 
@@ -119,14 +121,14 @@ class PctContainer(Transport):
         return relay is not None and relay.staying
 
     def run_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
-                  timeout: float | None = None) -> Result:
+                  timeout: float | None = None, max_output: int | None = None) -> Result:
         """Through the host relay's staying agent for this container when it keeps them (no `pct exec` per
         request); pct's refusals still surface as NotRunning (the relay runs the exec when none can start)."""
         relay = self._relay()
         if relay is None or not relay.staying:
-            return self.run(argv, stdin=stdin, timeout=timeout)
+            return self.run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
         shifted = dataclasses.replace(start, at=len(self.exec_argv([])) + start.at)
-        res = relay.run(self.exec_argv(argv), stdin=stdin, timeout=timeout, agent=shifted)
+        res = relay.run(self.exec_argv(argv), stdin=stdin, timeout=timeout, agent=shifted, max_output=max_output)
         self._raise_pct(res)
         return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded, RelayExited, RemoteCommandError
 from controller.remote import source
-from controller.transport.base import AgentStart, Duplex, Result, Transport, limit
+from controller.transport.base import AgentStart, Duplex, Result, Transport, limit, too_large
 from controller.transport.ssh import SshEndpoint
 
 HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/remote/hostrelay.py)
@@ -85,10 +85,12 @@ def speaks_agent(hello: dict[str, Any]) -> bool:
 
 
 class _Stream:
-    def __init__(self, argv: tuple[str, ...]) -> None:
+    def __init__(self, argv: tuple[str, ...], cap: int | None = None) -> None:
         self.argv = argv
-        self.out = b""
-        self.err = b""
+        self.out = bytearray()  # grown in place: a reply of n frames costs n appends, not n copies of it
+        self.err = bytearray()
+        self.cap = cap  # bytes of stdout + stderr this stream may hold (None: no limit)
+        self.over = False  # it wrote past cap: what came after was dropped, the caller stops it
         self.code: int | None = None
         self.dead: ConnectionFailed | None = None  # how the channel this stream ran on ended
         self.abandoned = False  # the caller stopped reading (K sent): its output is dropped, its id kept until X
@@ -249,7 +251,9 @@ class HostRelay:
                 if kind == b"X":  # the relay forgot the id: it is free again
                     del self._streams[sid]
                 return
-            if kind == b"O":
+            if kind in (b"O", b"E") and st.cap is not None and len(st.out) + len(st.err) + len(payload) > st.cap:
+                st.over = True
+            elif kind == b"O":
                 st.out += payload
             elif kind == b"E":
                 st.err += payload
@@ -273,12 +277,14 @@ class HostRelay:
 
     # --- streams ----------------------------------------------------------------------------------
 
-    def open(self, argv: Sequence[str], *, agent: AgentStart | None = None) -> _RelayDuplex:
+    def open(self, argv: Sequence[str], *, agent: AgentStart | None = None,
+             max_output: int | None = None) -> _RelayDuplex:
         """Start argv on the host (no shell) through the relay; a conversation like a direct exec's. With `agent`
-        (only when `staying`), argv is a request of ctl's agent that a staying agent answers (A frame)."""
+        (only when `staying`), argv is a request of ctl's agent that a staying agent answers (A frame). With
+        `max_output`, finish() stops it once its output passes that many bytes (OutputTooLarge)."""
         with self._cond:
             sid = self._free_sid()
-            self._streams[sid] = _Stream(tuple(argv))
+            self._streams[sid] = _Stream(tuple(argv), max_output)
         self.streams_opened += 1
         if agent is not None:
             kind, start = b"A", json.dumps({"argv": list(argv), "at": agent.at, "n": agent.n, "retry": agent.retry,
@@ -294,19 +300,19 @@ class HostRelay:
         return _RelayDuplex(self, sid)
 
     def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
-            agent: AgentStart | None = None) -> Result:
+            agent: AgentStart | None = None, max_output: int | None = None) -> Result:
         """argv on the host through the relay, waited for (SshEndpoint.run's contract, without a login shell).
         An agent request whose source the relay has (sent before on this relay, or kept by a session this command
         did not start) travels without it; when the relay answers that it lacks it (U), it is sent again with it."""
         if agent is not None and agent.sha and stdin is not None and agent.n and self.has_source(agent.sha):
-            d = self.open(argv, agent=dataclasses.replace(agent, n=0))
+            d = self.open(argv, agent=dataclasses.replace(agent, n=0), max_output=max_output)
             d.send(stdin[agent.n:])
             res = d.finish(timeout)
             if not d.st.unknown_source:
                 return res
             with self._cond:
                 self.sources_missing.add(agent.sha)
-        d = self.open(argv, agent=agent)
+        d = self.open(argv, agent=agent, max_output=max_output)
         if stdin:
             d.send(stdin)
         res = d.finish(timeout)
@@ -345,8 +351,8 @@ class HostRelay:
                         if left is not None and left <= 0:
                             break
                         self._cond.wait(left)
-                    out, err, code, dead = st.out, st.err, st.code, st.dead
-                    st.out = st.err = b""
+                    out, err, code, dead = bytes(st.out), bytes(st.err), st.code, st.dead
+                    st.out, st.err = bytearray(), bytearray()
                     if code is not None or dead is not None:
                         done = True
                         self._streams.pop(d.sid, None)
@@ -395,7 +401,8 @@ class HostRelay:
             chan.shutdown_write()
         if self._reader is not None and not self.stuck:
             self._reader.join(timeout=5)
-        chan.close()
+        with contextlib.suppress(OSError, EOFError):  # its connection may have gone first: closed all the same
+            chan.close()
         self._chan = None
 
 
@@ -435,7 +442,7 @@ class _RelayDuplex(Duplex):
                 del self.relay._streams[self.sid]
                 return
             st.abandoned = True
-            st.out = st.err = b""
+            st.out, st.err = bytearray(), bytearray()
         with contextlib.suppress(ConnectionFailed):
             self.relay._send(b"K", self.sid)
 
@@ -447,7 +454,7 @@ class _RelayDuplex(Duplex):
             st = self.relay._streams.get(self.sid)
             if st is self.st:
                 st.abandoned = True
-                st.out = st.err = b""
+                st.out, st.err = bytearray(), bytearray()
             self.relay.stuck = True
         telling = threading.Thread(target=self._tell_late, name=f"late-{self.relay.host.name}", daemon=True)
         telling.start()
@@ -468,7 +475,7 @@ class _RelayDuplex(Duplex):
         with self.relay._cond:
             while b"\n" not in st.out:
                 if st.code is not None:
-                    line, st.out = st.out, b""
+                    line, st.out = bytes(st.out), bytearray()
                     return line
                 if st.dead is not None:
                     raise self._lost(st.dead)
@@ -477,8 +484,10 @@ class _RelayDuplex(Duplex):
                     assert timeout is not None
                     raise self._late("reading from", timeout)
                 self.relay._cond.wait(left)
-            line, _, st.out = st.out.partition(b"\n")
-            return line + b"\n"
+            end = st.out.index(b"\n") + 1
+            line = bytes(st.out[:end])
+            del st.out[:end]
+            return line
 
     def finish(self, timeout: float | None = None) -> Result:
         self.close_stdin()
@@ -486,7 +495,7 @@ class _RelayDuplex(Duplex):
         deadline = None if timeout is None else time.monotonic() + timeout
         st = self.st
         with self.relay._cond:
-            while st.code is None:
+            while st.code is None and not st.over:
                 if st.dead is not None:
                     raise self._lost(st.dead)
                 left = None if deadline is None else deadline - time.monotonic()
@@ -494,9 +503,13 @@ class _RelayDuplex(Duplex):
                     assert timeout is not None
                     raise self._late("waiting for", timeout)
                 self.relay._cond.wait(left)
-            self.relay._streams.pop(self.sid, None)
-            out, st.out = st.out, b""
-        return Result(st.argv, st.code, out, st.err, time.monotonic() - st.t0)
+            if st.code is not None and not st.over:
+                self.relay._streams.pop(self.sid, None)
+                out, st.out = bytes(st.out), bytearray()
+                return Result(st.argv, st.code, out, bytes(st.err), time.monotonic() - st.t0)
+        self.abandon()  # K: the relay stops it (an exec's pipes close, a staying agent is ended)
+        assert st.cap is not None
+        raise too_large(self.relay.host.name, st.argv, st.cap)
 
 
 class RelayEndpoint(Transport):
@@ -513,22 +526,23 @@ class RelayEndpoint(Transport):
     def _up(self) -> HostRelay | None:
         return self.relay if self.relay.available() else None
 
-    def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None) -> Result:
+    def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
+            max_output: int | None = None) -> Result:
         relay = self._up()
         if relay is None:
-            return self.ep.run(argv, stdin=stdin, timeout=timeout)
-        return relay.run(argv, stdin=stdin, timeout=timeout)
+            return self.ep.run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
+        return relay.run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
 
     def keeps_agents(self) -> bool:
         relay = self._up()
         return relay is not None and relay.staying
 
     def run_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
-                  timeout: float | None = None) -> Result:
+                  timeout: float | None = None, max_output: int | None = None) -> Result:
         relay = self._up()
         if relay is None or not relay.staying:
-            return self.run(argv, stdin=stdin, timeout=timeout)
-        return relay.run(argv, stdin=stdin, timeout=timeout, agent=start)
+            return self.run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
+        return relay.run(argv, stdin=stdin, timeout=timeout, agent=start, max_output=max_output)
 
     def stream(self, argv: Sequence[str], *, timeout: float | None = None,
                idle: float | None = None) -> Iterator[tuple[str, bytes]]:

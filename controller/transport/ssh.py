@@ -25,12 +25,12 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded, HostKeyError
-from controller.transport.base import Duplex, Result, Transport, limit
+from controller.transport.base import Duplex, Result, Transport, limit, too_large
 
 if TYPE_CHECKING:  # paramiko costs ~50 ms to import: only when a connection opens
     from paramiko import SSHClient
@@ -505,19 +505,28 @@ class SshEndpoint(Transport):
         return shlex.join(argv)
 
     def run(
-        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None
+        self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
+        max_output: int | None = None,
     ) -> Result:
         t0 = time.monotonic()
         out: list[bytes] = []
         err: list[bytes] = []
         code = -1
-        for kind, data in self._exec(argv, stdin=stdin, timeout=limit(timeout, self.request_timeout)):
-            if kind == "out":
-                out.append(data)
-            elif kind == "err":
-                err.append(data)
-            else:
-                code = int(data)
+        size = 0
+        chunks = self._exec(argv, stdin=stdin, timeout=limit(timeout, self.request_timeout))
+        try:
+            for kind, data in chunks:
+                if kind == "out":
+                    out.append(data)
+                elif kind == "err":
+                    err.append(data)
+                else:
+                    code = int(data)
+                size += len(data) if kind != "exit" else 0
+                if max_output is not None and size > max_output:
+                    raise too_large(self.name, argv, max_output)
+        finally:
+            chunks.close()  # past the limit: its channel closes now, the rest is never read
         return Result(tuple(argv), code, b"".join(out), b"".join(err), time.monotonic() - t0)
 
     def stream(
@@ -528,7 +537,7 @@ class SshEndpoint(Transport):
 
     def _exec(
         self, argv: Sequence[str], *, stdin: bytes | None, timeout: float | None, idle: float | None = None
-    ) -> Iterator[tuple[str, bytes]]:
+    ) -> Generator[tuple[str, bytes], None, None]:
         chan = self._channel()
         deadline = None if timeout is None else time.monotonic() + timeout
         quiet_since = time.monotonic()

@@ -141,3 +141,63 @@ def test_tail_f_never_holds_more_than_a_line_cap_of_an_unfinished_line(pve_env: 
     big = [line for line in r.stdout.splitlines() if line.startswith("BBB")]
     assert big == ["B" * LINE_CAP + CUT_OPEN.decode()]
     assert max(len(line) for line in r.stdout.splitlines()) <= LINE_CAP + 100
+
+
+# A container that answers an agent request with far more than a reply may hold (256 MiB), through each way ctl
+# reaches it: its own exec (no session, one container), the host relay (no session, two containers) and the
+# persistent session. Run in a process of its own so that its peak memory says what was held.
+_FLOOD = """
+import json, os, sys
+from controller.errors import CtlError
+from controller.inventory import load
+from controller.remote.client import Agent, agent_source
+from controller.transport.pool import Pool
+
+def peak():  # this process's high-water RSS in bytes (VmHWM: ru_maxrss would carry its parent's over the exec)
+    line = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+prog = "import sys,os\\nsys.stdin.buffer.read(int(sys.argv[1]))\\nb=b'x'*(1<<20)\\nfor _ in range(256): os.write(1,b)"
+inv = load(sys.argv[1])
+cts = [inv.container(n) for n in sys.argv[2:]]
+with Pool(inv) as pool:
+    pool.share_exec(cts)
+    agent = Agent(pool.container(cts[0]))
+    src = agent_source()
+    agent.call("hello", {})  # connected, imports done: what grows from here is the reply
+    before = peak()
+    try:
+        agent.exec("flood", ["python3", "-I", "-S", "-c", prog, str(len(src)), "flood"], src, 60, limit=1 << 20)
+        error = None
+    except CtlError as e:
+        error = str(e)
+    grown = peak() - before
+    after = agent.call("hello", {})  # the transport still works
+    # the control: with room for it all, the same reply is held whole (the measure sees it)
+    whole = agent.exec("flood", ["python3", "-I", "-S", "-c", prog, str(len(src)), "flood"], src, 120,
+                       limit=1 << 30)
+    held = peak() - before
+print(json.dumps({"error": error, "grown": grown, "after": after.get("ok"), "whole": len(whole.stdout),
+                  "held": held}))
+"""
+
+
+@pytest.mark.parametrize(("persist", "cts"), [("0", ["ct200"]), ("0", ["ct200", "ct201"]), (None, ["ct200"])],
+                         ids=["exec", "relay", "session"])
+def test_a_reply_past_its_limit_is_stopped_as_it_arrives_on_every_path(pve_env: Env, persist: str | None,
+                                                                       cts: list[str]) -> None:
+    import subprocess
+    import sys
+
+    env = dict(pve_env.env)
+    if persist is not None:
+        env["CTL_PERSIST"] = persist
+    r = subprocess.run([sys.executable, "-c", _FLOOD, str(pve_env.inventory), *cts], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["error"] == ("ct200: agent flood: reply over 1,048,576 bytes refused (stopped there; the rest was "
+                            "not read)"), doc
+    assert doc["grown"] < 48 << 20, doc  # of 256 MiB sent: never held whole
+    assert doc["after"] is True
+    assert doc["whole"] == 256 << 20 and doc["held"] > 200 << 20, doc
