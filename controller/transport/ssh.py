@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # paramiko costs ~50 ms to import: only when a connection ope
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 SSH_CONFIGS = ("~/.ssh/config", "/etc/ssh/ssh_config")  # the user's first: the first value found wins
 _CHUNK = 1 << 16
+CONNECT_PHASES = 3  # TCP connect, SSH banner, authentication: paramiko gives each connect_timeout
 
 
 class _Versions(types.ModuleType):
@@ -342,7 +343,7 @@ class SshEndpoint(Transport):
                 self._conn.close()
             if self._keepalive is not None:
                 self._keepalive.stop()
-            self._conn = self._open()
+            self._conn = self._open_within()
             self.dropped_why = None
             self.connects += 1
             transport = self._conn.get_transport()
@@ -350,6 +351,47 @@ class SshEndpoint(Transport):
             if self.keepalive_interval > 0 and transport is not None:
                 self._keepalive = _Keepalive(self, transport, self.keepalive_interval, self.keepalive_count)
             return self._conn
+
+    def _open_within(self) -> SSHClient:
+        """_open, given CONNECT_PHASES x connect_timeout (+5 s) in all. paramiko bounds the TCP connect, the banner
+        and each answer of the server, not what waits on this side: an ssh agent that never answers (a forwarded
+        agent whose connection died: paramiko asks it for keys once the identity file is refused), a ProxyCommand
+        that hangs. Past the deadline the attempt is left to itself (what it opens later is closed) and the
+        command gets one line."""
+        box: dict[str, Any] = {}
+        lock = threading.Lock()
+        done = threading.Event()
+
+        def attempt() -> None:
+            try:
+                conn = self._open()
+            except Exception as e:  # raised in the caller's thread below
+                with lock:
+                    box["error"] = e
+                    done.set()
+                return
+            with lock:
+                if box.get("abandoned"):
+                    conn.close()
+                    return
+                box["conn"] = conn
+                done.set()
+
+        threading.Thread(target=attempt, name=f"connect-{self.name}", daemon=True).start()
+        seconds = CONNECT_PHASES * self.connect_timeout + 5
+        if not done.wait(seconds):
+            with lock:
+                if not done.is_set():
+                    box["abandoned"] = True
+                    raise DeadlineExceeded(
+                        f"{self.name}: connecting to {self.address}:{self.port} did not finish in {seconds:g}s",
+                        hint="something on this side does not answer: the ssh agent (SSH_AUTH_SOCK; paramiko asks it "
+                             "when the identity file is refused) or a ProxyCommand; CTL_CONNECT_TIMEOUT sets the "
+                             "time")
+        if "error" in box:
+            raise box["error"]
+        conn: SSHClient = box["conn"]
+        return conn
 
     def _why(self) -> str:
         """What the keepalive found, for the messages of readers whose connection it closed."""

@@ -285,3 +285,37 @@ def test_tail_follow_notices_dropped_traffic_by_keepalive_and_reconnects_without
     body = [x.rstrip("\n") for x in out][:len(log)]
     assert body == log  # every line once, in order: nothing lost, nothing repeated
     assert "finished, exit status 0" in "".join(out[len(log):])
+
+
+@pytest.mark.parametrize("persist", ["0", None], ids=["own-connection", "session"])
+def test_an_ssh_agent_that_never_answers_ends_the_connect_at_its_deadline(pve_env: Env, tmp_path: Path,
+                                                                        persist: str | None) -> None:
+    """pve1 refuses the identity file, so paramiko asks the ssh agent for keys; this agent (a forwarded one whose
+    connection died) accepts and never answers. The connect ends at 3 x connect_timeout + 5 s with one line,
+    and a session that met it lets the next command try again (no spawn lock left behind)."""
+    key = tmp_path / "not_authorized"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    agent = tmp_path / "agent.sock"
+    listener = __import__("socket").socket(__import__("socket").AF_UNIX)
+    listener.bind(str(agent))
+    listener.listen(8)
+    held: list[object] = []
+    threading.Thread(target=lambda: [held.append(listener.accept()) for _ in iter(int, 1)], daemon=True).start()
+    doc = dict(pve_env.base_extra)
+    pve_env.host.write_inventory(pve_env.inventory, **doc, hosts={"pve1": {"identity_file": str(key),
+                                                                           "connect_timeout": 1}})
+    pve_env.env["SSH_AUTH_SOCK"] = str(agent)
+    if persist is not None:
+        pve_env.env["CTL_PERSIST"] = persist
+    try:
+        for _ in range(2):  # the second: nothing left holding on from the first
+            t0 = time.monotonic()
+            r = pve_env.ctl("ping", "ct200", timeout=GENEROUS)
+            took = time.monotonic() - t0
+            assert r.returncode == ExitCode.CONNECTION, r.stdout + r.stderr
+            assert "pve1: connecting to 127.0.0.2" in r.stdout and "did not finish in 8s" in r.stdout, r.stdout
+            assert "Traceback" not in r.stderr, r.stderr
+            assert took < GENEROUS
+    finally:
+        listener.close()
+    assert len(held) >= 2  # the agent was asked each time: the wait was its

@@ -50,6 +50,7 @@ from controller.errors import (
     ConnectionDropped,
     ConnectionFailed,
     CtlError,
+    DeadlineExceeded,
     HostKeyError,
     RelayExited,
     SessionEnded,
@@ -62,7 +63,9 @@ MAX_SUN_PATH = 104  # the smallest sockaddr_un path limit ctl may meet (macOS: 1
 
 # Failures that cross the socket (D frames, the spawn handshake) by type name; others arrive as CtlError.
 ENDS: dict[str, type[ConnectionFailed]] = {c.__name__: c for c in (ConnectionDropped, RelayExited, SessionEnded)}
-_WIRE_ERRORS: dict[str, type[CtlError]] = {"ConnectionFailed": ConnectionFailed, "HostKeyError": HostKeyError, **ENDS}
+# the errors a session process may meet as it starts, rebuilt by type on the command's side (their exit codes)
+_WIRE_ERRORS: dict[str, type[CtlError]] = {"ConnectionFailed": ConnectionFailed, "DeadlineExceeded": DeadlineExceeded,
+                                           "HostKeyError": HostKeyError, **ENDS}
 
 
 @functools.lru_cache(maxsize=1)
