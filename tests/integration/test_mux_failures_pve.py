@@ -68,6 +68,19 @@ def _queued(sock: Path) -> int:
     return int(out[2]) if len(out) > 2 else 0
 
 
+def _session_child(pid: int) -> list[int]:
+    """[pid] of the session process that the process `pid` started, once it has (waited for)."""
+    daemon: list[int] = []
+
+    def spawned() -> bool:
+        daemon[:] = [c for c in _children(pid)
+                     if b"controller.transport.mux.daemon" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        return bool(daemon)
+
+    _wait(spawned, 60, "the session process")
+    return daemon
+
+
 def _ctl(env: Env, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "controller", "-i", str(env.inventory), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env.env)
@@ -232,14 +245,7 @@ def test_a_command_with_a_standard_stream_closed_hands_its_spawn_lock_to_the_ses
         """)
     proc = subprocess.Popen([sys.executable, "-c", code], env=env.env, cwd=REPO, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    daemon: list[int] = []
-
-    def spawned() -> bool:
-        daemon[:] = [c for c in _children(proc.pid)
-                     if b"controller.transport.mux.daemon" in Path(f"/proc/{c}/cmdline").read_bytes()]
-        return bool(daemon)
-
-    _wait(spawned, 60, "the session process")
+    daemon = _session_child(proc.pid)
     os.kill(daemon[0], signal.SIGSTOP)  # it cannot listen (and let the lock go) while we look
     try:
         (info,) = (env.state / "mux").glob("*.spawn")
@@ -269,14 +275,7 @@ def test_a_session_process_that_never_listens_is_ended_by_the_command_that_gave_
     starting the session"."""
     env.env.update(CTL_CONNECT_TIMEOUT="2", CTL_TIMEOUT="2")  # the starter waits 2 + 2 + 10 s
     first = _ctl(env, "ping", "ct200")
-    daemon: list[int] = []
-
-    def spawned() -> bool:
-        daemon[:] = [c for c in _children(first.pid)
-                     if b"controller.transport.mux.daemon" in Path(f"/proc/{c}/cmdline").read_bytes()]
-        return bool(daemon)
-
-    _wait(spawned, 60, "the session process")
+    daemon = _session_child(first.pid)
     os.kill(daemon[0], signal.SIGSTOP)
     try:
         assert not any((env.state / "mux").glob("*.json")), "the session listened before it was stopped"
