@@ -29,7 +29,8 @@ groups:
 
 
 @pytest.fixture
-def inv(tmp_path: Path) -> str:
+def inv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("CTL_STATE_DIR", str(tmp_path / "state"))  # a registry of this test's own
     p = tmp_path / "inventory.yaml"
     p.write_text(INVENTORY)
     (tmp_path / "kh").write_text("")
@@ -74,6 +75,34 @@ def test_lines_that_name_containers(inv: str, line: str, want: list[str]) -> Non
 ])
 def test_lines_that_begin_nothing(inv: str, line: str) -> None:
     assert names(["-i", inv, *line.split()]) is None
+
+
+def test_runs_named_or_live_are_found_where_they_ran(inv: str, tmp_path: Path) -> None:
+    """Run references (NAME, CT/NAME, #ID) and bare `status`/`supervise`/`runs` reach the containers the registry
+    says (read-only); a name it does not resolve to one run begins nothing."""
+    from controller.lifecycle import Lifecycle
+    from controller.registry import Registry
+
+    line = ["-i", inv]
+    assert names([*line, "status"]) is None  # no registry yet
+    reg = Registry()
+    live = reg.claim_run("r1", "ct300")  # starting: live
+    done = reg.claim_run("old", "ct201")
+    reg.update_run(done.id, state=Lifecycle.FINISHED)
+    for ct in ("ct200", "ct300"):
+        reg.update_run(reg.claim_run("twice", ct).id, state=Lifecycle.STOPPED)
+    reg.claim_run("gone", "ct999")  # live, on a container no longer in the inventory
+    assert names([*line, "status"]) == ["ct300"]  # the live runs only
+    assert names([*line, "supervise", "--once"]) == ["ct300"]
+    assert names([*line, "runs"]) == ["ct300"]
+    assert names([*line, "runs", "--no-refresh"]) is None
+    assert names([*line, "tail", "old", "-n", "5"]) == ["ct201"]
+    assert names([*line, "stop", "r1"]) == ["ct300"]
+    assert names([*line, "watch", f"#{live.id}", "--for", "1m"]) == ["ct300"]
+    assert names([*line, "tail", "ct200/twice"]) == ["ct200"]
+    assert names([*line, "tail", "twice"]) is None  # ambiguous: the command asks for CT/NAME
+    assert names([*line, "stop", "nosuch"]) is None
+    assert names([*line, "show", "r1"]) is None  # shows the record: no connection
 
 
 def test_an_inventory_that_does_not_load_begins_nothing(tmp_path: Path) -> None:

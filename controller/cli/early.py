@@ -25,6 +25,10 @@ NAME_KINDS = ("targets", "containers", "container_or_run")
 ALL_WHEN_NONE = ("ping",)
 ONLY_WHEN_NONE = ("deploy", "store prune", "store status")
 DRY_RUN_CONNECTS = ("deploy",)  # its plan is made against the containers' files
+# Commands that, given no names, act on the live runs: the containers those ran in (the registry says).
+LIVE_WHEN_NONE = ("status", "supervise", "runs")
+# Commands whose run argument reaches the container the run ran in (NAME, or CT/NAME).
+RUN_REACHES = ("tail", "stop", "watch", "metrics pull")
 # Lines on which the command never connects (eager options that print and exit), or after `--` names are not
 # what they seem.
 NEVER = frozenset({"--", "--help", "--version", "--install-completion", "--show-completion"})
@@ -41,17 +45,30 @@ def containers(argv: list[str]) -> tuple[Inventory, list[Container]] | None:
     if not line.path or line.node.get("commands") or ("--dry-run" in line.options
                                                       and command not in DRY_RUN_CONNECTS):
         return None
-    names = []
-    for word, kind in zip(line.words, line.kinds(), strict=True):
-        if kind in NAME_KINDS:
-            names.append(word.split("/", 1)[0] if kind == "container_or_run" else word)
-    if not names and not (command in ALL_WHEN_NONE or command in ONLY_WHEN_NONE):
+    if command == "runs" and "--no-refresh" in line.options:
+        return None
+    words = list(zip(line.words, line.kinds(), strict=True))
+    if not any(kind in NAME_KINDS or (kind == "runs" and command in RUN_REACHES) for _, kind in words) and not (
+            command in ALL_WHEN_NONE or command in ONLY_WHEN_NONE or command in LIVE_WHEN_NONE):
         return None
     from controller import inventory
     from controller.errors import CtlError
 
     try:
         inv = inventory.load(line.inventory)
+        names: list[str] = []
+        for word, kind in words:
+            if kind in NAME_KINDS and (kind != "container_or_run" or word.split("/", 1)[0] in inv.model.containers):
+                names.append(word.split("/", 1)[0])
+            elif kind in ("runs", "container_or_run") and command in RUN_REACHES:
+                ran = _ran_in(word)
+                if not ran:
+                    return None  # not a run the registry knows: the command says so
+                names += ran
+        if not names and command in LIVE_WHEN_NONE and not line.words:
+            names = [ct for ct in _ran_in(None) if ct in inv.model.containers]
+            if not names:
+                return None
         if names:
             cts = inv.select(names)
         elif command in ALL_WHEN_NONE or "--all" in line.options:
@@ -61,6 +78,42 @@ def containers(argv: list[str]) -> tuple[Inventory, list[Container]] | None:
     except CtlError:
         return None  # the command says what is wrong
     return inv, cts
+
+
+def _ran_in(run: str | None) -> list[str]:
+    """The containers a run ran in, as Registry.find_run reads its reference (NAME, CT/NAME, #ID; a node of a run
+    across containers stands for the whole run), or with None those of the live runs: read-only queries of the
+    registry ([] without one, for a reference it does not resolve to one run, or when it cannot be read now).
+    The command reads the registry itself; this only says where it will connect."""
+    import sqlite3
+
+    from controller import settings
+
+    path = settings.state_dir() / "registry.sqlite3"
+    if not path.is_file():
+        return []
+    try:
+        db = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=0.2)
+        try:
+            if run is None:
+                rows = db.execute("SELECT DISTINCT ct FROM runs WHERE state IN ('starting', 'running')").fetchall()
+                return sorted(str(r[0]) for r in rows)
+            if run.startswith("#") and run[1:].isdigit():
+                ids = db.execute("SELECT id FROM runs WHERE id = ?", (int(run[1:]),)).fetchall()
+            elif "/" in run:
+                ct, _, name = run.partition("/")
+                ids = db.execute("SELECT id FROM runs WHERE ct = ? AND name = ?", (ct, name)).fetchall()
+            else:
+                ids = db.execute("SELECT id FROM runs WHERE name = ? AND member_of IS NULL", (run,)).fetchall()
+            if len(ids) != 1:
+                return []
+            (whole,) = db.execute("SELECT COALESCE(member_of, id) FROM runs WHERE id = ?", (ids[0][0],)).fetchone()
+            rows = db.execute("SELECT DISTINCT ct FROM runs WHERE id = ? OR member_of = ?", (whole, whole)).fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return []
+    return sorted(str(r[0]) for r in rows)
 
 
 def start(argv: list[str]) -> list[str]:
