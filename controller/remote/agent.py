@@ -72,10 +72,7 @@ def keep_compiled(entry):
     path, code = entry
     d = os.path.dirname(path)
     try:
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            pass
+        os.makedirs(d, 0o700, exist_ok=True)
         st = os.lstat(d)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
             return

@@ -37,13 +37,14 @@ from controller.remote import source
 from controller.transport.base import AgentStart, Duplex, Result, Transport
 
 # What `python3 -c` runs: N bytes of agent source from stdin, run as __main__. Its compiled code is kept in the
-# container (agent.py keep_compiled: /run/ctl, root's own, gone at reboot) under the source's sha256 and the
+# container (agent.py keep_compiled: /run/ctl, root's own, gone at reboot; a `local` target's in its own root,
+# CTL_AGENT_CODE_DIR, which BOOT takes out of the environment) under the source's sha256 and the
 # python's version, so the next start of the same agent reads it instead of compiling 77 KB again (~20 ms of
 # CPU; a fan-out starts one per container). Used only when the file is the running user's, not writable by
 # others, not a symlink, and holds a code object; anything else compiles, as before.
 _BOOT = """import sys,os,marshal,hashlib
 s=sys.stdin.buffer.read(int(sys.argv[1]));c=None
-k='/run/ctl/agent-%s-%x'%(hashlib.sha256(s).hexdigest()[:32],sys.hexversion)
+k=os.environ.pop('CTL_AGENT_CODE_DIR','/run/ctl')+'/agent-%s-%x'%(hashlib.sha256(s).hexdigest()[:32],sys.hexversion)
 try:
  f=os.open(k,os.O_RDONLY|os.O_NOFOLLOW)
  try:

@@ -26,6 +26,11 @@ class LocalContainer(Transport):
     def path(self, container_path: str) -> str:
         return str(self.root / container_path.lstrip("/"))
 
+    def _env(self) -> dict[str, str]:
+        """The agent keeps its compiled code under this stand-in's root, as a container keeps it in its /run/ctl:
+        never in the operator's own /run."""
+        return {**os.environ, "CTL_AGENT_CODE_DIR": str(self.root / "run" / "ctl")}
+
     def run(
         self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
         max_output: int | None = None,
@@ -36,7 +41,7 @@ class LocalContainer(Transport):
         try:
             p = subprocess.run(
                 list(argv), input=stdin if stdin is not None else b"", capture_output=True,
-                timeout=timeout, cwd=self.root, check=False,
+                timeout=timeout, cwd=self.root, check=False, env=self._env(),
             )
         except FileNotFoundError:
             return Result(tuple(argv), 127, b"", f"{argv[0]}: command not found\n".encode(), 0.0)
@@ -49,7 +54,8 @@ class LocalContainer(Transport):
     def stream(
         self, argv: Sequence[str], *, timeout: float | None = None, idle: float | None = None
     ) -> Iterator[tuple[str, bytes]]:
-        p = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.root)
+        p = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.root,
+                             env=self._env())
         assert p.stdout is not None and p.stderr is not None
         try:
             while True:
@@ -74,7 +80,7 @@ class LocalContainer(Transport):
         self.root.mkdir(parents=True, exist_ok=True)
         try:
             p = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 cwd=self.root)
+                                 cwd=self.root, env=self._env())
         except FileNotFoundError:
             raise ConnectionFailed(f"{self.name}: {argv[0]} not found") from None
         return _PopenDuplex(p, tuple(argv))
