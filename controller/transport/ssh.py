@@ -9,8 +9,9 @@ straight to a paramiko channel so that stdin/stdout stay binary-safe and stdout/
 
 Silent hosts: every connection sends keepalives that want an answer (`_Keepalive`, like OpenSSH's
 ServerAliveInterval/ServerAliveCountMax) and is closed when `count` in a row go unanswered, so every reader
-fails with ConnectionDropped instead of waiting forever; connecting (TCP, banner, authentication) is bounded by
-connect_timeout; and every request but a follow (`stream`) has a deadline (`request_timeout`, DeadlineExceeded).
+fails with ConnectionDropped instead of waiting forever; each step of connecting (TCP, banner, authentication) is
+bounded by connect_timeout and the whole of it by connect_deadline() (an ssh agent or ProxyCommand that never
+answers included); and every request but a follow (`stream`) has a deadline (`request_timeout`, DeadlineExceeded).
 """
 
 from __future__ import annotations
@@ -352,8 +353,12 @@ class SshEndpoint(Transport):
                 self._keepalive = _Keepalive(self, transport, self.keepalive_interval, self.keepalive_count)
             return self._conn
 
+    def connect_deadline(self) -> float:
+        """Seconds a connect may take in all (_open_within): each of its phases gets connect_timeout."""
+        return CONNECT_PHASES * self.connect_timeout + 5
+
     def _open_within(self) -> SSHClient:
-        """_open, given CONNECT_PHASES x connect_timeout (+5 s) in all. paramiko bounds the TCP connect, the banner
+        """_open, given connect_deadline() in all. paramiko bounds the TCP connect, the banner
         and each answer of the server, not what waits on this side: an ssh agent that never answers (a forwarded
         agent whose connection died: paramiko asks it for keys once the identity file is refused), a ProxyCommand
         that hangs. Past the deadline the attempt is left to itself (what it opens later is closed) and the
@@ -378,7 +383,7 @@ class SshEndpoint(Transport):
                 done.set()
 
         threading.Thread(target=attempt, name=f"connect-{self.name}", daemon=True).start()
-        seconds = CONNECT_PHASES * self.connect_timeout + 5
+        seconds = self.connect_deadline()
         if not done.wait(seconds):
             with lock:
                 if not done.is_set():

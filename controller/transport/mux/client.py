@@ -192,7 +192,7 @@ class MuxRelay(HostRelay):
             if early is None or early.thread is threading.current_thread():
                 return True  # none begun, or this is it
             del _EARLY[key]
-        wait = self.host.connect_timeout + self.hello_timeout + 15
+        wait = 2 * self._start_wait() + self.hello_timeout  # it may wait for another command's start, then start
         early.thread.join(wait)
         if early.thread.is_alive():
             raise DeadlineExceeded(f"{self.host.name}: ctl's session did not start in {wait:g}s")
@@ -206,6 +206,11 @@ class MuxRelay(HostRelay):
             return False
         self.started_session = early.outcome[1]
         return True
+
+    def _start_wait(self) -> float:
+        """Seconds a session process may take to listen: it connects (the endpoint's own connect deadline) and
+        starts the relay (its hello deadline), plus its own Python start."""
+        return self.host.connect_deadline() + self.hello_timeout + 10
 
     def _stale(self, hello: dict[str, Any]) -> tuple[str, float] | None:
         """Why the session that said `hello` must not be used, and the grace its commands get (None: use it)."""
@@ -246,7 +251,7 @@ class MuxRelay(HostRelay):
     def _spawn_once(self, meta: Path, key: str, path: Path) -> socket.socket | None:
         """Under the spawn lock: the session another command started meanwhile, else a new one (None when the
         host cannot run the relay)."""
-        wait = self.host.connect_timeout + self.hello_timeout + 10
+        wait = self._start_wait()
         old = os.umask(0o077)
         try:
             lock = open(meta / f"{key}.spawn", "a+")  # noqa: SIM115 - closed below
@@ -303,8 +308,7 @@ class MuxRelay(HostRelay):
             os.umask(old)
             os.close(lock_fd)
         assert proc.stdout is not None
-        # It connects (connect_timeout) and starts the relay (its hello deadline) before it answers.
-        wait = ep.connect_timeout + self.hello_timeout + 10
+        wait = self._start_wait()
         ready, _, _ = select.select([proc.stdout], [], [], wait)
         line = proc.stdout.readline() if ready else b""
         proc.stdout.close()
