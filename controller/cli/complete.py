@@ -21,7 +21,10 @@ from pathlib import Path
 
 TYPE_CHECKING = False  # the answer to a TAB does not pay for importing typing
 if TYPE_CHECKING:
-    from typing import Any
+    from collections.abc import Callable
+    from typing import Any, TypeVar
+
+    T = TypeVar("T")
 
 VAR = "_CTL_COMPLETE"
 # Flags `ctl` accepts anywhere on the line (cli/main.py moves them before the verb).
@@ -51,25 +54,32 @@ def _keys(doc: dict[str, Any], key: str) -> list[str]:
     return [str(k) for k in v] if isinstance(v, dict) else []
 
 
-def _run_names(limit: int = 1000) -> list[tuple[str, str]]:
-    """(ct, name) of the newest runs, read-only from the registry's `runs` table (controller/registry.py): nothing
-    created or migrated, [] without a registry. Not through Registry: importing it (dataclasses, the JSON
-    codecs) would cost more than the answer."""
+def read_registry(query: Callable[[Any], T], default: T) -> T:
+    """query(db) on a read-only connection to the registry (controller/registry.py's tables): nothing created or
+    migrated; `default` without a registry or one that cannot be read now (being migrated, locked). Not through
+    Registry: importing it (dataclasses, the JSON codecs) would cost more than the answer."""
+    import sqlite3
+
+    from controller import settings
+
     try:
-        import sqlite3
-
-        from controller import settings
-
         path = settings.state_dir() / "registry.sqlite3"
         if not path.is_file():
-            return []
+            return default
         db = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=0.2)
         try:
-            rows = db.execute("SELECT ct, name FROM runs ORDER BY created DESC LIMIT ?", (limit,)).fetchall()
+            return query(db)
         finally:
             db.close()
-    except Exception:  # no registry, or one being migrated: nothing to offer
-        return []
+    except (sqlite3.Error, OSError):
+        return default
+
+
+def _run_names(limit: int = 1000) -> list[tuple[str, str]]:
+    """(ct, name) of the newest runs, [] without a registry."""
+    none: list[tuple[str, str]] = []
+    rows = read_registry(lambda db: db.execute("SELECT ct, name FROM runs ORDER BY created DESC LIMIT ?",
+                                               (limit,)).fetchall(), none)
     return [(str(ct), str(name)) for ct, name in rows]
 
 

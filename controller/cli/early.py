@@ -17,9 +17,11 @@ import sys
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from controller.inventory import Container, Inventory
 
-# Positional words of these kinds name containers (a run name does not say where it ran without the registry).
+# Positional words of these kinds name containers (run names: RUN_REACHES, LIVE_WHEN_NONE, through the registry).
 NAME_KINDS = ("targets", "containers", "container_or_run")
 # Commands that, given no names, act on every container (`ctl ping`), or on the one the inventory has.
 ALL_WHEN_NONE = ("ping",)
@@ -82,38 +84,29 @@ def containers(argv: list[str]) -> tuple[Inventory, list[Container]] | None:
 
 def _ran_in(run: str | None) -> list[str]:
     """The containers a run ran in, as Registry.find_run reads its reference (NAME, CT/NAME, #ID; a node of a run
-    across containers stands for the whole run), or with None those of the live runs: read-only queries of the
-    registry ([] without one, for a reference it does not resolve to one run, or when it cannot be read now).
-    The command reads the registry itself; this only says where it will connect."""
-    import sqlite3
+    across containers stands for the whole run), or with None those of the live runs; [] without a registry or
+    for a reference it does not resolve to one run. The command reads the registry itself; this only says where
+    it will connect."""
+    from controller.cli.complete import read_registry
 
-    from controller import settings
+    def query(db: Any) -> list[str]:
+        if run is None:
+            rows = db.execute("SELECT DISTINCT ct FROM runs WHERE state IN ('starting', 'running')").fetchall()
+            return sorted(str(r[0]) for r in rows)
+        if run.startswith("#") and run[1:].isdigit():
+            ids = db.execute("SELECT id FROM runs WHERE id = ?", (int(run[1:]),)).fetchall()
+        elif "/" in run:
+            ct, _, name = run.partition("/")
+            ids = db.execute("SELECT id FROM runs WHERE ct = ? AND name = ?", (ct, name)).fetchall()
+        else:
+            ids = db.execute("SELECT id FROM runs WHERE name = ? AND member_of IS NULL", (run,)).fetchall()
+        if len(ids) != 1:
+            return []
+        (whole,) = db.execute("SELECT COALESCE(member_of, id) FROM runs WHERE id = ?", (ids[0][0],)).fetchone()
+        rows = db.execute("SELECT DISTINCT ct FROM runs WHERE id = ? OR member_of = ?", (whole, whole)).fetchall()
+        return sorted(str(r[0]) for r in rows)
 
-    path = settings.state_dir() / "registry.sqlite3"
-    if not path.is_file():
-        return []
-    try:
-        db = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=0.2)
-        try:
-            if run is None:
-                rows = db.execute("SELECT DISTINCT ct FROM runs WHERE state IN ('starting', 'running')").fetchall()
-                return sorted(str(r[0]) for r in rows)
-            if run.startswith("#") and run[1:].isdigit():
-                ids = db.execute("SELECT id FROM runs WHERE id = ?", (int(run[1:]),)).fetchall()
-            elif "/" in run:
-                ct, _, name = run.partition("/")
-                ids = db.execute("SELECT id FROM runs WHERE ct = ? AND name = ?", (ct, name)).fetchall()
-            else:
-                ids = db.execute("SELECT id FROM runs WHERE name = ? AND member_of IS NULL", (run,)).fetchall()
-            if len(ids) != 1:
-                return []
-            (whole,) = db.execute("SELECT COALESCE(member_of, id) FROM runs WHERE id = ?", (ids[0][0],)).fetchone()
-            rows = db.execute("SELECT DISTINCT ct FROM runs WHERE id = ? OR member_of = ?", (whole, whole)).fetchall()
-        finally:
-            db.close()
-    except sqlite3.Error:
-        return []
-    return sorted(str(r[0]) for r in rows)
+    return read_registry(query, [])
 
 
 def start(argv: list[str]) -> list[str]:

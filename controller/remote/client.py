@@ -149,8 +149,7 @@ class Agent:
             return self.t.run_agent(argv, AgentStart(VERB_AT, n, retry, agent_sha()), stdin=stdin, timeout=timeout,
                                     max_output=limit)
         except OutputTooLarge:
-            raise AgentReplyError(f"{self.name}: agent {verb}: reply over {limit:,} bytes refused "
-                                  "(stopped there; the rest was not read)") from None
+            raise self.too_large(f"agent {verb}", limit) from None
 
     def sync(self, args: Sequence[str], header: bytes, tar: bytes | None = None, *, timeout: float | None = None
              ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -260,6 +259,11 @@ class Agent:
                                   + (kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)))
         return value
 
+    def too_large(self, what: str, limit: int) -> AgentReplyError:
+        """A reply stopped as it passed `limit` (the transport's OutputTooLarge), in the container's words."""
+        return AgentReplyError(f"{self.name}: {what}: reply over {limit:,} bytes refused (stopped there; the rest "
+                               "was not read)")
+
     @staticmethod
     def json_line(line: bytes | str) -> dict[str, Any] | None:
         try:
@@ -284,8 +288,7 @@ class Agent:
             res = self.t.run(["python3", "-", *self.env_probe_args(venv=venv, cache_dir=cache_dir)],
                              stdin=source("probe_env.py"), timeout=120, max_output=MAX_REPLY)
         except OutputTooLarge:
-            raise AgentReplyError(f"{self.name}: env probe: reply over {MAX_REPLY:,} bytes refused "
-                                  "(stopped there; the rest was not read)") from None
+            raise self.too_large("env probe", MAX_REPLY) from None
         return self.env_doc(res.stdout, res.returncode, res.err)
 
     def env_probe_request(self, *, venv: str | None, cache_dir: str | None) -> tuple[dict[str, Any], bytes]:

@@ -466,19 +466,19 @@ class SshEndpoint(Transport):
             t = client.get_transport()
             spoke, keyed = getattr(t, "remote_version", None), getattr(t, "session_id", None)
             client.close()
-            if not spoke and not isinstance(e, paramiko.AuthenticationException):
-                raise ConnectionFailed(
-                    f"{self.name}: {self.address}:{self.port} accepted the connection but no SSH server answered "
-                    f"in {self.connect_timeout:g}s (no SSH banner)") from None
-            if not keyed and not isinstance(e, paramiko.AuthenticationException):
-                raise ConnectionFailed(
-                    f"{self.name}: the SSH handshake with {self.address}:{self.port} did not finish in "
-                    f"{self.connect_timeout:g}s ({spoke})") from None
             if isinstance(e, paramiko.AuthenticationException):
                 raise ConnectionFailed(
                     f"{self.name}: authentication as {self.user}@{self.address}:{self.port} refused "
                     f"({e}); check identity_file or your ssh agent"
                 ) from None
+            if not spoke:
+                raise ConnectionFailed(
+                    f"{self.name}: {self.address}:{self.port} accepted the connection but no SSH server answered "
+                    f"in {self.connect_timeout:g}s (no SSH banner)") from None
+            if not keyed:
+                raise ConnectionFailed(
+                    f"{self.name}: the SSH handshake with {self.address}:{self.port} did not finish in "
+                    f"{self.connect_timeout:g}s ({spoke})") from None
             raise ConnectionFailed(f"{self.name}: SSH to {self.address}:{self.port} failed: {e}") from None
         except (TimeoutError, OSError, EOFError) as e:
             client.close()
