@@ -63,21 +63,24 @@ p.wait()
 
 
 # On the host: CPU seconds (children's user + system) of one `pct exec` of `true`, of `cat` answering a line
-# (what `ctl ping` runs), and of the agent's `poll` of one run (what `ctl status` runs per container). argv[1]: the
-# vmid; stdin: the agent's source. What a container costs its host, whatever the client does.
+# (what `ctl ping` runs), and of the agent's `poll` of one run (what `ctl status` runs per container), started by
+# ctl's BOOT (its compiled code kept in the container) and, side by side, by a BOOT that compiles the source each
+# time (ctl's before the code was kept). argv[1]: the vmid; stdin: the agent's source. What a container costs its
+# host, whatever the client does.
 HOST_CPU = """import json, resource, subprocess, sys, time
 src = sys.stdin.buffer.read()
 vmid = sys.argv[1]
 poll = json.dumps({"root": "/", "max_bytes": 1 << 20, "runs": [{"name": "s1", "log": "/workspace/b/train_stdout_s1.log",
                    "session": "bench-s1", "state": True, "read": {"offset": 0, "max_bytes": 1}}]})
-boot = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-agent','exec'))"
+boot = BOOT  # ctl's, written in by Bench.host_cpu
+compiling = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-agent','exec'))"
 cases = {"pct_exec_true": (["true"], b""), "pct_exec_cat_ping": (["cat"], b"ctl ping 0\\n"),
          "pct_exec_agent_poll": (["python3", "-I", "-S", "-c", boot, str(len(src)), "poll", poll], src),
+         "pct_exec_agent_poll_compiling": (["python3", "-I", "-S", "-c", compiling, str(len(src)), "poll", poll], src),
          "lxc_attach_agent_poll": (None, src)}
-out = {}
-for name, (argv, stdin) in cases.items():
-    samples = []
-    for _ in range(5):
+samples = {name: [] for name in cases}
+for _ in range(15):  # interleaved: a few ms apart on a VM whose speed drifts
+    for name, (argv, stdin) in cases.items():
         if argv is None:
             cmd = ["lxc-attach", "-P", sys.argv[2], "-n", vmid, "--", *cases["pct_exec_agent_poll"][0]]
         else:
@@ -86,9 +89,8 @@ for name, (argv, stdin) in cases.items():
         p = subprocess.run(cmd, input=stdin, capture_output=True)
         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         assert p.returncode == 0, p.stderr
-        samples.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
-    out[name] = sorted(samples)[2]
-print(json.dumps(out))
+        samples[name].append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
+print(json.dumps({name: sorted(s)[len(s) // 2] for name, s in samples.items()}))
 """
 
 
@@ -368,11 +370,11 @@ class Bench:
                                  "containers": len(per_ct), "most_calls_in_one_container": max(per_ct.values())}
 
     def host_cpu(self) -> None:
-        """What one container costs its host per ping and per status poll, in CPU seconds (medians of 5)."""
-        from controller.remote.client import agent_source
+        """What one container costs its host per ping and per status poll, in CPU seconds (medians of 15)."""
+        from controller.remote.client import BOOT, agent_source
 
         script = self.base / "host_cpu.py"  # the test host is this machine: its python3 reads the file
-        script.write_text(HOST_CPU)
+        script.write_text(HOST_CPU.replace("boot = BOOT ", f"boot = {BOOT!r} ", 1))
         r = subprocess.run(self.ssh("pve1", f"python3 {script} 200 {self.host.lxcpath('pve1')}"), input=agent_source(),
                            capture_output=True)
         if r.returncode != 0:
