@@ -363,7 +363,7 @@ class Bench:
             per_ct: dict[str, int] = {}
             for n in ("pve1", "pve2"):
                 for c in h.pct_calls(n)[calls[n]:]:
-                    verb = c["argv"][6] if c["cmd"] == "exec" and len(c["argv"]) > 6 else c["cmd"]
+                    verb = c["argv"][6] if c["cmd"] in ("exec", "attach") and len(c["argv"]) > 6 else c["cmd"]
                     verbs[verb] = verbs.get(verb, 0) + 1
                     per_ct[c["args"][0]] = per_ct.get(c["args"][0], 0) + 1
             self.counts[what] = {"ssh_logins_per_host": got_logins, "pct_calls_by_verb": verbs,

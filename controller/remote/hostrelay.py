@@ -28,7 +28,13 @@ for the children (an agent that sees its stdin end leaves every old file whole) 
 Staying agents. An A request runs in a process that stays: `PREFIX... python3 -I -S -c BOOT N serve`
 (agent.py's serve()), one per container and agent source (its sha256), kept while the relay lives, so a
 request costs neither `pct exec`, nor a python3 start, nor a compile of the agent. The answer is the O, E
-and X frames the exec would have given. The relay falls back to that very exec when a staying agent cannot
+and X frames the exec would have given. When PREFIX is Proxmox's own `pct exec VMID --`, the staying agent
+starts the way pct would start it once it found the container running (pve-container's pct.pm: `lxc-attach
+-n VMID --keep-env -- ...` with PATH reset and SSL_CERT_FILE/SSL_CERT_DIR dropped), without pct itself: pct
+is a Perl program that loads PVE's modules, several hundred milliseconds a start on a real host, paid once
+per container and session. When that attach does not say hello (a stopped container, a host whose LXC is not
+at its default lxcpath), the agent starts through pct as before, so pct's checks and refusals stay pct's.
+The relay falls back to the exec itself when a staying agent cannot
 start (pct's refusal then reaches ctl as it always did), when its input is large (that exec starts as soon as
 the input passes RESIDENT_MAX_INPUT, so the relay never holds more), when RESIDENT_PER_KEY of them are busy or
 the relay keeps as many as its descriptors allow, and, for a request marked "retry" (a verb that only reads),
@@ -60,6 +66,9 @@ RESIDENT_PER_KEY = 4  # staying agents per container and source; when all are bu
 RESIDENT_TOTAL = 512  # staying agents per relay, and at most one per 8 descriptors the relay may open (below)
 RESIDENT_HELLO_S = 30.0  # a staying agent that has not said hello by then is given up (the request runs as an exec)
 RESIDENT_MAX_FRAME = 1 << 30  # a reply frame claiming more is not the agent: that agent is ended
+PVE_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"  # the PATH pct sets before it runs lxc-attach
+PCT_NAMES = ("pct", "/usr/sbin/pct")  # Proxmox's pct; a `pct:` of the inventory's own is always run as given
+_no_lxc_attach = []  # set once lxc-attach is not on PVE_PATH: every staying agent starts through pct
 
 
 def _nofile():
@@ -205,6 +214,30 @@ class Child:
             t.join()
 
 
+def attach_argv(argv, environ):
+    """`pct exec VMID [--keep-env 0|1] -- CMD...` as pct runs it once it found the container running: (lxc-attach
+    argv, its environment), or None for any other line. pct.pm's exec: `lxc-attach -n VMID --keep-env|--clear-env
+    -- CMD` with PATH reset and SSL_CERT_FILE/SSL_CERT_DIR dropped; keep-env defaults to 1. An LC_CTYPE of
+    C.UTF-8 without LANG or LC_ALL is this relay's own Python locale coercion (PEP 538), not the session's, and
+    is not passed on."""
+    if len(argv) < 5 or argv[0] not in PCT_NAMES or argv[1] != "exec" or "--" not in argv:
+        return None
+    dash = argv.index("--")
+    vmid, opts = argv[2], argv[3:dash]
+    if not (3 <= len(vmid) <= 9 and vmid[0] != "0" and all("0" <= c <= "9" for c in vmid)) or dash == len(argv) - 1:
+        return None
+    if opts not in ([], ["--keep-env", "1"], ["--keep-env", "0"]):
+        return None
+    keep = opts != ["--keep-env", "0"]
+    env = dict(environ)
+    env["PATH"] = PVE_PATH
+    env.pop("SSL_CERT_FILE", None)
+    env.pop("SSL_CERT_DIR", None)
+    if env.get("LC_CTYPE") == "C.UTF-8" and "LANG" not in env and "LC_ALL" not in env:
+        del env["LC_CTYPE"]
+    return ["lxc-attach", "-n", vmid, "--keep-env" if keep else "--clear-env", "--", *argv[dash + 1:]], env
+
+
 class StartFailed(Exception):
     """A staying agent did not say hello (pct refused, no python3, no answer in RESIDENT_HELLO_S)."""
 
@@ -212,12 +245,13 @@ class StartFailed(Exception):
 class Resident:
     """A staying agent: `PREFIX... python3 -I -S -c BOOT N serve` with the agent's source sent once."""
 
-    def __init__(self, key, argv, source, stop):
+    def __init__(self, key, argv, source, stop, env=None):
         self.key = key
+        self.via = argv[0]
         self.requests = 0
         self.busy = True
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     close_fds=True)
+                                     close_fds=True, env=env)
         # Its own stderr is /dev/null after the hello; what pct or lxc-attach say (a refusal before it starts)
         # is kept, last 4 KiB, and drained so that they never block on a full pipe.
         self.err = b""
@@ -377,8 +411,8 @@ class _Residents:
 
     def stats(self):
         with self.lock:
-            return {"agents": [{"argv": list(r.key[0]), "pid": r.proc.pid, "requests": r.requests, "busy": r.busy}
-                               for r in self.kept if r.alive()]}
+            return {"agents": [{"argv": list(r.key[0]), "pid": r.proc.pid, "requests": r.requests, "busy": r.busy,
+                                "via": r.via} for r in self.kept if r.alive()]}
 
     def _forget(self, r_or_key):
         if isinstance(r_or_key, Resident):
@@ -411,6 +445,21 @@ class _Residents:
                 r.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 r.kill()
+
+
+def _start_resident(key, argv, source, stop):
+    """A staying agent for argv: attached directly when argv is pct's exec (attach_argv), else, or when that
+    does not say hello, through argv itself."""
+    direct = None if _no_lxc_attach else attach_argv(argv, os.environ)
+    if direct is not None:
+        try:
+            return Resident(key, direct[0], source, stop, env=direct[1])
+        except FileNotFoundError:
+            _no_lxc_attach.append(True)
+        except (StartFailed, OSError):
+            if stop():
+                raise
+    return Resident(key, argv, source, stop)
 
 
 _residents = _Residents()
@@ -556,7 +605,7 @@ class AgentRequest:
             r, may_start = _residents.take(key)
             if r is None and may_start:
                 try:
-                    r = Resident(key, [*self.argv[:self.at], "serve"], source, lambda: self.abandoned)
+                    r = _start_resident(key, [*self.argv[:self.at], "serve"], source, lambda: self.abandoned)
                 except (StartFailed, OSError):
                     _residents.unreserve(key)
                     # pct's own refusal (a stopped CT) reaches ctl as from the exec

@@ -422,3 +422,57 @@ def test_a_request_past_its_deadline_ends_its_staying_agent_at_once(persist: Env
             time.sleep(0.2)
         assert busy() == []
         assert t.relay is not None and t.relay._streams == {}  # the relay's X came: the id is free again
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is pid (scanned: /proc/PID/task/*/children needs a kernel option)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(") ", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def _environ(raw: bytes) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in raw.decode().split("\0") if "=" in kv)
+
+
+def test_staying_agents_start_by_lxc_attach_with_the_environment_pct_gives(persist: Env) -> None:
+    """pct exec is `lxc-attach -n VMID --keep-env -- ...` once pct (a Perl program, several hundred ms a start on
+    a real host) has found the container running. The relay starts a staying agent that way itself: the node's
+    journal shows an attach and no pct. The agent's environment, which a launch passes on to the training, is the
+    one a `pct exec` from the same relay gives. A stopped container still gets pct's own refusal."""
+    host = persist.host
+    before = len(host.pct_calls("pve1"))
+    persist.ctl("ping", "ct200", check=True)
+    calls = host.pct_calls("pve1")[before:]
+    assert [(c["cmd"], c["args"][0], c["argv"][6]) for c in calls] == [("attach", "200", "serve")], calls
+    docs = json.loads(persist.ctl("--json", "mux", "status", check=True).stdout)
+    agents = [a for d in docs if d["host"] == "pve1" for a in d["agents"]]
+    assert [(a["via"], a["argv"][:4]) for a in agents] == [("lxc-attach", ["pct", "exec", "200", "--"])], agents
+    (agent,) = _children(agents[0]["pid"])  # lxc-attach's child: the agent, in the container
+    staying = _environ(Path(f"/proc/{agent}/environ").read_bytes())
+
+    inv = load(persist.inventory)
+    with Pool(inv) as pool:  # the same session, so the same relay: its exec goes through pct
+        t = pool.container(inv.container("ct200"))
+        res = t.run(["cat", "/proc/self/environ"])
+    assert res.returncode == 0, res.err
+    through_pct = _environ(res.out.encode())
+    assert staying["PATH"] == "/sbin:/bin:/usr/sbin:/usr/bin" and staying.get("container") == "lxc", staying
+    assert staying == through_pct
+    assert [c["cmd"] for c in host.pct_calls("pve1")[before + 1:]] == ["exec"]  # the cat
+
+    host.stop(201)
+    try:
+        mark = len(host.pct_calls("pve1"))
+        r = persist.ctl("ping", "ct201")
+        assert r.returncode == ExitCode.NOT_RUNNING and "CT 201 on pve1 is stopped" in r.stdout + r.stderr, r
+        tried = [(c["cmd"], c["args"][0]) for c in host.pct_calls("pve1")[mark:]]
+        assert tried[0] == ("attach", "201") and ("exec", "201") in tried[1:], tried
+    finally:
+        host.start(201)

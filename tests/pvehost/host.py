@@ -7,6 +7,8 @@ Layout under the base directory (nothing is registered outside it; see `PveHost.
     cm/                           ssh ControlMaster sockets (ssh_argv(..., multiplex=True))
     <node>/sshd_config            one sshd per simulated host, own host key and PidFile
     <node>/node.json, bin/pct     the simulated pct; sshd's SetEnv puts bin/ first on PATH
+    <node>/bin/lxc-attach         journals each call (pct.journal, "cmd": "attach"), then runs the real one
+    <node>/etc-lxc/lxc.conf       lxc.lxcpath = <node>/lxc: /etc/lxc in the node's SSH sessions
     <node>/etc-pve/nodes/<node>/lxc/<vmid>.conf   Proxmox-style config that `pct config` prints
     <node>/lxc/<vmid>/{config,rootfs}             the LXC container (lxcpath = <node>/lxc)
     <node>/snapshots/<vmid>/<name>/               snapshot copies of the private dirs
@@ -51,6 +53,31 @@ ETC_FILES = ("passwd", "group", "shadow", "hosts", "nsswitch.conf", "ld.so.cache
              "debian_version", "login.defs")
 _BIND_OPTS = "none ro,bind,create=dir 0 0"  # set_host_network's mount entries (the config has no others like it)
 REQUIRED_TOOLS = ("lxc-start", "lxc-attach", "lxc-stop", "lxc-info", "lxc-wait", "ssh", "ssh-keygen", "tmux")
+
+
+# bin/lxc-attach of a node: ahead of the real one on pct's PATH (/sbin, through the overlay), so an lxc-attach that
+# ctl's relay runs itself, as pct would, lands in the node's journal beside pct's own invocations (the stand-in pct
+# runs the real binary by its path). dash, no subprocess: it must cost next to nothing. Words of any other shape
+# than a plain word are journaled as "?".
+ATTACH_SHIM = r"""#!/bin/sh
+vmid='?' words='' seen='' next='' i=0
+for a in "$@"; do
+  if [ -n "$seen" ]; then
+    if [ "$i" -lt 8 ]; then
+      case $a in ''|*[!A-Za-z0-9_.,:/=+@%-]*) a='?';; esac
+      words="$words${words:+, }\"$a\""
+      i=$((i + 1))
+    fi
+  elif [ "$a" = -- ]; then seen=1
+  elif [ -n "$next" ]; then
+    case $a in ''|*[!0-9]*) ;; *) vmid=$a;; esac
+    next=''
+  elif [ "$a" = -n ]; then next=1
+  fi
+done
+printf '{"cmd": "attach", "args": ["%s"], "argv": [%s]}\n' "$vmid" "$words" >> @JOURNAL@
+exec @REAL@ "$@"
+"""
 
 
 class PveHostError(RuntimeError):
@@ -390,7 +417,9 @@ class PveHost:
 
     def pct_calls(self, node: str) -> list[dict[str, Any]]:
         """Every `pct` invocation on a node so far, oldest first, from its journal (<node>/pct.journal):
-        {"t", "cmd", "args": positional arguments, "argv": an exec's first words}, each cut short."""
+        {"t", "cmd", "args": positional arguments, "argv": an exec's first words}, each cut short; and every
+        lxc-attach run outside pct (ctl's relay starting a staying agent as pct would): {"cmd": "attach",
+        "args": [vmid], "argv": the words after `--`}, no "t"."""
         try:
             text = (self.node_dir(node) / "pct.journal").read_text()
         except FileNotFoundError:
@@ -521,9 +550,20 @@ class PveHost:
         conf_dir.mkdir(parents=True)
         (d / "snapshots").mkdir()
         self.lxcpath(n.name).mkdir()
+        real_attach = os.path.realpath(shutil.which("lxc-attach", path=HOST_PATH_TAIL) or "/usr/bin/lxc-attach")
         (d / "node.json").write_text(json.dumps({
             "node": n.name, "address": n.address, "lxcpath": str(self.lxcpath(n.name)),
-            "etc_pve": str(d / "etc-pve"), "snapdir": str(d / "snapshots")}))
+            "etc_pve": str(d / "etc-pve"), "snapdir": str(d / "snapshots"), "lxc_attach": real_attach}))
+        shim = d / "bin" / "lxc-attach"
+        shim.write_text(ATTACH_SHIM.replace("@JOURNAL@", shlex.quote(str(d / "pct.journal")))
+                        .replace("@REAL@", shlex.quote(real_attach)))
+        shim.chmod(0o755)
+        # The node's LXC at the default lxcpath of its SSH sessions (a bind over /etc/lxc in sshd's namespace),
+        # as on Proxmox, where a plain `lxc-attach -n VMID` finds the container.
+        (d / "etc-lxc").mkdir()
+        with contextlib.suppress(OSError):
+            shutil.copy2("/etc/lxc/default.conf", d / "etc-lxc" / "default.conf")
+        (d / "etc-lxc" / "lxc.conf").write_text(f"lxc.lxcpath = {self.lxcpath(n.name)}\n")
         self._host_pub[n.name] = self._host_key(d / "ssh_host_ed25519_key", n.name)
         path = f"{d / 'bin'}:{HOST_PATH_TAIL}"
         (d / "sshd_config").write_text(f"""\
@@ -629,7 +669,8 @@ Subsystem sftp {SFTP_SERVER}
         self.conf_path(vmid).write_text("\n".join(conf) + "\n")
 
     def _start_sshd(self, n: NodeSpec) -> None:
-        """sshd in its own mount namespace where /usr/sbin is an overlay that adds pct.
+        """sshd in its own mount namespace where /usr/sbin is an overlay that adds pct (and the journaling
+        lxc-attach), and /etc/lxc says that the node's lxcpath is the default one.
 
         Real Proxmox has /usr/sbin/pct and some peers call that absolute path. The overlay exists only in
         this sshd's namespace (gone with its last process); containers started from there still see the
@@ -640,9 +681,10 @@ Subsystem sftp {SFTP_SERVER}
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
         d = self.node_dir(n.name)
         sshd = [SSHD, "-f", str(d / "sshd_config"), "-E", str(d / "sshd.log")]
-        script = 'mount -t overlay pvehost -o ro,lowerdir="$1":/usr/sbin /usr/sbin && shift && exec "$@"'
+        script = ('mount -t overlay pvehost -o ro,lowerdir="$1":/usr/sbin /usr/sbin && '
+                  '{ [ ! -d /etc/lxc ] || mount --bind "$2" /etc/lxc; } && shift 2 && exec "$@"')
         r = subprocess.run(["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh",
-                            str(d / "bin"), *sshd], capture_output=True, text=True)
+                            str(d / "bin"), str(d / "etc-lxc"), *sshd], capture_output=True, text=True)
         if r.returncode != 0:
             _run(sshd, f"sshd for {n.name}")
 

@@ -87,6 +87,7 @@ class Node:
         self.lxcpath: str = info["lxcpath"]
         self.etc_pve: str = info["etc_pve"]
         self.snapdir: str = info["snapdir"]
+        self.lxc_attach: str = info.get("lxc_attach", "lxc-attach")  # the real one: the node's bin/ journals
         env_node = os.environ.get("PVE_NODE")
         if env_node and env_node != self.name:
             raise Die(f"PVE_NODE={env_node} but this pct belongs to node {self.name}")
@@ -110,7 +111,7 @@ class Node:
         return sorted(out)
 
     def lxc(self, cmd: str, vmid: int, *args: str) -> list[str]:
-        return [cmd, "-P", self.lxcpath, "-n", str(vmid), *args]
+        return [self.lxc_attach if cmd == "lxc-attach" else cmd, "-P", self.lxcpath, "-n", str(vmid), *args]
 
     def running(self, vmid: int) -> bool:
         r = subprocess.run(self.lxc("lxc-info", vmid, "-s", "-H"), capture_output=True, text=True)
@@ -259,6 +260,8 @@ def cmd_exec(node: Node, vmid: int, opts: dict[str, str], extra: list[str]) -> i
     keep = opts.get("keep-env", "1") == "1"
     env = dict(os.environ)
     env["PATH"] = PVE_PATH
+    env.pop("SSL_CERT_FILE", None)  # pct.pm's clean_environment()
+    env.pop("SSL_CERT_DIR", None)
     if env.get("LC_CTYPE") == "C.UTF-8" and "LANG" not in env and "LC_ALL" not in env:
         del env["LC_CTYPE"]  # set by Python's own locale coercion (PEP 538), not by the SSH session
     argv = node.lxc("lxc-attach", vmid, "--keep-env" if keep else "--clear-env", "--", *extra)
@@ -266,7 +269,7 @@ def cmd_exec(node: Node, vmid: int, opts: dict[str, str], extra: list[str]) -> i
     sys.stderr.flush()
     # No shell and no pipes: stdin/stdout/stderr are the SSH channel's, byte for byte; lxc-attach gives
     # the command's status, 128+N for a signal, 127 for ENOENT and 126 for EACCES, as pct does.
-    os.execvpe("lxc-attach", argv, env)
+    os.execvpe(argv[0], argv, env)
     return 255  # not reached
 
 

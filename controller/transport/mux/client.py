@@ -495,7 +495,8 @@ def sessions(state: Path | None = None) -> list[dict[str, Any]]:
 
 
 def _agents(sock: socket.socket) -> list[dict[str, Any]] | None:
-    """The staying agents the session's relay keeps ({"argv", "pid", "requests", "busy"} each, checked), or None
+    """The staying agents the session's relay keeps ({"argv", "pid", "requests", "busy", "via": what started it:
+    lxc-attach or pct} each, checked), or None
     when it does not say within 2 s."""
     try:
         sock.settimeout(2.0)
@@ -512,7 +513,7 @@ def _agents(sock: socket.socket) -> list[dict[str, Any]] | None:
     if not isinstance(agents, list):
         return None
     return [{"argv": [str(a) for a in a["argv"]], "pid": int(a["pid"]), "requests": int(a["requests"]),
-             "busy": a.get("busy") is True}
+             "busy": a.get("busy") is True, "via": str(a.get("via", ""))[:40]}
             for a in agents if isinstance(a, dict) and isinstance(a.get("argv"), list)
             and all(isinstance(a.get(k), int) for k in ("pid", "requests"))]
 
