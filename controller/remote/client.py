@@ -41,10 +41,15 @@ from controller.transport.base import AgentStart, Duplex, Result, Transport
 # CTL_AGENT_CODE_DIR, which BOOT takes out of the environment) under the source's sha256 and the
 # python's version, so the next start of the same agent reads it instead of compiling 77 KB again (~20 ms of
 # CPU; a fan-out starts one per container). Used only when the file is the running user's, not writable by
-# others, not a symlink, and holds a code object; anything else compiles, as before.
-_BOOT = """import sys,os,marshal,hashlib
+# others, not a symlink, and holds a code object; anything else compiles, as before. The key's sha256 is the
+# interpreter's own (_sha256, _sha2 from 3.12): hashlib would load OpenSSL, ~9 ms of every agent start.
+_BOOT = """import sys,os,marshal
+try:from _sha256 import sha256
+except ImportError:
+ try:from _sha2 import sha256
+ except ImportError:from hashlib import sha256
 s=sys.stdin.buffer.read(int(sys.argv[1]));c=None
-k=os.environ.pop('CTL_AGENT_CODE_DIR','/run/ctl')+'/agent-%s-%x'%(hashlib.sha256(s).hexdigest()[:32],sys.hexversion)
+k=os.environ.pop('CTL_AGENT_CODE_DIR','/run/ctl')+'/agent-%s-%x'%(sha256(s).hexdigest()[:32],sys.hexversion)
 try:
  f=os.open(k,os.O_RDONLY|os.O_NOFOLLOW)
  try:

@@ -42,7 +42,6 @@ when one ended before answering. A K ends the staying agent answering that strea
 reading (its writes never block).
 """
 
-import hashlib
 import json
 import os
 import queue
@@ -52,6 +51,14 @@ import subprocess
 import sys
 import threading
 import time
+
+try:  # the interpreter's own sha256: hashlib would load OpenSSL (~9 ms of every session's start) for 77 KB
+    from _sha256 import sha256
+except ImportError:
+    try:
+        from _sha2 import sha256  # Python 3.12+
+    except ImportError:
+        from hashlib import sha256
 
 HEADER = struct.Struct(">cHI")
 _CHUNK = 1 << 16
@@ -469,7 +476,7 @@ SOURCES_KEPT = 8
 
 
 def _keep_source(source):
-    digest = hashlib.sha256(source).hexdigest()
+    digest = sha256(source).hexdigest()
     with _sources_lock:
         _sources.pop(digest, None)
         _sources[digest] = source
