@@ -38,5 +38,7 @@ VENV_PY="$VENV/bin/python"
 # torch first and pinned: 2.13.0 is the CPU wheel this machine kind carries; an unpinned torch would
 # pull a multi-GB CUDA build. The payload itself runs on torch 2.11 (the GPU boxes) through 2.13+.
 "$VENV_PY" -m pip install -q --disable-pip-version-check "torch==2.13.0" >&2
-"$VENV_PY" -m pip install -q --disable-pip-version-check -e '.[dev,payload]' >&2
+# Editable as a path (compat): setuptools' default editable install adds an import hook that every python start of
+# the venv pays (~16 ms here: pathlib, importlib.util, urllib), every ctl command and session process included.
+"$VENV_PY" -m pip install -q --disable-pip-version-check -e '.[dev,payload]' --config-settings editable_mode=compat >&2
 echo "$VENV_PY"
