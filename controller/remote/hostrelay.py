@@ -475,8 +475,11 @@ _sources_lock = threading.Lock()
 SOURCES_KEPT = 8
 
 
-def _keep_source(source):
-    digest = sha256(source).hexdigest()
+def _keep_source(source, digest=None):
+    """Keep source under its sha256 (the newest SOURCES_KEPT); `digest` when it is already known: a source taken
+    from the kept ones is not hashed again, or a staying agent's every request would hash 77 KB."""
+    if digest is None:
+        digest = sha256(source).hexdigest()
     with _sources_lock:
         _sources.pop(digest, None)
         _sources[digest] = source
@@ -497,6 +500,7 @@ class AgentRequest:
         self.n = int(spec["n"])
         self.retry = bool(spec.get("retry"))
         self.sha = str(spec.get("sha") or "")
+        self.kept = False  # its source is the one kept under self.sha (it was left out of the request)
         if not (0 < self.at < len(self.argv)) or self.n < 0:
             raise ValueError("bad agent request")
         self.buf = bytearray()
@@ -567,6 +571,7 @@ class AgentRequest:
                 return False
             self.buf[0:0] = kept
             self.n = len(kept)
+            self.kept = True
         return True
 
     def _exec(self, close=True):
@@ -607,7 +612,7 @@ class AgentRequest:
         if self.n == 0 or len(self.buf) < self.n:  # no source to start a staying agent with: as S would run it
             return self._exec()
         source, data = bytes(self.buf[:self.n]), bytes(self.buf[self.n:])
-        key = (tuple(self.argv[:self.at]), _keep_source(source))
+        key = (tuple(self.argv[:self.at]), _keep_source(source, self.sha if self.kept else None))
         for _attempt in range(2):
             r, may_start = _residents.take(key)
             if r is None and may_start:
