@@ -103,6 +103,19 @@ def rootfs(pvehost: PveHost) -> Callable[[int], Path]:
 # What a node's sshd is serving (connection reuse, leaks)
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is pid (scanned: /proc/PID/task/*/children needs a kernel option)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(") ", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
 def sshd_sessions(env: Env, node: str) -> set[int]:
     """PIDs of the SSH sessions a test-host node's sshd is serving now (its listener's children)."""
     listener = int((env.host.base / node / "sshd.pid").read_text().strip())

@@ -28,7 +28,7 @@ from controller.inventory import load
 from controller.transport import mux
 from controller.transport.mux.sock import session_key, socket_dir
 from controller.transport.pool import Pool
-from tests.integration.conftest import REPO, Env, sshd_sessions
+from tests.integration.conftest import REPO, Env, children, sshd_sessions
 
 pytestmark = pytest.mark.pvehost
 
@@ -73,7 +73,7 @@ def _session_child(pid: int) -> list[int]:
     daemon: list[int] = []
 
     def spawned() -> bool:
-        daemon[:] = [c for c in _children(pid)
+        daemon[:] = [c for c in children(pid)
                      if b"controller.transport.mux.daemon" in Path(f"/proc/{c}/cmdline").read_bytes()]
         return bool(daemon)
 
@@ -215,16 +215,6 @@ def test_a_command_gone_while_its_session_starts_leaves_one_session_that_the_nex
         env.ctl("mux", "stop", check=True)
         _wait(lambda pid=pid: not _alive(pid), what="the session to end")
         before = sshd_sessions(env, "pve1")
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                if int((d / "stat").read_text().rsplit(") ", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-    return out
 
 
 @pytest.mark.parametrize("closed", [None, 0, 1, 2])

@@ -21,7 +21,7 @@ from controller.inventory import load
 from controller.transport import mux as mux_mod
 from controller.transport.pct import PctContainer
 from controller.transport.pool import Pool
-from tests.integration.conftest import REPO, Env, sshd_sessions
+from tests.integration.conftest import REPO, Env, children, sshd_sessions
 
 pytestmark = pytest.mark.pvehost
 
@@ -424,19 +424,6 @@ def test_a_request_past_its_deadline_ends_its_staying_agent_at_once(persist: Env
         assert t.relay is not None and t.relay._streams == {}  # the relay's X came: the id is free again
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is pid (scanned: /proc/PID/task/*/children needs a kernel option)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(") ", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return out
-
-
 def _environ(raw: bytes) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in raw.decode().split("\0") if "=" in kv)
 
@@ -454,7 +441,7 @@ def test_staying_agents_start_by_lxc_attach_with_the_environment_pct_gives(persi
     docs = json.loads(persist.ctl("--json", "mux", "status", check=True).stdout)
     agents = [a for d in docs if d["host"] == "pve1" for a in d["agents"]]
     assert [(a["via"], a["argv"][:4]) for a in agents] == [("lxc-attach", ["pct", "exec", "200", "--"])], agents
-    (agent,) = _children(agents[0]["pid"])  # lxc-attach's child: the agent, in the container
+    (agent,) = children(agents[0]["pid"])  # lxc-attach's child: the agent, in the container
     staying = _environ(Path(f"/proc/{agent}/environ").read_bytes())
 
     inv = load(persist.inventory)
