@@ -1819,8 +1819,11 @@ def _serve_one(argv, data):
         rc = main([str(a) for a in argv])
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # as one exec would: the traceback on stderr, status 1
-        traceback.print_exc()
+    except BaseException as e:  # as one exec would: the traceback on stderr, status 1
+        try:
+            traceback.print_exc()  # imported on first use: may itself fail (a MemoryError, a python upgraded)
+        except BaseException:
+            sys.stderr.write("%s: %s\n" % (type(e).__name__, e))
         rc = 1
     finally:
         for f in (sys.stdout, sys.stderr):

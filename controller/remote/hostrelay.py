@@ -75,6 +75,7 @@ RESIDENT_HELLO_S = 30.0  # a staying agent that has not said hello by then is gi
 RESIDENT_MAX_FRAME = 1 << 30  # a reply frame claiming more is not the agent: that agent is ended
 PVE_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"  # the PATH pct sets before it runs lxc-attach
 PCT_NAMES = ("pct", "/usr/sbin/pct")  # Proxmox's pct; a `pct:` of the inventory's own is always run as given
+PVE_PCTS = ("/usr/sbin/pct", "/sbin/pct")  # where Proxmox installs it (what a bare `pct` must resolve to)
 _no_lxc_attach = []  # set once lxc-attach is not on PVE_PATH: every staying agent starts through pct
 
 
@@ -224,10 +225,11 @@ class Child:
 def attach_argv(argv, environ):
     """`pct exec VMID [--keep-env 0|1] -- CMD...` as pct runs it once it found the container running: (lxc-attach
     argv, its environment), or None for any other line. pct.pm's exec: `lxc-attach -n VMID --keep-env|--clear-env
-    -- CMD` with PATH reset and SSL_CERT_FILE/SSL_CERT_DIR dropped; keep-env defaults to 1. An LC_CTYPE of
-    C.UTF-8 without LANG or LC_ALL is this relay's own Python locale coercion (PEP 538), not the session's, and
-    is not passed on."""
+    -- CMD` with PATH reset and SSL_CERT_FILE/SSL_CERT_DIR dropped; keep-env defaults to 1. Only where pct is
+    Proxmox's own (_proxmox_pct); a pct that is anything else is always run as given."""
     if len(argv) < 5 or argv[0] not in PCT_NAMES or argv[1] != "exec" or "--" not in argv:
+        return None
+    if not _proxmox_pct(argv[0], environ):
         return None
     dash = argv.index("--")
     vmid, opts = argv[2], argv[3:dash]
@@ -240,13 +242,55 @@ def attach_argv(argv, environ):
     env["PATH"] = PVE_PATH
     env.pop("SSL_CERT_FILE", None)
     env.pop("SSL_CERT_DIR", None)
-    if env.get("LC_CTYPE") == "C.UTF-8" and "LANG" not in env and "LC_ALL" not in env:
-        del env["LC_CTYPE"]
     return ["lxc-attach", "-n", vmid, "--keep-env" if keep else "--clear-env", "--", *argv[dash + 1:]], env
 
 
+def _proxmox_pct(name, environ):
+    """Whether `name` (pct or /usr/sbin/pct) runs Proxmox's own pct here, as root: what PATH finds for a bare
+    `pct` must be /usr/sbin/pct (a site's wrapper earlier on PATH, an audit or sudo one, is never bypassed), and
+    lxc-attach needs root (as a user it would look for that user's own containers)."""
+    if os.geteuid() != 0:
+        return False
+    if name != "pct":
+        return True
+    found = _pct_found.get(environ.get("PATH", ""))
+    if found is None:
+        found = ""
+        for d in environ.get("PATH", "").split(":"):
+            p = os.path.join(d or ".", "pct")
+            if os.path.isfile(p) and os.access(p, os.X_OK):
+                found = os.path.realpath(p)
+                break
+        _pct_found[environ.get("PATH", "")] = found
+    return found in PVE_PCTS
+
+
+_pct_found = {}  # PATH -> the pct it finds (realpath), "" for none
+
+
+def _uncoerce_locale():
+    """Python's locale coercion (PEP 538) set LC_CTYPE in this relay's environment when the session's locale
+    was C; every child (pct, lxc-attach, and through them the agents and what they launch) gets the session's
+    LC_CTYPE as it was: the one /proc/self/environ (the environment this process started with) holds."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            start = f.read().split(b"\0")
+    except OSError:
+        return
+    for kv in start:
+        if kv.startswith(b"LC_CTYPE="):
+            os.environ["LC_CTYPE"] = os.fsdecode(kv[len(b"LC_CTYPE="):])
+            return
+    os.environ.pop("LC_CTYPE", None)
+
+
 class StartFailed(Exception):
-    """A staying agent did not say hello (pct refused, no python3, no answer in RESIDENT_HELLO_S)."""
+    """A staying agent did not say hello (pct refused, no python3, no answer in RESIDENT_HELLO_S); `ended`: its
+    process had exited (a refusal), not been given up on."""
+
+    def __init__(self, why, ended):
+        super().__init__(why)
+        self.ended = ended
 
 
 class Resident:
@@ -277,8 +321,9 @@ class Resident:
         kind, _sid, n = HEADER.unpack(head) if head is not None else (None, 0, 0)
         hello = self._read(n, late) if kind == b"H" and n < 4096 else None
         if hello is None:
+            ended = self.proc.poll() is not None
             self.kill()
-            raise StartFailed(self.why())
+            raise StartFailed(self.why(), ended)
 
     def _drain_err(self):
         try:
@@ -463,7 +508,10 @@ def _start_resident(key, argv, source, stop):
             return Resident(key, direct[0], source, stop, env=direct[1])
         except FileNotFoundError:
             _no_lxc_attach.append(True)
-        except (StartFailed, OSError):
+        except StartFailed as e:
+            if stop() or not e.ended:
+                raise  # abandoned, or an attach that hung until RESIDENT_HELLO_S: pct would wait as long again
+        except OSError:
             if stop():
                 raise
     return Resident(key, argv, source, stop)
@@ -654,6 +702,7 @@ class AgentRequest:
 
 
 def main():
+    _uncoerce_locale()
     stdin = sys.stdin.buffer
     _emit(b"H", 0, json.dumps({"relay": 3, "pid": os.getpid(), "python": sys.version.split()[0]}).encode())
     while True:

@@ -443,6 +443,8 @@ def test_staying_agents_start_by_lxc_attach_with_the_environment_pct_gives(persi
     assert [(a["via"], a["argv"][:4]) for a in agents] == [("lxc-attach", ["pct", "exec", "200", "--"])], agents
     (agent,) = children(agents[0]["pid"])  # lxc-attach's child: the agent, in the container
     staying = _environ(Path(f"/proc/{agent}/environ").read_bytes())
+    relay = int(Path(f"/proc/{agents[0]['pid']}/stat").read_text().rsplit(") ", 1)[1].split()[1])
+    session = _environ(Path(f"/proc/{relay}/environ").read_bytes())  # what the relay started with: the session's
 
     inv = load(persist.inventory)
     with Pool(inv) as pool:  # the same session, so the same relay: its exec goes through pct
@@ -451,6 +453,8 @@ def test_staying_agents_start_by_lxc_attach_with_the_environment_pct_gives(persi
     assert res.returncode == 0, res.err
     through_pct = _environ(res.out.encode())
     assert staying["PATH"] == "/sbin:/bin:/usr/sbin:/usr/bin" and staying.get("container") == "lxc", staying
+    assert session["SSL_CERT_FILE"] and "SSL_CERT_FILE" not in staying, staying  # pct.pm's clean_environment
+    assert staying.get("LC_CTYPE") == session.get("LC_CTYPE"), (staying, session)  # not the relay's coercion
     assert staying == through_pct
     assert [c["cmd"] for c in host.pct_calls("pve1")[before + 1:]] == ["exec"]  # the cat
 

@@ -6,7 +6,7 @@ Layout under the base directory (nothing is registered outside it; see `PveHost.
     keys/                         client key (ed25519), authorized_keys, known_hosts
     cm/                           ssh ControlMaster sockets (ssh_argv(..., multiplex=True))
     <node>/sshd_config            one sshd per simulated host, own host key and PidFile
-    <node>/node.json, bin/pct     the simulated pct; sshd's SetEnv puts bin/ first on PATH
+    <node>/node.json, bin/pct     the simulated pct (/usr/sbin/pct through the overlay below)
     <node>/bin/lxc-attach         journals each call (pct.journal, "cmd": "attach"), then runs the real one
     <node>/etc-lxc/lxc.conf       lxc.lxcpath = <node>/lxc: /etc/lxc in the node's SSH sessions
     <node>/etc-pve/nodes/<node>/lxc/<vmid>.conf   Proxmox-style config that `pct config` prints
@@ -15,8 +15,8 @@ Layout under the base directory (nothing is registered outside it; see `PveHost.
     api/                          the HTTPS PVE API (tests/pvehost/api.py): CA, cert, token, api.json, api.pid
 
 Each sshd runs in its own mount namespace where /usr/sbin is a read-only overlay adding pct, so both
-`pct` (PATH from sshd's SetEnv) and `/usr/sbin/pct` work in SSH sessions, as on real Proxmox; nothing
-changes on this machine's /usr/sbin.
+`pct` and `/usr/sbin/pct` work in SSH sessions, as on real Proxmox; nothing changes on this machine's
+/usr/sbin (without overlayfs, sshd's SetEnv puts bin/ first on PATH instead).
 
 One container (ct_ssh_vmid, 301 by default) uses host networking (`lxc.net.0.type = none`) and runs its own
 sshd on 127.0.0.4 as its init's child: the endpoint of the "container over direct SSH" transport.
@@ -184,6 +184,7 @@ class PveHost:
     #: `sleep`, and starting one costs about 0.1 s at up()
     extra_cts: int = 0
     _host_pub: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    _overlay: bool = field(default=True, repr=False, compare=False)  # up() finds out (_overlay_works)
 
     # --- naming ----------------------------------------------------------------------------------
 
@@ -486,6 +487,7 @@ class PveHost:
         try:
             self._write_state(owner_pid)
             self._keys()
+            self._overlay = self._overlay_works()
             for n in self.nodes:
                 self._node(n)
             self._known_hosts()
@@ -551,6 +553,8 @@ class PveHost:
         (d / "snapshots").mkdir()
         self.lxcpath(n.name).mkdir()
         real_attach = os.path.realpath(shutil.which("lxc-attach", path=HOST_PATH_TAIL) or "/usr/bin/lxc-attach")
+        if os.path.dirname(real_attach) in ("/usr/sbin", "/sbin"):  # the overlay would shadow it with the shim
+            raise PveHostError(f"lxc-attach is {real_attach}: the journaling shim in /usr/sbin would hide it")
         (d / "node.json").write_text(json.dumps({
             "node": n.name, "address": n.address, "lxcpath": str(self.lxcpath(n.name)),
             "etc_pve": str(d / "etc-pve"), "snapdir": str(d / "snapshots"), "lxc_attach": real_attach}))
@@ -561,11 +565,15 @@ class PveHost:
         # The node's LXC at the default lxcpath of its SSH sessions (a bind over /etc/lxc in sshd's namespace),
         # as on Proxmox, where a plain `lxc-attach -n VMID` finds the container.
         (d / "etc-lxc").mkdir()
-        with contextlib.suppress(OSError):
-            shutil.copy2("/etc/lxc/default.conf", d / "etc-lxc" / "default.conf")
-        (d / "etc-lxc" / "lxc.conf").write_text(f"lxc.lxcpath = {self.lxcpath(n.name)}\n")
+        for name in ("default.conf", "lxc.conf"):  # the machine's own, and then our lxcpath
+            with contextlib.suppress(OSError):
+                shutil.copy2(f"/etc/lxc/{name}", d / "etc-lxc" / name)
+        with open(d / "etc-lxc" / "lxc.conf", "a") as f:
+            f.write(f"lxc.lxcpath = {self.lxcpath(n.name)}\n")
         self._host_pub[n.name] = self._host_key(d / "ssh_host_ed25519_key", n.name)
-        path = f"{d / 'bin'}:{HOST_PATH_TAIL}"
+        # With the overlay, pct is /usr/sbin/pct on the PATH, as on Proxmox (ctl's relay starts agents by
+        # lxc-attach only where PATH finds that one); without it, bin/ goes first.
+        path = HOST_PATH_TAIL if self._overlay else f"{d / 'bin'}:{HOST_PATH_TAIL}"
         (d / "sshd_config").write_text(f"""\
 # sshd of the simulated Proxmox host {n.name}
 Port {self.port}
@@ -584,7 +592,7 @@ PrintMotd no
 MaxStartups 64:30:128
 MaxSessions 64
 Subsystem sftp {SFTP_SERVER}
-SetEnv PATH={path} PVE_NODE={n.name}
+SetEnv PATH={path} PVE_NODE={n.name} SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
 """)
         for vmid in n.vmids:
             self._container(n, vmid)
@@ -667,6 +675,13 @@ Subsystem sftp {SFTP_SERVER}
         (ctdir / "config").write_text("\n".join(lines) + "\n")
         conf = [f"{k}: {v}" for k, v in sorted(pve.items())] + pve_raw
         self.conf_path(vmid).write_text("\n".join(conf) + "\n")
+
+    def _overlay_works(self) -> bool:
+        """Whether this machine can lay an overlay on /usr/sbin in a mount namespace of its own (_start_sshd)."""
+        r = subprocess.run(["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c",
+                            'mount -t overlay pvehost -o ro,lowerdir="$1":/usr/sbin /usr/sbin', "sh", str(self.base)],
+                           capture_output=True)
+        return r.returncode == 0
 
     def _start_sshd(self, n: NodeSpec) -> None:
         """sshd in its own mount namespace where /usr/sbin is an overlay that adds pct (and the journaling

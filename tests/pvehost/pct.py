@@ -262,8 +262,11 @@ def cmd_exec(node: Node, vmid: int, opts: dict[str, str], extra: list[str]) -> i
     env["PATH"] = PVE_PATH
     env.pop("SSL_CERT_FILE", None)  # pct.pm's clean_environment()
     env.pop("SSL_CERT_DIR", None)
-    if env.get("LC_CTYPE") == "C.UTF-8" and "LANG" not in env and "LC_ALL" not in env:
-        del env["LC_CTYPE"]  # set by Python's own locale coercion (PEP 538), not by the SSH session
+    env.pop("LC_CTYPE", None)  # Python's own locale coercion (PEP 538) may have set it: the session's, as it was
+    with open("/proc/self/environ", "rb") as f:
+        for kv in f.read().split(b"\0"):
+            if kv.startswith(b"LC_CTYPE="):
+                env["LC_CTYPE"] = os.fsdecode(kv[len(b"LC_CTYPE="):])
     argv = node.lxc("lxc-attach", vmid, "--keep-env" if keep else "--clear-env", "--", *extra)
     sys.stdout.flush()
     sys.stderr.flush()
