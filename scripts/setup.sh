@@ -40,5 +40,7 @@ VENV_PY="$VENV/bin/python"
 "$VENV_PY" -m pip install -q --disable-pip-version-check "torch==2.13.0" >&2
 # Editable as a path (compat): setuptools' default editable install adds an import hook that every python start of
 # the venv pays (~16 ms here: pathlib, importlib.util, urllib), every ctl command and session process included.
-"$VENV_PY" -m pip install -q --disable-pip-version-check -e '.[dev,payload]' --config-settings editable_mode=compat >&2
+# setuptools calls compat mode transitional: where a later one refuses it, the default editable install is used.
+"$VENV_PY" -m pip install -q --disable-pip-version-check -e '.[dev,payload]' --config-settings editable_mode=compat >&2 ||
+  "$VENV_PY" -m pip install -q --disable-pip-version-check -e '.[dev,payload]' >&2
 echo "$VENV_PY"
