@@ -60,12 +60,27 @@ def test_ssh_sessions_get_pct_and_node_from_setenv(h: PveHost) -> None:
     for host, (_, _, node) in h.hosts.items():
         rc, out, _ = run(h, host, "sh", "-c", 'echo "$PVE_NODE"; command -v pct')
         assert rc == 0
-        assert out.split() == [node, str(h.base / node / "bin" / "pct")]
-        # like real Proxmox, also at /usr/sbin/pct (an overlay in the sshd's own mount namespace) ...
+        # like real Proxmox, PATH finds /usr/sbin/pct (an overlay in the sshd's own mount namespace); without
+        # overlayfs, the node's bin/ comes first on PATH instead
+        assert out.split() == [node, "/usr/sbin/pct" if h._overlay else str(h.base / node / "bin" / "pct")]
         rc, out, _ = run(h, host, "/usr/sbin/pct", "list")
         assert (rc, out.split()[4]) == (0, str(h.vmids[node][0]))
-    assert not Path("/usr/sbin/pct").exists()  # ... not on this machine
+    assert not Path("/usr/sbin/pct").exists()  # not on this machine
     assert ct(h, 200, "test", "-e", "/usr/sbin/pct")[0] == 1  # nor in the containers
+
+
+def test_ssh_sessions_attach_by_name_as_on_proxmox_and_the_journal_counts_it(h: PveHost) -> None:
+    """A plain `lxc-attach -n VMID` finds the node's own container (its lxcpath is the sessions' default), and
+    lands in the node's journal beside pct's calls; pct's own attach does not."""
+    before = len(h.pct_calls("pve1"))
+    rc, out, err = run(h, "pve1", "lxc-attach", "-n", "200", "--", "sh", "-c", "echo in-200; exit 3")
+    assert (rc, out.strip()) == (3, "in-200"), err
+    rc, _, err = run(h, "pve1", "lxc-attach", "-n", "300", "--", "true")  # pve2's: not this node's
+    assert rc != 0
+    assert run(h, "pve1", "pct", "exec", "200", "--", "true")[0] == 0
+    calls = h.pct_calls("pve1")[before:]
+    assert [(c["cmd"], c["args"], c["argv"][:1]) for c in calls] == [
+        ("attach", ["200"], ["sh"]), ("attach", ["300"], ["true"]), ("exec", ["200"], ["true"])], calls
 
 
 def test_host_keys_are_verified(h: PveHost, tmp_path: Path) -> None:
