@@ -49,7 +49,6 @@ def names(argv: list[str]) -> list[str] | None:
     ("deploy --all", ["ct200", "ct201", "ct300"]),
     ("ping", ["ct200", "ct201", "ct300"]),  # no names: every container
     ("ping ct300", ["ct300"]),
-    ("status ct201 ct300 --stall-after 30", ["ct201", "ct300"]),
     ("launch ct200 --run r1 -f", ["ct200"]),  # --run's value is not a name
     ("tail ct300/r7 -n 5", ["ct300"]),
     ("env probe ct201", ["ct201"]),
@@ -62,6 +61,7 @@ def test_lines_that_name_containers(inv: str, line: str, want: list[str]) -> Non
 @pytest.mark.parametrize("line", [
     "deploy",  # several containers and no --all: the command refuses
     "status",  # live runs: where they are is the registry's to say
+    "status ct201 ct300 --stall-after 30",  # no runs recorded there (no registry): nothing to reach
     "show r1", "stop r1",  # runs, not containers
     "tail r7",  # a run name, not a container
     "deploy ct999",  # not in the inventory: the command says so
@@ -89,6 +89,10 @@ def test_runs_named_or_live_are_found_where_they_ran(inv: str, tmp_path: Path) -
     live = reg.claim_run("r1", "ct300")  # starting: live
     done = reg.claim_run("old", "ct201")
     reg.update_run(done.id, state=Lifecycle.FINISHED)
+    # `status CT...` reaches the containers that have runs, finished ones too (their logs are pulled)
+    assert names([*line, "status", "ct200", "ct300", "--stall-after", "30"]) == ["ct300"]
+    assert names([*line, "status", "ct201", "ct300"]) == ["ct201", "ct300"]
+    assert names([*line, "status", "ct200"]) is None
     for ct in ("ct200", "ct300"):
         reg.update_run(reg.claim_run("twice", ct).id, state=Lifecycle.STOPPED)
     reg.claim_run("gone", "ct999")  # live, on a container no longer in the inventory

@@ -31,6 +31,8 @@ DRY_RUN_CONNECTS = ("deploy",)  # its plan is made against the containers' files
 LIVE_WHEN_NONE = ("status", "supervise", "runs")
 # Commands whose run argument reaches the container the run ran in (NAME, or CT/NAME).
 RUN_REACHES = ("tail", "stop", "watch", "metrics pull")
+# Commands that, given containers, reach only those the registry has runs in (the others: "no runs recorded").
+RUNS_ONLY = ("status",)
 # Lines on which the command never connects (eager options that print and exit), or after `--` names are not
 # what they seem.
 NEVER = frozenset({"--", "--help", "--version", "--install-completion", "--show-completion"})
@@ -71,6 +73,10 @@ def containers(argv: list[str]) -> tuple[Inventory, list[Container]] | None:
             names = [ct for ct in _ran_in(None) if ct in inv.model.containers]
             if not names:
                 return None
+        elif names and command in RUNS_ONLY:
+            names = _with_runs(names)  # `ctl status CT` reaches only the containers that have runs
+            if not names:
+                return None
         if names:
             cts = inv.select(names)
         elif command in ALL_WHEN_NONE or "--all" in line.options:
@@ -105,6 +111,17 @@ def _ran_in(run: str | None) -> list[str]:
         (whole,) = db.execute("SELECT COALESCE(member_of, id) FROM runs WHERE id = ?", (ids[0][0],)).fetchone()
         rows = db.execute("SELECT DISTINCT ct FROM runs WHERE id = ? OR member_of = ?", (whole, whole)).fetchall()
         return sorted(str(r[0]) for r in rows)
+
+    return read_registry(query, [])
+
+
+def _with_runs(names: list[str]) -> list[str]:
+    """Those of names the registry has runs in (read-only; none without a registry)."""
+    from controller.cli.complete import read_registry
+
+    def query(db: Any) -> list[str]:
+        have = {str(r[0]) for r in db.execute("SELECT DISTINCT ct FROM runs").fetchall()}
+        return [n for n in names if n in have]
 
     return read_registry(query, [])
 
