@@ -35,7 +35,7 @@ def proxmox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 def test_pct_exec_becomes_the_lxc_attach_pct_runs_with_its_environment(proxmox: str) -> None:
     env = {"PATH": proxmox, "HOME": "/root", "SSL_CERT_FILE": "/x.pem", "SSL_CERT_DIR": "/c", "LC_CTYPE": "C.UTF-8"}
-    for pct in ("pct", "/usr/sbin/pct"):
+    for pct in ("pct", *hostrelay.PVE_PCTS):  # on PATH, and by its path
         got = attach_argv([pct, "exec", "200", "--", *AGENT], env)
         assert got is not None
         argv, child = got
@@ -80,7 +80,7 @@ def test_a_pct_that_path_finds_elsewhere_or_a_relay_not_root_is_run_as_given(
     assert attach_argv(line, {"PATH": "/nonexistent"}) is None
     monkeypatch.setattr(hostrelay.os, "geteuid", lambda: 1000)  # lxc-attach would look for the user's containers
     assert attach_argv(line, {"PATH": proxmox}) is None
-    assert attach_argv(["/usr/sbin/pct", *line[1:]], {"PATH": proxmox}) is None
+    assert attach_argv([hostrelay.PVE_PCTS[0], *line[1:]], {"PATH": proxmox}) is None
 
 
 # --- _start_resident: which start wins -----------------------------------------------------------------------

@@ -74,8 +74,7 @@ RESIDENT_TOTAL = 512  # staying agents per relay, and at most one per 8 descript
 RESIDENT_HELLO_S = 30.0  # a staying agent that has not said hello by then is given up (the request runs as an exec)
 RESIDENT_MAX_FRAME = 1 << 30  # a reply frame claiming more is not the agent: that agent is ended
 PVE_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"  # the PATH pct sets before it runs lxc-attach
-PCT_NAMES = ("pct", "/usr/sbin/pct")  # Proxmox's pct; a `pct:` of the inventory's own is always run as given
-PVE_PCTS = ("/usr/sbin/pct", "/sbin/pct")  # where Proxmox installs it (what a bare `pct` must resolve to)
+PVE_PCTS = ("/usr/sbin/pct", "/sbin/pct")  # where Proxmox installs pct (a bare `pct` must resolve to one of them)
 _no_lxc_attach = []  # set once lxc-attach is not on PVE_PATH: every staying agent starts through pct
 
 
@@ -227,9 +226,7 @@ def attach_argv(argv, environ):
     argv, its environment), or None for any other line. pct.pm's exec: `lxc-attach -n VMID --keep-env|--clear-env
     -- CMD` with PATH reset and SSL_CERT_FILE/SSL_CERT_DIR dropped; keep-env defaults to 1. Only where pct is
     Proxmox's own (_proxmox_pct); a pct that is anything else is always run as given."""
-    if len(argv) < 5 or argv[0] not in PCT_NAMES or argv[1] != "exec" or "--" not in argv:
-        return None
-    if not _proxmox_pct(argv[0], environ):
+    if len(argv) < 5 or argv[1] != "exec" or "--" not in argv or not _proxmox_pct(argv[0], environ):
         return None
     dash = argv.index("--")
     vmid, opts = argv[2], argv[3:dash]
@@ -246,13 +243,13 @@ def attach_argv(argv, environ):
 
 
 def _proxmox_pct(name, environ):
-    """Whether `name` (pct or /usr/sbin/pct) runs Proxmox's own pct here, as root: what PATH finds for a bare
-    `pct` must be /usr/sbin/pct (a site's wrapper earlier on PATH, an audit or sudo one, is never bypassed), and
-    lxc-attach needs root (as a user it would look for that user's own containers)."""
+    """Whether `name` (an argv[0]) runs Proxmox's own pct here, as root: /usr/sbin/pct itself, or a bare `pct`
+    that PATH finds there (a site's wrapper earlier on PATH, an audit or sudo one, is never bypassed; nor is an
+    inventory's `pct:` of its own); lxc-attach needs root (as a user it would look for that user's containers)."""
     if os.geteuid() != 0:
         return False
     if name != "pct":
-        return True
+        return name in PVE_PCTS
     found = _pct_found.get(environ.get("PATH", ""))
     if found is None:
         found = ""

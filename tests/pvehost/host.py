@@ -690,7 +690,7 @@ Subsystem sftp {SFTP_SERVER}
         Real Proxmox has /usr/sbin/pct and some peers call that absolute path. The overlay exists only in
         this sshd's namespace (gone with its last process); containers started from there still see the
         plain /usr/sbin, because their /usr is a non-recursive bind. Without overlayfs, plain sshd: pct is
-        then only on PATH (SetEnv).
+        then only on PATH (SetEnv, bin/ first).
         """
         # sshd's privilege-separation directory is compiled in; the Debian unit creates it at boot.
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
@@ -698,10 +698,12 @@ Subsystem sftp {SFTP_SERVER}
         sshd = [SSHD, "-f", str(d / "sshd_config"), "-E", str(d / "sshd.log")]
         script = ('mount -t overlay pvehost -o ro,lowerdir="$1":/usr/sbin /usr/sbin && '
                   '{ [ ! -d /etc/lxc ] || mount --bind "$2" /etc/lxc; } && shift 2 && exec "$@"')
-        r = subprocess.run(["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh",
-                            str(d / "bin"), str(d / "etc-lxc"), *sshd], capture_output=True, text=True)
-        if r.returncode != 0:
+        if not self._overlay:  # its SetEnv PATH has bin/ first (_node)
             _run(sshd, f"sshd for {n.name}")
+            return
+        # The overlay works here (up() tried it): a failure now would leave sshd without the pct its PATH expects.
+        _run(["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh", str(d / "bin"),
+              str(d / "etc-lxc"), *sshd], f"sshd for {n.name} in its mount namespace")
 
     def _wait_listening(self, timeout: float = 10) -> None:
         targets = [n.address for n in self.nodes] + ([self.ct_ssh_address] if self.ct_ssh_vmid else [])
