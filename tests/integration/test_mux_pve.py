@@ -77,6 +77,12 @@ def sockets(env: Env) -> list[Path]:
 _pids_seen: list[int] = []
 
 
+def _environ(pid: int | bytes) -> dict[str, str]:
+    """The environment process `pid` started with (or one as /proc/PID/environ holds it)."""
+    raw = pid if isinstance(pid, bytes) else Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="surrogateescape").split("\0") if "=" in kv)
+
+
 def _session_pid(stderr: str) -> int:
     m = _PID.search(stderr)
     assert m, stderr
@@ -285,14 +291,13 @@ def test_session_process_gets_only_the_environment_it_needs(persist: Env) -> Non
     r = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
     pid = _session_pid(r.stderr)
     assert "started ctl's persistent session" in r.stderr
-    seen = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if item)
-    assert b"PVE_TOKEN" not in seen and b"AWS_SECRET_ACCESS_KEY" not in seen
-    assert b"xyz" not in seen.values() and b"abc" not in seen.values()
-    assert seen[b"CTL_STATE_DIR"] == str(env.state).encode()
-    assert b"PATH" in seen
-    assert set(seen) <= {b"PATH", b"HOME", b"USER", b"LOGNAME", b"LANG", b"TMPDIR", b"SSH_AUTH_SOCK", b"PYTHONPATH",
-                         b"PYTHONHOME", b"XDG_RUNTIME_DIR", b"CTL_STATE_DIR"} | {
-                             k for k in seen if k.startswith(b"LC_")}
+    seen = _environ(pid)
+    assert "PVE_TOKEN" not in seen and "AWS_SECRET_ACCESS_KEY" not in seen
+    assert "xyz" not in seen.values() and "abc" not in seen.values()
+    assert seen["CTL_STATE_DIR"] == str(env.state)
+    assert "PATH" in seen
+    assert set(seen) <= {"PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR", "SSH_AUTH_SOCK", "PYTHONPATH",
+                         "PYTHONHOME", "XDG_RUNTIME_DIR", "CTL_STATE_DIR"} | {k for k in seen if k.startswith("LC_")}
 
 
 # Runs `ctl ARGS` and writes the modules it imported to OUT when it exits (tests/test_cli_startup.py's hook).
@@ -424,10 +429,6 @@ def test_a_request_past_its_deadline_ends_its_staying_agent_at_once(persist: Env
         assert t.relay is not None and t.relay._streams == {}  # the relay's X came: the id is free again
 
 
-def _environ(raw: bytes) -> dict[str, str]:
-    return dict(kv.split("=", 1) for kv in raw.decode().split("\0") if "=" in kv)
-
-
 def test_staying_agents_start_by_lxc_attach_with_the_environment_pct_gives(persist: Env) -> None:
     """pct exec is `lxc-attach -n VMID --keep-env -- ...` once pct (a Perl program, several hundred ms a start on
     a real host) has found the container running. The relay starts a staying agent that way itself: the node's
@@ -442,16 +443,16 @@ def test_staying_agents_start_by_lxc_attach_with_the_environment_pct_gives(persi
     agents = [a for d in docs if d["host"] == "pve1" for a in d["agents"]]
     assert [(a["via"], a["argv"][:4]) for a in agents] == [("lxc-attach", ["pct", "exec", "200", "--"])], agents
     (agent,) = children(agents[0]["pid"])  # lxc-attach's child: the agent, in the container
-    staying = _environ(Path(f"/proc/{agent}/environ").read_bytes())
+    staying = _environ(agent)
     relay = int(Path(f"/proc/{agents[0]['pid']}/stat").read_text().rsplit(") ", 1)[1].split()[1])
-    session = _environ(Path(f"/proc/{relay}/environ").read_bytes())  # what the relay started with: the session's
+    session = _environ(relay)  # what the relay started with: the session's
 
     inv = load(persist.inventory)
     with Pool(inv) as pool:  # the same session, so the same relay: its exec goes through pct
         t = pool.container(inv.container("ct200"))
         res = t.run(["cat", "/proc/self/environ"])
     assert res.returncode == 0, res.err
-    through_pct = _environ(res.out.encode())
+    through_pct = _environ(res.out.encode(errors="surrogateescape"))
     assert staying["PATH"] == "/sbin:/bin:/usr/sbin:/usr/bin" and staying.get("container") == "lxc", staying
     assert session["SSL_CERT_FILE"] and "SSL_CERT_FILE" not in staying, staying  # pct.pm's clean_environment
     assert staying.get("LC_CTYPE") == session.get("LC_CTYPE"), (staying, session)  # not the relay's coercion
