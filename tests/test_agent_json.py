@@ -1,0 +1,99 @@
+"""The agent's json (controller/remote/agent.py, _Json): the C accelerator's scanner and encoder without importing
+json, so every answer and every reading must be exactly json's, errors included."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controller.remote import agent as agent_mod
+from controller.remote.client import agent_source
+from tests.conftest import REPO
+
+AJ = agent_mod._Json()
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values)
+def test_dumps_and_loads_are_jsons(v: object) -> None:
+    assert AJ.dumps(v) == json.dumps(v)
+    text = json.dumps(v)
+    assert AJ.loads(text) == json.loads(text)
+    assert AJ.loads(f" \n\t{text}\r\n ") == v or v != v  # whitespace around a document, as json allows
+
+
+def test_options_files_and_non_finite_numbers_are_jsons() -> None:
+    doc = {"b": [1, 2.5, None], "a": {"z": True}}
+    assert AJ.dumps(doc, indent=2, sort_keys=True) == json.dumps(doc, indent=2, sort_keys=True)
+    assert AJ.dumps({"p": object()}, default=str).startswith('{"p": "<object object')
+    assert AJ.dumps([math.inf, -math.inf]) == "[Infinity, -Infinity]"
+    assert math.isnan(AJ.loads("NaN")) and AJ.loads("[-Infinity]") == [-math.inf]
+    f = io.StringIO()
+    AJ.dump(doc, f)
+    assert AJ.load(io.StringIO(f.getvalue())) == doc
+    assert AJ.loads(b'{"x": 1}') == {"x": 1}  # bytes: json's own detection of the encoding
+    assert AJ.dumps("\u00e9\n") == json.dumps("\u00e9\n")
+
+
+@pytest.mark.parametrize("bad", ["", "  ", "{", "{not json", "{\"a\"", '{"a": 1} x', "[1,]", "nul", '{"a" 1}', "1 2"])
+def test_bad_documents_raise_jsons_error(bad: str) -> None:
+    with pytest.raises(json.JSONDecodeError) as ours:
+        AJ.loads(bad)
+    with pytest.raises(json.JSONDecodeError) as theirs:
+        json.loads(bad)
+    assert (ours.value.msg, ours.value.pos) == (theirs.value.msg, theirs.value.pos)
+
+
+def test_bad_documents_raise_jsons_error_where_json_was_never_imported() -> None:
+    """The C scanner raises its errors through json.decoder, which an agent has not imported: json's own error
+    still comes out, not a SystemError."""
+    code = ("import sys;from controller.remote import agent as a\n"
+            "assert 'json' not in sys.modules\n"
+            "for bad in ('{not json', '{\"a\"', '[1,'):\n"
+            " try:a.json.loads(bad)\n"
+            " except ValueError as e:print(type(e).__name__, e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.stdout.splitlines() == [
+        "JSONDecodeError Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+        "JSONDecodeError Expecting ':' delimiter: line 1 column 5 (char 4)",
+        "JSONDecodeError Expecting value: line 1 column 4 (char 3)"], r.stdout + r.stderr
+
+
+def test_what_json_cannot_encode_is_refused_as_json_refuses_it() -> None:
+    for v in ({"s": {1, 2}}, [b"bytes"]):
+        with pytest.raises(TypeError) as ours:
+            AJ.dumps(v)
+        with pytest.raises(TypeError) as theirs:
+            json.dumps(v)
+        assert str(ours.value) == str(theirs.value)
+    AJ.dumps([1])  # an encoder that failed leaves nothing behind: the next call is not a "circular reference"
+    loop: list[object] = []
+    loop.append(loop)
+    with pytest.raises(ValueError, match="Circular reference"):
+        AJ.dumps(loop)
+    assert AJ.dumps([loop[:0]]) == "[[]]"
+
+
+def test_an_agent_that_says_hello_imports_neither_json_nor_re() -> None:
+    """What the change is for: an agent start that only answers hello (`ctl ping`) loads no json, re or enum."""
+    src = agent_source()
+    r = subprocess.run([sys.executable, "-I", "-S", "-c",
+                        "import sys;n=int(sys.argv[1]);src=sys.stdin.buffer.read(n);"
+                        "g={'__name__':'__main__'};sys.argv=['-c']+sys.argv[1:];"
+                        "e=None\ntry:exec(compile(src,'ctl-agent','exec'),g)\nexcept SystemExit as x:e=x\n"
+                        "print(sorted(m for m in ('json','re','enum') if m in sys.modules))",
+                        str(len(src)), "hello", "{}"], input=src, capture_output=True)
+    assert b'"ok": true' in r.stdout, (r.stdout, r.stderr)
+    assert r.stdout.rstrip().endswith(b"[]"), r.stdout
