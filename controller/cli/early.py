@@ -126,6 +126,25 @@ def _with_runs(names: list[str]) -> list[str]:
     return read_registry(query, [])
 
 
+# Verbs whose lines may reach containers (those start() may begin sessions for): a spare session process starts
+# for them at once (spare.py). tests/test_early.py checks the list against the command tree.
+SPARE_VERBS = frozenset({"cache", "dashboard", "deploy", "env", "launch", "metrics", "ping", "rollback", "runs",
+                         "snapshot", "status", "stop", "store", "supervise", "tail", "watch"})
+
+
+def spare(argv: list[str]) -> bool:
+    """Start a spare session process (spare.py) when `ctl ARGV` is of a kind that connects, sessions are on and
+    none of the user's is up: it imports what a session needs while the command reads its line and inventory.
+    True when one was started."""
+    from controller.cli.main import verb
+
+    if NEVER & set(argv) or verb(argv) not in SPARE_VERBS or os.environ.get("CTL_PERSIST", "").strip() == "0":
+        return False
+    from controller.transport.mux import spare as spare_process
+
+    return spare_process.start(os.environ)
+
+
 def start(argv: list[str]) -> list[str]:
     """Begin starting the sessions `ctl ARGV` will use (see the module doc); the hosts begun."""
     from controller import settings
@@ -133,6 +152,9 @@ def start(argv: list[str]) -> list[str]:
 
     if os.environ.get(settings.PERSIST, "").strip() == "0":
         return []
+    from controller.transport.mux import spare
+
+    begun: list[str] = []
     try:
         found = containers(argv)
         if found is None:
@@ -147,6 +169,9 @@ def start(argv: list[str]) -> list[str]:
         begun = Pool(inv, warn=warn).start_sessions(cts)
     except (CtlError, OSError):
         return []  # a setting or directory the command will refuse, in its own words
+    finally:
+        if not begun:
+            spare.release()  # nothing begun: the command's CPU is its own
     if begun and "--debug" in argv:
         sys.stderr.write(f"ctl: debug: starting ctl's persistent session for {', '.join(begun)} while ctl loads\n")
     return begun

@@ -117,9 +117,10 @@ def main() -> None:
         sys.exit(answer())
     if _plain_help(sys.argv[1:]):
         sys.exit(0)
-    _completion_shell(sys.argv[1:])
-    from controller.cli.early import start
+    from controller.cli.early import spare, start
 
+    spare(sys.argv[1:])  # a session process for the hosts not yet known imports paramiko while this one reads
+    _completion_shell(sys.argv[1:])
     start(sys.argv[1:])  # the hosts' sessions come up while typer and the command load
     _main()
 

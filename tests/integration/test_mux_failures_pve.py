@@ -69,12 +69,19 @@ def _queued(sock: Path) -> int:
 
 
 def _session_child(pid: int) -> list[int]:
-    """[pid] of the session process that the process `pid` started, once it has (waited for)."""
+    """[pid] of the session process that the process `pid` started, once it has (waited for): its child, or a
+    fork of its spare (transport/mux/spare.py)."""
     daemon: list[int] = []
 
     def spawned() -> bool:
-        daemon[:] = [c for c in children(pid)
-                     if b"controller.transport.mux.daemon" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        daemon[:] = []
+        for c in children(pid):
+            try:
+                cmdline = Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # gone meanwhile
+            if b"controller.transport.mux.daemon" in cmdline:
+                daemon.extend(children(c) if b"--spare" in cmdline else [c])
         return bool(daemon)
 
     _wait(spawned, 60, "the session process")

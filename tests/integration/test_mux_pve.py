@@ -7,9 +7,11 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,6 +182,54 @@ def test_a_cold_command_starts_each_hosts_session_while_it_loads_and_uses_it(per
     again = env.ctl("--debug", "ping", "ct200", check=True)
     assert "while ctl loads" not in again.stderr  # a session runs: nothing begun early, it is reused
     assert "pve1: reused ctl's persistent session" in again.stderr
+
+
+def _spares_of(runtime: Path, sessions: list[int]) -> list[int]:
+    """The processes started as a spare with this runtime directory, other than the sessions forked from one."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or int(d.name) in sessions or b"--spare" not in (d / "cmdline").read_bytes():
+                continue
+            if _environ(int(d.name)).get("XDG_RUNTIME_DIR") == str(runtime):
+                found.append(int(d.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_a_cold_commands_sessions_are_forks_of_its_spare(persist: Env) -> None:
+    """No session of the user up: the command's spare (transport/mux/spare.py), started from its verb alone,
+    forks the session process of each host it reaches, each in a session of its own, and goes with the
+    command; the sessions serve the next command as any other."""
+    env = persist
+    runtime = Path(tempfile.mkdtemp(prefix="ctl-t", dir="/tmp"))  # this test's sockets only: nothing else is up
+    env.env["XDG_RUNTIME_DIR"] = str(runtime)
+    try:
+        r = env.ctl("--debug", "ping", "ct200", "ct300", check=True)
+        pids = [int(m.group(1)) for m in re.finditer(r"started ctl's persistent session \(pid (\d+)", r.stderr)]
+        _pids_seen.extend(pids)
+        assert len(pids) == 2, r.stderr
+        for pid in pids:
+            assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-3:] == [
+                b"controller.transport.mux.daemon", b"--spare", b""]
+            assert os.getsid(pid) == pid
+            assert _environ(pid).get("CTL_STATE_DIR") == str(env.state)
+        deadline = time.monotonic() + 15
+        while _spares_of(runtime, pids):  # it goes when the command's end of its socketpair closes
+            assert time.monotonic() < deadline, _spares_of(runtime, pids)
+            time.sleep(0.05)
+        again = env.ctl("--debug", "ping", "ct200", "ct300", check=True)
+        assert "pve1: reused ctl's persistent session" in again.stderr and "while ctl loads" not in again.stderr
+        assert not _spares_of(runtime, pids)  # a warm command starts none
+        env.env["CTL_PERSIST"] = "0"
+        env.ctl("mux", "stop", check=True)
+        env.ctl("ping", "ct200", check=True)
+        assert not _spares_of(runtime, pids)  # nor one with sessions off
+    finally:
+        env.env.pop("CTL_PERSIST", None)
+        env.ctl("mux", "stop")
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def test_socket_directory_and_socket_are_private(persist: Env) -> None:

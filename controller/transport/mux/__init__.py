@@ -20,10 +20,27 @@ it, or at once when its SSH connection drops; the clients of a dropped session g
 
 client.py  MuxRelay, sessions(), stop(): what commands use
 daemon.py  the session process
+spare.py   the spare: a session process started before the command knows its hosts, forked for each
 sock.py    the socket's place and permissions, its frames (the wire protocol), peer and host key checks
+
+The names below load their module on first use: `ctl` imports spare.py first thing, before anything heavy.
 """
 
-from controller.transport.mux.client import ENV, MuxRelay, sessions, start_early, stop
-from controller.transport.mux.sock import mux_dir, session_key, socket_dir
+from __future__ import annotations
+
+import importlib
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from controller.transport.mux.client import ENV, MuxRelay, sessions, start_early, stop
+    from controller.transport.mux.sock import mux_dir, session_key, socket_dir
 
 __all__ = ["ENV", "MuxRelay", "mux_dir", "session_key", "sessions", "socket_dir", "start_early", "stop"]
+_WHERE = {"ENV": "client", "MuxRelay": "client", "sessions": "client", "start_early": "client", "stop": "client",
+          "mux_dir": "sock", "session_key": "sock", "socket_dir": "sock"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"controller.transport.mux.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,8 +2,9 @@
 `sessions()` / `stop()` for `ctl mux status|stop`. The frames are the relay's plus H, D, N, K and Q (sock.py).
 
 A command that finds no session starts one, under the state directory's spawn lock for that session (so 64
-commands started at once start one process, and the others wait and reuse it): daemon.py with a JSON spec of
-the connection as its argument and only the environment it needs; the daemon answers one JSON line on its stdout
+commands started at once start one process, and the others wait and reuse it): a fork of the command's spare
+(spare.py) when it has one, else daemon.py with a JSON spec of the connection as its argument and only the
+environment it needs; the daemon answers one JSON line on its stdout
 once it listens ({"ready"}), when the host cannot run the relay ({"unavailable": why}) or on failure
 ({"error", "hint", "type"}).
 
@@ -25,13 +26,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from controller import settings
 from controller.errors import ConnectionDropped, ConnectionFailed, CtlError, DeadlineExceeded
 from controller.transport.base import AgentStart
+from controller.transport.mux import spare
 from controller.transport.mux.sock import (
     PROTOCOL,
     build,
@@ -48,26 +50,35 @@ from controller.transport.mux.sock import (
     socket_dir,
     still_trusted,
 )
+from controller.transport.mux.spare import session_env
 from controller.transport.relay import HostRelay, _RelayDuplex, speaks_agent
 from controller.transport.ssh import SshEndpoint
 
 ENV = settings.PERSIST
 
-# The session outlives the command that starts it and serves every later one, so it gets only what it uses:
-# paths and locale, the ssh agent, the user's identity and home (ssh_config, keys, a ProxyCommand), and
-# where the Python packages and the state directory are. Never the starter's secrets (API tokens...).
-_SESSION_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR", "SSH_AUTH_SOCK",
-                          "PYTHONPATH", "PYTHONHOME", "XDG_RUNTIME_DIR"})
 REPLACE_GRACE = 30.0  # seconds the commands of a replaced (older) session get to finish
 
 
-def session_env(environ: Mapping[str, str], state: Path) -> dict[str, str]:
-    """The session process's environment: what it needs out of `environ`, and the state directory the starter
-    resolved (so both agree on the session's files whatever the XDG variables say). The session runs
-    `sys.executable -m controller...`: the interpreter that runs this ctl finds the same package."""
-    env = {k: v for k, v in environ.items() if k in _SESSION_ENV or k.startswith("LC_")}
-    env[settings.STATE_DIR] = str(state)
-    return env
+class _Started:
+    """A session process being started: its pid, the read end of its stdout (one JSON line), and the Popen when
+    this command started it (a spare's fork is the spare's child: its end shows as the end of its stdout)."""
+
+    def __init__(self, pid: int, out: Any, proc: subprocess.Popen[bytes] | None) -> None:
+        self.pid, self.out, self.proc = pid, out, proc
+
+    def wait(self, timeout: float) -> int | None:
+        """Its exit status once it has exited (None for a spare's fork, or when it has not within timeout)."""
+        try:
+            if self.proc is not None:
+                return self.proc.wait(timeout=timeout)
+            ready, _, _ = select.select([self.out], [], [], timeout)
+            while ready and self.out.read(65536):
+                ready, _, _ = select.select([self.out], [], [], timeout)
+            return None
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            self.out.close()
 
 
 class _SockChan:
@@ -284,7 +295,8 @@ class MuxRelay(HostRelay):
     def _spawn(self, meta: Path, key: str, path: Path, lock_fd: int) -> bool:
         """Start the session process; True once it listens, False when the host cannot run the relay. It inherits
         the spawn lock (lock_fd) and lets it go once it listens: a command that exits, or is killed, while its
-        session starts never lets a second one start beside it."""
+        session starts never lets a second one start beside it. This command's spare (spare.py) forks it when
+        it can; else it is started here."""
         ep = self.host
         log = meta / f"{key}.log"
         # Passed at 3 or above: a command started with stdin, stdout or stderr closed has its lock on that fd,
@@ -295,40 +307,44 @@ class MuxRelay(HostRelay):
                 "connect_timeout": ep.connect_timeout, "idle": self.idle, "socket": str(path),
                 "info": str(meta / f"{key}.json"),
                 "keepalive_interval": ep.keepalive_interval, "keepalive_count": ep.keepalive_count,
-                "request_timeout": ep.request_timeout, "lock_fd": lock_fd}
+                "request_timeout": ep.request_timeout}
+        wait = self._start_wait()
         old = os.umask(0o077)
         try:
             with open(log, "ab") as logf:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "controller.transport.mux.daemon", json.dumps(spec)],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf, cwd="/",
-                    env=session_env(os.environ, meta.parent), start_new_session=True, close_fds=True,
-                    pass_fds=(lock_fd,))
+                started = self._fork_spare(spec, meta.parent, lock_fd, logf.fileno(), wait)
+                if started is None:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "controller.transport.mux.daemon", json.dumps({**spec,
+                                                                                              "lock_fd": lock_fd})],
+                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
+                        cwd="/", env=session_env(os.environ, str(meta.parent)), start_new_session=True,
+                        close_fds=True, pass_fds=(lock_fd,))
+                    assert proc.stdout is not None
+                    started = _Started(proc.pid, proc.stdout, proc)
         finally:
             os.umask(old)
             os.close(lock_fd)
-        assert proc.stdout is not None
-        wait = self._start_wait()
-        ready, _, _ = select.select([proc.stdout], [], [], wait)
-        line = proc.stdout.readline() if ready else b""
-        proc.stdout.close()
+        ready, _, _ = select.select([started.out], [], [], wait)
+        line = started.out.readline() if ready else b""
         if not ready:
             # Its own deadlines (connect_timeout, the relay's hello) have passed: it hangs (an ssh agent that
             # never answers...). It holds the spawn lock until it listens, so it would keep every later command
             # from starting a session; it is ours and nobody will use it: it goes, with what it started.
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise DeadlineExceeded(f"{ep.name}: ctl's session process (pid {proc.pid}) did not say it listens "
-                                   f"in {wait:g}s and was ended (see {log})")
+                os.killpg(started.pid, signal.SIGKILL)
+            started.wait(5)
+            raise DeadlineExceeded(f"{ep.name}: ctl's session process (pid {started.pid}) did not say it "
+                                   f"listens in {wait:g}s and was ended (see {log})")
         try:
             doc = json.loads(line) if line.strip() else {}
         except json.JSONDecodeError:
             doc = {}
         if doc.get("ready"):
+            started.out.close()
             self.started_session = not doc.get("existing", False)
             return True
-        proc.wait(timeout=30)
+        rc = started.wait(30)
         if doc.get("unavailable"):
             self._state = "unavailable"
             self.why_unavailable = str(doc["unavailable"])
@@ -337,8 +353,24 @@ class MuxRelay(HostRelay):
             return False
         if "error" in doc:
             raise error_from(doc)
-        raise ConnectionFailed(f"{ep.name}: ctl's session process exited {proc.returncode} before it listened "
-                               f"(see {log})")
+        raise ConnectionFailed(f"{ep.name}: ctl's session process exited {rc if rc is not None else ''}"
+                               f"{' ' if rc is not None else ''}before it listened (see {log})")
+
+    @staticmethod
+    def _fork_spare(spec: dict[str, Any], state: Path, lock_fd: int, log_fd: int, wait: float) -> _Started | None:
+        """The session process forked by this command's spare, or None (no spare, or it could not take it)."""
+        found = spare.take()
+        if found is None:
+            return None
+        r, w = os.pipe()
+        try:
+            pid = found.hand({**spec, "state": str(state)}, lock_fd, log_fd, w, wait)
+        finally:
+            os.close(w)
+        if pid is None:
+            os.close(r)
+            return None
+        return _Started(pid, os.fdopen(r, "rb"), None)
 
     # --- frames and streams -----------------------------------------------------------------------------
 

@@ -371,5 +371,18 @@ def serve(spec: dict[str, Any]) -> int:
     return 0
 
 
+def warm() -> None:
+    """What every session process does before it can connect, done by the spare before it knows its host."""
+    from controller.transport.ssh import _paramiko
+
+    _paramiko()
+    build()
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--spare"]:
+        from controller.transport.mux import spare
+
+        warm()
+        sys.exit(spare.serve(serve))
     sys.exit(serve(json.loads(sys.argv[1])))

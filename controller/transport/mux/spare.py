@@ -1,0 +1,235 @@
+"""A session process started before ctl knows which host it will serve: the spare.
+
+A cold command that connects spends its first ~0.12 s reading its line and its inventory, and only then starts
+the session process of each host it reaches; that process then spends ~0.15 s of CPU importing paramiko and
+ctl's relay before its TCP connect can begin. So `ctl` starts one spare process first thing, from the verb
+alone, when the command is of a kind that connects and no session of the user is up: it does those imports
+while the command reads its inventory. Each session the command then starts is a fork of the spare (no Python
+start, nothing imported again), handed its spec, its spawn lock, its log and the pipe of its one ready line
+over a socketpair (SCM_RIGHTS), exactly what a freshly started session process would have been given.
+
+The spare holds nothing of a host until it is handed a spec. It goes when the command closes its end (the
+command needs no session: `release`, or the command exited), or after SPARE_WAIT seconds without a spec. A
+spec it cannot take (the spare died, or never finished its imports) leaves the command to start the session
+process as before; the spare changes when a session starts, never whether or how.
+
+This module is imported before the command's own modules: only os, sys and, once a spare is started, socket
+and threading.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import socket
+    import threading
+    from collections.abc import Callable, Mapping
+    from typing import Any
+
+SPARE_WAIT = 30.0  # seconds a spare waits for its first spec (then, for each next one) before it exits
+MAX_SPEC = 64 * 1024  # bytes of one spec message
+
+# The session outlives the command that starts it and serves every later one, so it gets only what it uses:
+# paths and locale, the ssh agent, the user's identity and home (ssh_config, keys, a ProxyCommand), and
+# where the Python packages are. Never the starter's secrets (API tokens...). The state directory the starter
+# resolved comes with each spec (so both agree on the session's files whatever the XDG variables say).
+SESSION_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR", "SSH_AUTH_SOCK",
+                         "PYTHONPATH", "PYTHONHOME", "XDG_RUNTIME_DIR"})
+STATE_VAR = "CTL_STATE_DIR"  # settings.STATE_DIR, without importing settings
+
+
+def session_env(environ: Mapping[str, str], state: str | None = None) -> dict[str, str]:
+    """The session process's environment: what it needs out of `environ`, and the state directory (given, else
+    CTL_STATE_DIR when set: the spare starts before the command resolves it). The session runs
+    `sys.executable -m controller...`: the interpreter of this ctl finds the same package."""
+    env = {k: v for k, v in environ.items() if k in SESSION_ENV or k.startswith("LC_")}
+    if state is not None:
+        env[STATE_VAR] = str(state)
+    elif environ.get(STATE_VAR):
+        env[STATE_VAR] = environ[STATE_VAR]
+    return env
+
+
+def socket_place(environ: Mapping[str, str]) -> tuple[str, bool]:
+    """Where the user's session sockets live: ($XDG_RUNTIME_DIR/ctl, True) when XDG_RUNTIME_DIR is a short
+    absolute path, else (/tmp/ctl-<uid>, False). sock.socket_dir checks the runtime directory's owner and mode
+    and falls back to /tmp/ctl-<uid> when they are not ours."""
+    runtime = environ.get("XDG_RUNTIME_DIR", "")
+    if runtime.startswith("/") and len(runtime) < 60:
+        return os.path.join(runtime, "ctl"), True
+    return f"/tmp/ctl-{os.getuid()}", False
+
+
+def _sessions_up(environ: Mapping[str, str]) -> bool:
+    """A socket of one of the user's sessions exists (a warm user: the command will likely find its session)."""
+    place, runtime = socket_place(environ)
+    places = [place, f"/tmp/ctl-{os.getuid()}"] if runtime else [place]
+    for d in places:
+        try:
+            if any(n.endswith(".sock") for n in os.listdir(d)):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+class Spare:
+    """This command's spare process: its pid and the command's end of their socketpair."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        import threading
+
+        self.pid = pid
+        self.sock: socket.socket | None = sock
+        self.lock: threading.Lock = threading.Lock()  # one hand-over at a time (early threads, one per host)
+
+    def hand(self, spec: dict[str, object], lock_fd: int, log_fd: int, reply_fd: int, wait: float) -> int | None:
+        """Have the spare fork a session process for spec, with the spawn lock, its log as stderr and reply_fd as
+        stdout; its pid, or None when the spare cannot take it (gone, or not ready within `wait` seconds): then
+        the caller starts the session process itself, and the spare goes."""
+        import json
+        import select
+        import socket
+
+        with self.lock:
+            sock = self.sock
+            if sock is None:
+                return None
+            try:
+                socket.send_fds(sock, [json.dumps(spec).encode()], [lock_fd, log_fd, reply_fd])
+                ready, _, _ = select.select([sock], [], [], wait)
+                answer = sock.recv(64) if ready else b""
+                pid = int(answer.decode()) if answer.strip().isdigit() else None
+            except (OSError, ValueError):
+                pid = None
+            if pid is None:
+                self._end()
+            return pid
+
+    def release(self) -> None:
+        """The command needs no (more) session: the spare goes now, leaving the CPU to the command."""
+        with self.lock:
+            self._end()
+
+    def _end(self) -> None:
+        import contextlib
+        import signal
+
+        if self.sock is None:
+            return
+        self.sock.close()
+        self.sock = None
+        # It holds nothing yet but its imports: killed at once rather than let finish them for nothing. Its
+        # children (sessions already handed over) are in sessions of their own and live on.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+_spare: Spare | None = None
+
+
+def start(environ: Mapping[str, str]) -> bool:
+    """Start this command's spare unless a session of the user is up; True when one was started."""
+    global _spare
+    if _spare is not None or _sessions_up(environ):
+        return False
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        pid = os.posix_spawn(
+            sys.executable, [sys.executable, "-m", "controller.transport.mux.daemon", "--spare"],
+            session_env(environ),
+            file_actions=[(os.POSIX_SPAWN_DUP2, theirs.fileno(), 0),
+                          (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                          (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)],
+            setsid=True)
+    except OSError:
+        ours.close()
+        return False
+    finally:
+        theirs.close()
+    _spare = Spare(pid, ours)
+    return True
+
+
+def take() -> Spare | None:
+    """This command's spare, while it has one that may take a spec."""
+    return _spare if _spare is not None and _spare.sock is not None else None
+
+
+def release() -> None:
+    if _spare is not None:
+        _spare.release()
+
+
+# --- the spare's side ---------------------------------------------------------------------------------------
+
+
+def serve(serve_session: Callable[[dict[str, Any]], int]) -> int:
+    """In the spare process (`python -m controller.transport.mux.daemon --spare`, fd 0 its end of the
+    socketpair, its imports made): fork one session process per spec received (serve_session(spec) in a session
+    of its own), and answer its pid. Returns once the command closes its end or sends nothing for SPARE_WAIT seconds."""
+    import select
+    import signal
+    import socket
+
+    os.chdir("/")
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # its session processes are nobody's to wait for
+    sock = socket.socket(fileno=0)
+    while True:
+        ready, _, _ = select.select([sock], [], [], SPARE_WAIT)
+        if not ready:
+            return 0
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, MAX_SPEC, 3)
+        except OSError:
+            return 0
+        if not msg or len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            return 0
+        pid = os.fork()
+        if pid == 0:
+            lock_fd, log_fd, reply_fd = fds
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.setsid()
+            sock.detach()  # fd 0: replaced by /dev/null below, as a started session's stdin is
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.close(devnull)
+            os.dup2(reply_fd, 1)
+            os.dup2(log_fd, 2)
+            os.close(reply_fd)
+            os.close(log_fd)
+            os._exit(_child(serve_session, msg, lock_fd))
+        for fd in fds:  # the spawn lock is the child's to let go: no copy of it stays here
+            os.close(fd)
+        try:
+            sock.send(str(pid).encode())
+        except OSError:
+            return 0
+
+
+def _child(serve_session: Callable[[dict[str, Any]], int], msg: bytes, lock_fd: int) -> int:
+    import json
+
+    try:
+        spec = json.loads(msg)
+        spec["lock_fd"] = lock_fd
+        if spec.get("state"):
+            os.environ[STATE_VAR] = str(spec["state"])
+        rc = serve_session(spec)
+    except BaseException:  # a forked child never returns into the spare's loop
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return rc
