@@ -37,7 +37,11 @@ spare.SPARE_WAIT = float(sys.argv[1])
 def serve_session(spec):
     fd = spec["lock_fd"]
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours already: the same open file
-    print(json.dumps({"ready": True, "spec": spec, "pid": os.getpid(), "sid": os.getsid(0),
+    mask = os.umask(0)
+    os.umask(mask)
+    fds = sorted(int(f) for f in os.listdir("/proc/self/fd"))
+    print(json.dumps({"ready": True, "spec": spec, "pid": os.getpid(), "sid": os.getsid(0), "umask": mask,
+                      "fds": fds, "cwd": os.getcwd(),
                       "stdin": os.readlink("/proc/self/fd/0"), "stderr": os.readlink("/proc/self/fd/2"),
                       "state": os.environ.get("CTL_STATE_DIR")}), flush=True)
     sys.stderr.write("session log line\\n")
@@ -47,7 +51,7 @@ def serve_session(spec):
         time.sleep(0.02)
     return 0
 
-sys.exit(spare.serve(serve_session))
+sys.exit(spare.serve(serve_session, -1))
 """
 
 
@@ -106,6 +110,8 @@ def test_a_session_forked_by_the_spare_gets_what_a_started_one_gets(tmp_path: Pa
         assert doc["spec"]["name"] == "h1" and doc["spec"]["lock_fd"] > 2
         assert doc["stdin"] == "/dev/null" and doc["stderr"] == str(log)
         assert doc["state"] == str(tmp_path / "state")
+        assert doc["umask"] == 0o077 and doc["cwd"] == "/"
+        assert set(doc["fds"]) - {0, 1, 2, doc["spec"]["lock_fd"]} <= {max(doc["fds"])}  # + listdir's own
         go.touch()
         assert out.read() == b""  # its stdout ends with it
     assert _gone(pid)
@@ -158,8 +164,12 @@ def test_a_spare_that_cannot_take_the_spec_leaves_the_start_to_the_command(tmp_p
     assert sp.sock is None  # given up: the command's next start goes straight to its own Popen
 
 
-def test_the_spare_starts_only_where_no_session_of_the_user_is_up(request: pytest.FixtureRequest,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def _fds(pid: int) -> set[int]:
+    return {int(f) for f in os.listdir(f"/proc/{pid}/fd")}
+
+
+def test_the_spare_starts_only_where_no_session_or_spare_of_the_user_is_up(request: pytest.FixtureRequest,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     runtime = Path(tempfile.mkdtemp(prefix="ctl-t", dir="/tmp"))  # short: XDG_RUNTIME_DIR is used under 60 bytes
     request.addfinalizer(lambda: shutil.rmtree(runtime, ignore_errors=True))
     env = {"XDG_RUNTIME_DIR": str(runtime), "PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)}
@@ -168,21 +178,39 @@ def test_the_spare_starts_only_where_no_session_of_the_user_is_up(request: pytes
     (runtime / "ctl" / "0123.sock").touch()
     assert not spare.start(env)  # a session is up: the command will most likely find its host's
     (runtime / "ctl" / "0123.sock").unlink()
-    assert spare.start(env)
+    leak_r, leak_w = os.pipe()
+    os.set_inheritable(leak_w, True)  # a descriptor the command got without close-on-exec
+    monkeypatch.chdir(runtime)
+    (runtime / "controller").mkdir()  # a package of the same name where ctl was started: never imported
+    (runtime / "controller" / "__init__.py").write_text("raise SystemExit('imported from the current directory')")
+    try:
+        assert spare.start(env)
+    finally:
+        os.close(leak_w)
     started = spare.take()
     assert started is not None
     try:
         assert not spare.start(env)  # one per command
-        deadline = time.monotonic() + 10  # posix_spawn may return before the exec shows in /proc
-        while b"--spare" not in (cmdline := Path(f"/proc/{started.pid}/cmdline").read_bytes().split(b"\0")):
-            assert time.monotonic() < deadline, cmdline
+        monkeypatch.setattr(spare, "_spare", None)
+        assert not spare.start(env)  # and one per user: another command's start finds the lock held
+        monkeypatch.setattr(spare, "_spare", started)
+        deadline = time.monotonic() + 20  # posix_spawn may return before the exec shows in /proc
+        while (cmdline := Path(f"/proc/{started.pid}/cmdline").read_bytes().split(b"\0"))[-4:-2] != [
+                b"controller.transport.mux.daemon", b"--spare"] or _fds(started.pid) != {0, 1, 2, 3}:
+            assert time.monotonic() < deadline, (cmdline, _fds(started.pid))
             time.sleep(0.02)
-        assert cmdline[-3:] == [b"controller.transport.mux.daemon", b"--spare", b""]
+        assert b"-P" in cmdline and cmdline[-2] == b"3"  # the lock at fd 3; the leaked pipe closed
+        assert os.readlink(f"/proc/{started.pid}/cwd") == "/"
+        assert os.read(leak_r, 1) == b""  # nobody holds its write end any more
         seen = dict(kv.split("=", 1) for kv in Path(f"/proc/{started.pid}/environ").read_text().split("\0") if kv)
         assert set(seen) <= spare.SESSION_ENV  # only what a session process gets
     finally:
         spare.release()
+        os.close(leak_r)
     assert _gone(started.pid) and spare.take() is None
+    monkeypatch.setattr(spare, "_spare", None)
+    assert spare.start(env)  # the lock went with it
+    spare.release()
 
 
 @pytest.mark.parametrize(("line", "starts"), [

@@ -75,10 +75,11 @@ traceback = _Lazy("traceback")
 
 
 class _Json:
-    """json's loads/dumps/load/dump. The json module imports re and enum (~7 ms of every agent start, a third of
-    what the agent adds to Python's own start); the plain calls go straight to the C accelerator json itself
-    uses (_json: the same scanner and encoder, so the same results), and everything else (indent, sort_keys,
-    default, an error to raise, an interpreter without _json) to the json module, imported then."""
+    """json's loads/dumps/load/dump. The json module imports re and enum (~5 ms of CPU of every agent start, a
+    third of what the agent adds to Python's own start); the plain calls go straight to the C accelerator json
+    itself uses (_json: the same scanner and encoder, so the same results), and everything else (indent,
+    sort_keys, default, a document json refuses, an interpreter without _json) to the json module, imported
+    then. What dumps cannot encode is refused here, in json's words."""
 
     def __init__(self):
         self.strict, self.object_hook, self.object_pairs_hook = True, None, None  # what _json's scanner reads
@@ -88,6 +89,7 @@ class _Json:
             import _json
 
             self._scan = _json.make_scanner(self)
+            _json.make_encoder, _json.encode_basestring_ascii  # noqa: B018 - both used by dumps: there, or json
             self._c = _json
         except (ImportError, AttributeError, TypeError):
             self._c = None

@@ -71,10 +71,11 @@ class _Started:
         try:
             if self.proc is not None:
                 return self.proc.wait(timeout=timeout)
-            ready, _, _ = select.select([self.out], [], [], timeout)
-            while ready and self.out.read(65536):
-                ready, _, _ = select.select([self.out], [], [], timeout)
-            return None
+            deadline = time.monotonic() + timeout
+            while True:  # to the end of its stdout: it has exited (or closed it), within the deadline
+                ready, _, _ = select.select([self.out], [], [], max(0.0, deadline - time.monotonic()))
+                if not ready or not os.read(self.out.fileno(), 65536):
+                    return None
         except subprocess.TimeoutExpired:
             return None
         finally:

@@ -1,4 +1,5 @@
-"""ctl's persistent session process for one host and user: `python -m controller.transport.mux.daemon SPEC`.
+"""ctl's persistent session process for one host and user: `python -m controller.transport.mux.daemon SPEC`, or a
+fork of the command's spare (`... daemon --spare HELD`, spare.py) given the same SPEC.
 
 Started by a command's MuxRelay (client.py) when it finds no session; it connects to the host (host keys
 verified as always), starts ctl's host relay over one exec, listens on its Unix socket, says so on stdout
@@ -380,9 +381,9 @@ def warm() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--spare"]:
+    if sys.argv[1:2] == ["--spare"]:  # --spare HELD (spare.py)
         from controller.transport.mux import spare
 
         warm()
-        sys.exit(spare.serve(serve))
+        sys.exit(spare.serve(serve, int(sys.argv[2])))
     sys.exit(serve(json.loads(sys.argv[1])))

@@ -118,15 +118,7 @@ def private_dir(create: bool) -> Path:
 def socket_dir(create: bool) -> Path:
     """The short per-user directory of the sockets: $XDG_RUNTIME_DIR/ctl when XDG_RUNTIME_DIR is our own 0700
     directory, else /tmp/ctl-<uid> (spare.socket_place)."""
-    place, runtime = socket_place(os.environ)
-    if runtime:
-        try:
-            st = os.stat(os.path.dirname(place))
-        except OSError:
-            st = None
-        if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
-            return private(Path(place), create=create, what="ctl's socket directory")
-    return private(Path(f"/tmp/ctl-{os.getuid()}"), create=create, what="ctl's socket directory")
+    return private(Path(socket_place(os.environ)), create=create, what="ctl's socket directory")
 
 
 def session_key(ep: SshEndpoint, state: Path | None = None) -> str:

@@ -6,15 +6,20 @@ ctl's relay before its TCP connect can begin. So `ctl` starts one spare process 
 alone, when the command is of a kind that connects and no session of the user is up: it does those imports
 while the command reads its inventory. Each session the command then starts is a fork of the spare (no Python
 start, nothing imported again), handed its spec, its spawn lock, its log and the pipe of its one ready line
-over a socketpair (SCM_RIGHTS), exactly what a freshly started session process would have been given.
+over a socketpair (SCM_RIGHTS): what a session process started by the command gets, in a session of its own,
+with umask 077, stdin /dev/null, no other descriptor of the command's, and `/` as its directory (the spare
+runs `python -P`: nothing is imported from the directory ctl was started in). Two differences: `ps` shows
+the spare's command line, and warnings printed while the spare imports go nowhere (it has no log yet).
 
-The spare holds nothing of a host until it is handed a spec. It goes when the command closes its end (the
-command needs no session: `release`, or the command exited), or after SPARE_WAIT seconds without a spec. A
-spec it cannot take (the spare died, or never finished its imports) leaves the command to start the session
-process as before; the spare changes when a session starts, never whether or how.
+One spare per user at a time (a lock in the socket directory): a burst of cold commands starts one, and the
+others start their sessions as before. The spare holds nothing of a host until it is handed a spec. It goes
+when the command closes its end (the command needs no session: `release`, or the command exited), or after
+SPARE_WAIT seconds without a spec. A spec it cannot take (the spare died, or did not answer in HAND_WAIT
+seconds) leaves the command to start the session process as before; the spare changes when a session starts,
+never whether or how.
 
-This module is imported before the command's own modules: only os, sys and, once a spare is started, socket
-and threading.
+This module is imported before the command's own modules: only os, sys and, once a spare is started, fcntl,
+socket and threading.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 SPARE_WAIT = 30.0  # seconds a spare waits for its first spec (then, for each next one) before it exits
+HAND_WAIT = 10.0  # seconds a command waits for the spare to fork a session (its imports take ~0.2 s)
+LOCK_FD = 3  # where the spare holds the user's spare lock (spare.lock in the socket directory)
 MAX_SPEC = 64 * 1024  # bytes of one spec message
 
 # The session outlives the command that starts it and serves every later one, so it gets only what it uses:
@@ -43,8 +50,9 @@ STATE_VAR = "CTL_STATE_DIR"  # settings.STATE_DIR, without importing settings
 
 def session_env(environ: Mapping[str, str], state: str | None = None) -> dict[str, str]:
     """The session process's environment: what it needs out of `environ`, and the state directory (given, else
-    CTL_STATE_DIR when set: the spare starts before the command resolves it). The session runs
-    `sys.executable -m controller...`: the interpreter of this ctl finds the same package."""
+    CTL_STATE_DIR when set: the spare starts before the command resolves it, and a fork sets the spec's in
+    os.environ, which /proc/PID/environ does not show). The session runs `sys.executable -m controller...`:
+    the interpreter of this ctl finds the same package."""
     env = {k: v for k, v in environ.items() if k in SESSION_ENV or k.startswith("LC_")}
     if state is not None:
         env[STATE_VAR] = str(state)
@@ -53,31 +61,34 @@ def session_env(environ: Mapping[str, str], state: str | None = None) -> dict[st
     return env
 
 
-def socket_place(environ: Mapping[str, str]) -> tuple[str, bool]:
-    """Where the user's session sockets live: ($XDG_RUNTIME_DIR/ctl, True) when XDG_RUNTIME_DIR is a short
-    absolute path, else (/tmp/ctl-<uid>, False). sock.socket_dir checks the runtime directory's owner and mode
-    and falls back to /tmp/ctl-<uid> when they are not ours."""
+def socket_place(environ: Mapping[str, str]) -> str:
+    """Where the user's session sockets live: $XDG_RUNTIME_DIR/ctl when XDG_RUNTIME_DIR is a short absolute path
+    to the user's own 0700 directory, else /tmp/ctl-<uid> (sock.socket_dir checks and creates it)."""
+    import stat
+
     runtime = environ.get("XDG_RUNTIME_DIR", "")
     if runtime.startswith("/") and len(runtime) < 60:
-        return os.path.join(runtime, "ctl"), True
-    return f"/tmp/ctl-{os.getuid()}", False
+        try:
+            st = os.stat(runtime)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            return os.path.join(runtime, "ctl")
+    return f"/tmp/ctl-{os.getuid()}"
 
 
 def _sessions_up(environ: Mapping[str, str]) -> bool:
     """A socket of one of the user's sessions exists (a warm user: the command will likely find its session)."""
-    place, runtime = socket_place(environ)
-    places = [place, f"/tmp/ctl-{os.getuid()}"] if runtime else [place]
-    for d in places:
-        try:
-            if any(n.endswith(".sock") for n in os.listdir(d)):
-                return True
-        except OSError:
-            continue
-    return False
+    try:
+        return any(n.endswith(".sock") for n in os.listdir(socket_place(environ)))
+    except OSError:
+        return False
 
 
 class Spare:
-    """This command's spare process: its pid and the command's end of their socketpair."""
+    """This command's spare process: its pid and the command's end of their socketpair. A thread waits for it, so
+    a spare that went by itself (SPARE_WAIT) is no zombie under a long command; it is signalled through a pidfd,
+    never by a pid that may have been reused."""
 
     def __init__(self, pid: int, sock: socket.socket) -> None:
         import threading
@@ -85,11 +96,19 @@ class Spare:
         self.pid = pid
         self.sock: socket.socket | None = sock
         self.lock: threading.Lock = threading.Lock()  # one hand-over at a time (early threads, one per host)
+        self.pidfd = os.pidfd_open(pid)
+        threading.Thread(target=self._reap, name="ctl-spare-reaper", daemon=True).start()
+
+    def _reap(self) -> None:
+        import contextlib
+
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
 
     def hand(self, spec: dict[str, object], lock_fd: int, log_fd: int, reply_fd: int, wait: float) -> int | None:
         """Have the spare fork a session process for spec, with the spawn lock, its log as stderr and reply_fd as
-        stdout; its pid, or None when the spare cannot take it (gone, or not ready within `wait` seconds): then
-        the caller starts the session process itself, and the spare goes."""
+        stdout; its pid, or None when the spare cannot take it (gone, or no answer within `wait` seconds, at
+        most HAND_WAIT): then the caller starts the session process itself, and the spare goes."""
         import json
         import select
         import socket
@@ -100,7 +119,7 @@ class Spare:
                 return None
             try:
                 socket.send_fds(sock, [json.dumps(spec).encode()], [lock_fd, log_fd, reply_fd])
-                ready, _, _ = select.select([sock], [], [], wait)
+                ready, _, _ = select.select([sock], [], [], min(wait, HAND_WAIT))
                 answer = sock.recv(64) if ready else b""
                 pid = int(answer.decode()) if answer.strip().isdigit() else None
             except (OSError, ValueError):
@@ -124,37 +143,75 @@ class Spare:
         self.sock = None
         # It holds nothing yet but its imports: killed at once rather than let finish them for nothing. Its
         # children (sessions already handed over) are in sessions of their own and live on.
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        os.close(self.pidfd)
+
+
+def _claim(environ: Mapping[str, str]) -> int | None:
+    """The user's spare lock, taken (an fd); None when another spare holds it or the socket directory is one ctl
+    refuses; -1 when there is none yet (the first command ever starts its spare without the lock)."""
+    import fcntl
+    import stat
+
+    d = socket_place(environ)
+    try:
+        st = os.lstat(d)
+    except OSError:
+        return -1
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None  # sock.socket_dir refuses it, in words, when the command gets there
+    try:
+        fd = os.open(os.path.join(d, "spare.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 _spare: Spare | None = None
 
 
 def start(environ: Mapping[str, str]) -> bool:
-    """Start this command's spare unless a session of the user is up; True when one was started."""
+    """Start this command's spare unless a session of the user is up or another spare runs; True when one was
+    started. Nothing that goes wrong here is the command's concern: it then starts its sessions as before."""
     global _spare
     if _spare is not None or _sessions_up(environ):
         return False
-    import socket
-
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours = None
     try:
-        pid = os.posix_spawn(
-            sys.executable, [sys.executable, "-m", "controller.transport.mux.daemon", "--spare"],
-            session_env(environ),
-            file_actions=[(os.POSIX_SPAWN_DUP2, theirs.fileno(), 0),
-                          (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
-                          (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)],
-            setsid=True)
-    except OSError:
-        ours.close()
+        claim = _claim(environ)
+        if claim is None:
+            return False
+        import fcntl
+        import socket
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        actions = [(os.POSIX_SPAWN_DUP2, theirs.fileno(), 0), (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                   (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)]
+        held = -1
+        if claim >= 0:
+            held = fcntl.fcntl(claim, fcntl.F_DUPFD_CLOEXEC, 10)  # not LOCK_FD: a dup2 onto itself keeps CLOEXEC
+            os.close(claim)
+            actions.append((os.POSIX_SPAWN_DUP2, held, LOCK_FD))
+        try:
+            pid = os.posix_spawn(
+                sys.executable, [sys.executable, "-P", "-m", "controller.transport.mux.daemon", "--spare",
+                                 str(LOCK_FD if held >= 0 else -1)],
+                session_env(environ), file_actions=actions, setsid=True)
+        finally:
+            theirs.close()
+            if held >= 0:
+                os.close(held)  # the spare's copy holds the lock from here on
+        _spare = Spare(pid, ours)
+    except Exception:  # no spare: the command starts its sessions itself
+        if ours is not None:
+            ours.close()
         return False
-    finally:
-        theirs.close()
-    _spare = Spare(pid, ours)
     return True
 
 
@@ -171,15 +228,19 @@ def release() -> None:
 # --- the spare's side ---------------------------------------------------------------------------------------
 
 
-def serve(serve_session: Callable[[dict[str, Any]], int]) -> int:
-    """In the spare process (`python -m controller.transport.mux.daemon --spare`, fd 0 its end of the
-    socketpair, its imports made): fork one session process per spec received (serve_session(spec) in a session
-    of its own), and answer its pid. Returns once the command closes its end or sends nothing for SPARE_WAIT seconds."""
+def serve(serve_session: Callable[[dict[str, Any]], int], held: int) -> int:
+    """In the spare process (`python -P -m controller.transport.mux.daemon --spare HELD`, fd 0 its end of the
+    socketpair, the user's spare lock at fd `held` or -1, its imports made): fork one session process per spec
+    received (serve_session(spec) in a session of its own), and answer its pid. Returns once the command closes
+    its end or sends nothing for SPARE_WAIT seconds."""
     import select
     import signal
     import socket
 
     os.chdir("/")
+    os.closerange(max(3, held + 1), os.sysconf("SC_OPEN_MAX"))  # none of the command's descriptors outlives it
+    if held > 3:
+        os.closerange(3, held)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # its session processes are nobody's to wait for
     sock = socket.socket(fileno=0)
     while True:
@@ -199,6 +260,9 @@ def serve(serve_session: Callable[[dict[str, Any]], int]) -> int:
             lock_fd, log_fd, reply_fd = fds
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.setsid()
+            os.umask(0o077)
+            if held >= 0:
+                os.close(held)  # the spare's lock is the spare's
             sock.detach()  # fd 0: replaced by /dev/null below, as a started session's stdin is
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)
