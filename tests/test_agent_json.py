@@ -122,3 +122,20 @@ def test_an_agent_that_says_hello_or_polls_imports_no_json_re_subprocess_or_shut
     assert state["log_size"] == log.stat().st_size and "impostor" in state
     assert state["session"] is (False if shutil.which("tmux") else None)  # tmux asked, and said no such session
     assert mods == [], mods
+
+
+@pytest.mark.parametrize("path", [None, "", "/usr/bin:/bin", ":/usr/bin", "/nonexistent"])
+def test_the_agents_which_is_shutils(path: str | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The agent's _which (no shutil import) finds what shutil.which finds, for every PATH shape."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here").write_text("")
+    (tmp_path / "here").chmod(0o755)  # only an empty PATH entry (the current directory) finds it
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "adir" / "tool").write_text("")
+    (tmp_path / "adir" / "tool").chmod(0o755)
+    if path is None:
+        monkeypatch.delenv("PATH", raising=False)
+    else:
+        monkeypatch.setenv("PATH", path)
+    for name in ("sh", "ls", "here", "adir", "no-such-tool", "adir/tool", "adir/none", "/bin/sh"):
+        assert agent_mod._which(name) == shutil.which(name), (path, name)

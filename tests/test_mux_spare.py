@@ -246,3 +246,9 @@ def test_spare_verbs_are_the_verbs_whose_lines_may_begin_sessions() -> None:
 
     walk(SPEC, [])
     assert found == early.SPARE_VERBS
+
+
+def test_the_names_read_before_settings_is_imported_are_settings_own() -> None:
+    from controller import settings
+
+    assert early.PERSIST_VAR == settings.PERSIST and spare.STATE_VAR == settings.STATE_DIR

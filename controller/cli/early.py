@@ -126,6 +126,14 @@ def _with_runs(names: list[str]) -> list[str]:
     return read_registry(query, [])
 
 
+PERSIST_VAR = "CTL_PERSIST"  # settings.PERSIST, read here before settings is imported (tests/test_mux_spare.py)
+
+
+def _sessions_off() -> bool:
+    """CTL_PERSIST=0: this command starts no session (its other values are the command's to check and refuse)."""
+    return os.environ.get(PERSIST_VAR, "").strip() == "0"
+
+
 # Verbs whose lines may reach containers (those start() may begin sessions for): a spare session process starts
 # for them at once (spare.py). tests/test_early.py checks the list against the command tree.
 SPARE_VERBS = frozenset({"cache", "dashboard", "deploy", "env", "launch", "metrics", "ping", "rollback", "runs",
@@ -138,7 +146,7 @@ def spare(argv: list[str]) -> bool:
     True when one was started."""
     from controller.cli.main import verb
 
-    if NEVER & set(argv) or verb(argv) not in SPARE_VERBS or os.environ.get("CTL_PERSIST", "").strip() == "0":
+    if NEVER & set(argv) or verb(argv) not in SPARE_VERBS or _sessions_off():
         return False
     from controller.transport.mux import spare as spare_process
 
@@ -147,10 +155,9 @@ def spare(argv: list[str]) -> bool:
 
 def start(argv: list[str]) -> list[str]:
     """Begin starting the sessions `ctl ARGV` will use (see the module doc); the hosts begun."""
-    from controller import settings
     from controller.errors import CtlError
 
-    if os.environ.get(settings.PERSIST, "").strip() == "0":
+    if _sessions_off():
         return []
     from controller.transport.mux import spare
 

@@ -55,7 +55,7 @@ from controller.errors import (
     RelayExited,
     SessionEnded,
 )
-from controller.transport.mux.spare import socket_place
+from controller.transport.mux.spare import ours_alone, socket_place
 from controller.transport.relay import _CHUNK, HEADER, frames, relay_source
 from controller.transport.ssh import SshEndpoint
 
@@ -105,7 +105,7 @@ def private(d: Path, *, create: bool, what: str, parents: bool = False) -> Path:
         with contextlib.suppress(FileExistsError):
             d.mkdir(mode=0o700, parents=parents)
     st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    if not ours_alone(st):
         raise _refuse(d, st, what)
     return d
 

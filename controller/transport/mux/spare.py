@@ -61,19 +61,23 @@ def session_env(environ: Mapping[str, str], state: str | None = None) -> dict[st
     return env
 
 
+def ours_alone(st: os.stat_result) -> bool:
+    """A directory of this user that nobody else may enter (what sock.private requires of ctl's directories)."""
+    import stat
+
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
 def socket_place(environ: Mapping[str, str]) -> str:
     """Where the user's session sockets live: $XDG_RUNTIME_DIR/ctl when XDG_RUNTIME_DIR is a short absolute path
     to the user's own 0700 directory, else /tmp/ctl-<uid> (sock.socket_dir checks and creates it)."""
-    import stat
-
     runtime = environ.get("XDG_RUNTIME_DIR", "")
     if runtime.startswith("/") and len(runtime) < 60:
         try:
-            st = os.stat(runtime)
+            if ours_alone(os.stat(runtime)):
+                return os.path.join(runtime, "ctl")
         except OSError:
-            st = None
-        if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
-            return os.path.join(runtime, "ctl")
+            pass
     return f"/tmp/ctl-{os.getuid()}"
 
 
@@ -152,14 +156,13 @@ def _claim(environ: Mapping[str, str]) -> int | None:
     """The user's spare lock, taken (an fd); None when another spare holds it or the socket directory is one ctl
     refuses; -1 when there is none yet (the first command ever starts its spare without the lock)."""
     import fcntl
-    import stat
 
     d = socket_place(environ)
     try:
         st = os.lstat(d)
     except OSError:
         return -1
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    if not ours_alone(st):
         return None  # sock.socket_dir refuses it, in words, when the command gets there
     try:
         fd = os.open(os.path.join(d, "spare.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -238,9 +241,8 @@ def serve(serve_session: Callable[[dict[str, Any]], int], held: int) -> int:
     import socket
 
     os.chdir("/")
-    os.closerange(max(3, held + 1), os.sysconf("SC_OPEN_MAX"))  # none of the command's descriptors outlives it
-    if held > 3:
-        os.closerange(3, held)
+    # none of the command's descriptors outlives it (the spare lock, when held, is LOCK_FD: 3)
+    os.closerange(held + 1 if held >= 0 else 3, os.sysconf("SC_OPEN_MAX"))
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # its session processes are nobody's to wait for
     sock = socket.socket(fileno=0)
     while True:
