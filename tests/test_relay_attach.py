@@ -118,6 +118,15 @@ def test_an_attach_refused_falls_back_to_pct(monkeypatch: pytest.MonkeyPatch) ->
     _end(r)
 
 
+def test_an_attach_that_closes_its_output_before_it_exits_is_a_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its stdout ends a moment before the process does (a loaded host): still a refusal, so pct says why; not
+    read as a hang, which would skip pct."""
+    _direct(monkeypatch, ["sh", "-c", "exec >&-; echo 'Failed to get init pid' >&2; sleep 0.3; exit 1"])
+    r = hostrelay._start_resident(("k",), PCT_LINE, b"src", lambda: False)
+    assert r.via == sys.executable and r.alive()
+    _end(r)
+
+
 def test_no_lxc_attach_on_the_host_falls_back_to_pct_and_is_not_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
     _direct(monkeypatch, ["/nonexistent/lxc-attach", "-n", "200"])
     r = hostrelay._start_resident(("k",), PCT_LINE, b"src", lambda: False)

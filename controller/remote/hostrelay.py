@@ -72,6 +72,7 @@ RESIDENT_MAX_INPUT = 8 << 20  # a request with more input (an apply's tar) runs 
 RESIDENT_PER_KEY = 4  # staying agents per container and source; when all are busy a request runs as an exec
 RESIDENT_TOTAL = 512  # staying agents per relay, and at most one per 8 descriptors the relay may open (below)
 RESIDENT_HELLO_S = 30.0  # a staying agent that has not said hello by then is given up (the request runs as an exec)
+RESIDENT_EXIT_S = 2.0  # a start whose stdout ended is waited for this long to exit (then: a refusal, not a hang)
 RESIDENT_MAX_FRAME = 1 << 30  # a reply frame claiming more is not the agent: that agent is ended
 PVE_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"  # the PATH pct sets before it runs lxc-attach
 PVE_PCTS = ("/usr/sbin/pct", "/sbin/pct")  # where Proxmox installs pct (a bare `pct` must resolve to one of them)
@@ -318,6 +319,11 @@ class Resident:
         kind, _sid, n = HEADER.unpack(head) if head is not None else (None, 0, 0)
         hello = self._read(n, late) if kind == b"H" and n < 4096 else None
         if hello is None:
+            if not late():  # its stdout ended: it is exiting (a refusal), though poll() may not see it yet
+                try:
+                    self.proc.wait(timeout=RESIDENT_EXIT_S)
+                except subprocess.TimeoutExpired:
+                    pass
             ended = self.proc.poll() is not None
             self.kill()
             raise StartFailed(self.why(), ended)
