@@ -3,6 +3,7 @@ exec per host for the containers that share it (ctl's host relay: Pool.share_exe
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,9 +31,35 @@ class Outcome(Generic[T]):
         return self.error is None
 
 
+#: Containers of one host at once (each may be an agent start there: lxc-attach and a python3), and threads in all.
+PER_HOST = 16
+MOST_THREADS = 64
+
+
+def _host_of(ct: Container) -> str:
+    """What a container's exec runs on: its Proxmox host, or for an ssh or local target the target itself."""
+    if ct.spec.transport == "pct" and ct.host_name is not None:
+        return "host:" + ct.host_name
+    return "ct:" + ct.name
+
+
+def _round_robin(cts: list[Container]) -> list[int]:
+    """Indices of cts taking one container of each host in turn: the first workers go to every host at once,
+    not to the first host's containers in inventory order while the other hosts wait."""
+    by_host: dict[str, list[int]] = {}
+    for i, ct in enumerate(cts):
+        by_host.setdefault(_host_of(ct), []).append(i)
+    queues = list(by_host.values())
+    order: list[int] = []
+    for k in range(max(map(len, queues), default=0)):
+        order.extend(q[k] for q in queues if k < len(q))
+    return order
+
+
 def fanout(pool: Pool, cts: list[Container], fn: Callable[[Container, Transport], T],
-           max_workers: int = 16) -> list[Outcome[T]]:
-    """fn(ct, transport) for every container; errors are captured per container, order kept."""
+           per_host: int = PER_HOST) -> list[Outcome[T]]:
+    """fn(ct, transport) for every container; errors are captured per container, order kept. Hosts run side
+    by side, each with at most `per_host` of its containers at once."""
 
     def one(ct: Container) -> Outcome[T]:
         try:
@@ -43,8 +70,17 @@ def fanout(pool: Pool, cts: list[Container], fn: Callable[[Container, Transport]
     if len(cts) == 1:
         return [one(cts[0])]
     pool.share_exec(cts)  # several containers of one host: one exec (and one login shell) for them all
-    with ThreadPoolExecutor(max_workers=min(max_workers, len(cts))) as ex:
-        return list(ex.map(one, cts))
+    order = _round_robin(cts)
+    hosts = {_host_of(ct) for ct in cts}
+    gates = {h: threading.BoundedSemaphore(per_host) for h in hosts}
+
+    def gated(i: int) -> Outcome[T]:
+        with gates[_host_of(cts[i])]:
+            return one(cts[i])
+
+    with ThreadPoolExecutor(max_workers=min(len(cts), per_host * len(hosts), MOST_THREADS)) as ex:
+        done = dict(zip(order, ex.map(gated, order), strict=True))
+    return [done[i] for i in range(len(cts))]
 
 
 def worst(outcomes: list[Outcome[T]]) -> int:
