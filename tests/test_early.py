@@ -93,6 +93,7 @@ def test_runs_named_or_live_are_found_where_they_ran(inv: str, tmp_path: Path) -
     assert names([*line, "status", "ct200", "ct300", "--stall-after", "30"]) == ["ct300"]
     assert names([*line, "status", "ct201", "ct300"]) == ["ct201", "ct300"]
     assert names([*line, "status", "ct200"]) is None
+    assert names([*line, "status", "pair"]) == ["ct201", "ct300"]  # a group: its containers that have runs
     for ct in ("ct200", "ct300"):
         reg.update_run(reg.claim_run("twice", ct).id, state=Lifecycle.STOPPED)
     reg.claim_run("gone", "ct999")  # live, on a container no longer in the inventory

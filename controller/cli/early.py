@@ -74,7 +74,8 @@ def containers(argv: list[str]) -> tuple[Inventory, list[Container]] | None:
             if not names:
                 return None
         elif names and command in RUNS_ONLY:
-            names = _with_runs(names)  # `ctl status CT` reaches only the containers that have runs
+            # `ctl status CT|GROUP` reaches only the containers that have runs (a group's, once expanded)
+            names = _with_runs([ct.name for ct in inv.select(names)])
             if not names:
                 return None
         if names:
