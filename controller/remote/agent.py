@@ -68,10 +68,20 @@ class _Lazy:
 
 hashlib = _Lazy("hashlib")
 re = _Lazy("re")
+glob = _Lazy("glob")
 shutil = _Lazy("shutil")
 subprocess = _Lazy("subprocess")
 tarfile = _Lazy("tarfile")
 traceback = _Lazy("traceback")
+
+
+try:  # the interpreter's own sha256, for a few KiB: hashlib would load OpenSSL for them (see _Lazy)
+    from _sha256 import sha256 as _small_sha256
+except ImportError:
+    try:
+        from _sha2 import sha256 as _small_sha256  # Python 3.12+
+    except ImportError:
+        _small_sha256 = None
 
 
 class _Json:
@@ -661,7 +671,6 @@ def probe(args):
         out["run_dir"] = {"exists": os.path.lexists(_under(root, args["run_dir"]))}
     pattern = args.get("series_glob")
     if pattern:
-        import glob
         out["series_logs"] = sorted(
             os.path.basename(p) for p in glob.glob(_under(root, pattern)))
     if args.get("gpus"):
@@ -1225,7 +1234,79 @@ _HEAD = 4096  # bytes of the log's start that identify it (with the inode) acros
 
 def _head_sha(f, n):
     f.seek(0)
-    return hashlib.sha256(f.read(n)).hexdigest()[:16]
+    data = f.read(n)  # at most _HEAD bytes: no file's worth of hashing, so not worth OpenSSL's load
+    return (_small_sha256(data) if _small_sha256 is not None else hashlib.sha256(data)).hexdigest()[:16]
+
+
+def _wild(name, pat):
+    """fnmatch.fnmatchcase(name, pat) for a pattern of literal characters, `*` and `?` (no `[...]`)."""
+    n = p = 0
+    star, mark = -1, 0
+    while n < len(name):
+        if p < len(pat) and pat[p] == "*":
+            star, mark = p, n
+            p += 1
+        elif p < len(pat) and (pat[p] == "?" or pat[p] == name[n]):
+            n += 1
+            p += 1
+        elif star >= 0:  # let the last `*` take one more character
+            p, mark = star + 1, mark + 1
+            n = mark
+        else:
+            return False
+    while p < len(pat) and pat[p] == "*":
+        p += 1
+    return p == len(pat)
+
+
+def _names(d, dirs_only):
+    """glob's listing of d: the names in it (only directories, symlinks followed, with dirs_only); none on error."""
+    out = []
+    try:
+        with os.scandir(d) as it:
+            for e in it:
+                try:
+                    if not dirs_only or e.is_dir():
+                        out.append(e.name)
+                except OSError:
+                    pass
+    except OSError:
+        pass
+    return out
+
+
+def _below(d, dirs_only):
+    """glob's `**` under d: every name below it, at any depth, hidden ones neither listed nor entered."""
+    for x in _names(d, dirs_only):
+        if x[0] != ".":
+            yield x
+            for y in _below(os.path.join(d, x), dirs_only):
+                yield os.path.join(x, y)
+
+
+def _glob(base, pattern):
+    """The paths of glob.glob(os.path.join(glob.escape(base), pattern), recursive=True), in any order, without
+    importing glob (re, fnmatch, enum...: ~8 ms of every agent start that scans a run's checkpoints) when the
+    pattern is made of names, `**`, `*` and `?`; any other pattern goes to glob itself."""
+    parts = pattern.split("/")
+    if "[" in pattern or any(part in ("", ".", "..") for part in parts):
+        return glob.glob(os.path.join(glob.escape(base), pattern), recursive=True)
+    found = [base]
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        reached = []
+        for d in found:
+            if part == "**":
+                reached.append(os.path.join(d, ""))  # none at all: d/, as glob says it (no file matches it)
+                reached.extend(os.path.join(d, x) for x in _below(d, not last))
+            elif "*" in part or "?" in part:
+                hidden = part[0] == "."  # a name starting with a dot matches only a pattern that does
+                reached.extend(os.path.join(d, x) for x in _names(d, not last)
+                               if (hidden or x[0] != ".") and _wild(x, part))
+            elif not last or os.path.lexists(os.path.join(d, part)):
+                reached.append(os.path.join(d, part))
+        found = reached
+    return found
 
 
 def _hash_known(path, known):
@@ -1280,10 +1361,9 @@ def _logread(args):
         out["files"] = {p: _hash_known(_under(root, p), known.get(p)) for p in args["files"]}
     ck = args.get("checkpoints")
     if ck:
-        import glob
         base = _under(root, ck["dir"])
         found = {}
-        for p in sorted(glob.glob(os.path.join(glob.escape(base), ck["glob"]), recursive=True)):
+        for p in sorted(_glob(base, ck["glob"])):
             rel = os.path.relpath(p, base)
             h = _hash_known(p, known.get(rel))
             if h is not None:
