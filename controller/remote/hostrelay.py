@@ -42,12 +42,10 @@ when one ended before answering. A K ends the staying agent answering that strea
 reading (its writes never block).
 """
 
-import json
 import os
 import queue
 import select
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -59,6 +57,159 @@ except ImportError:
         from _sha2 import sha256  # Python 3.12+
     except ImportError:
         from hashlib import sha256
+
+# json and subprocess are what a relay would import beyond its own needs (re, enum, locale, selectors: ~17 ms of
+# CPU of every session's start, before its hello): the documents ctl sends are read with json's own C scanner, the
+# relay's few answers written with json's C encoder, and children started with os.posix_spawn. json itself is
+# loaded only to say what is wrong with a document the scanner refuses; subprocess only on a Python without
+# posix_spawn (before 3.8).
+
+
+class _Decoder:
+    """What _json's scanner reads of json's decoder: json's defaults."""
+
+    def __init__(self):
+        self.strict, self.object_hook, self.object_pairs_hook = True, None, None
+        self.parse_float, self.parse_int = float, int
+        self.parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}.__getitem__
+
+
+def _no_default(o):
+    raise TypeError("Object of type %s is not JSON serializable" % o.__class__.__name__)
+
+
+try:
+    import _json
+
+    _scan = _json.make_scanner(_Decoder())
+    _encode = _json.make_encoder(None, _no_default, _json.encode_basestring_ascii, None, ": ", ", ", False, False,
+                                 True)
+except (ImportError, AttributeError, TypeError):
+    _scan = _encode = None
+
+
+def loads(text):
+    """json.loads(text)."""
+    if _scan is not None:
+        try:
+            obj, end = _scan(text, 0)
+        except Exception:  # json.loads says what is wrong, in its words
+            end = -1
+        if end == len(text):
+            return obj
+    import json
+
+    return json.loads(text)
+
+
+def dumps(obj):
+    """json.dumps(obj) of the relay's own answers (dicts and lists of strings, numbers, booleans and None)."""
+    if _encode is None:
+        import json
+
+        return json.dumps(obj)
+    return "".join(_encode(obj, 0))
+
+
+if hasattr(os, "posix_spawn"):
+    try:
+        import _signal
+
+        # what Python ignores and subprocess gives back to a child at their default (restore_signals)
+        _SIGDEF = tuple(getattr(_signal, n) for n in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(_signal, n))
+        _SIGKILL = _signal.SIGKILL
+    except ImportError:
+        _SIGDEF, _SIGKILL = (), 9
+
+    class TimeoutExpired(Exception):
+        """wait(timeout) ran out."""
+
+    def _spawn(argv, env, actions):
+        """posix_spawn argv[0] looked up as subprocess does (env's PATH; the first error that is not a missing
+        file or directory, else FileNotFoundError)."""
+        name = argv[0]
+        tries = [name] if os.path.dirname(name) else [os.path.join(d, name) for d in os.get_exec_path(env)]
+        first = missing = None
+        for path in tries:
+            try:
+                return os.posix_spawn(path, argv, env, file_actions=actions, setsigdef=_SIGDEF)
+            except (FileNotFoundError, NotADirectoryError) as e:
+                missing = e
+            except OSError as e:
+                first = first or e
+        raise first or missing or FileNotFoundError(2, "No such file or directory", name)
+
+    class Proc:
+        """subprocess.Popen(argv, stdin=PIPE, stdout=PIPE, stderr=PIPE, close_fds=True, env=env), as far as the
+        relay uses it. Every descriptor Python opens is closed on exec, so the child gets its three pipes and
+        what the relay inherited from sshd (its standard streams, which the pipes replace)."""
+
+        def __init__(self, argv, env=None):
+            pipes = [os.pipe() for _ in range(3)]
+            theirs = [pipes[0][0], pipes[1][1], pipes[2][1]]
+            try:
+                self.pid = _spawn(argv, os.environ if env is None else env,
+                                  [(os.POSIX_SPAWN_DUP2, fd, n) for n, fd in enumerate(theirs)])
+            except BaseException:
+                for fd in (pipes[0][1], pipes[1][0], pipes[2][0]):
+                    os.close(fd)
+                raise
+            finally:
+                for fd in theirs:
+                    os.close(fd)
+            self.stdin = open(pipes[0][1], "wb")
+            self.stdout = open(pipes[1][0], "rb")
+            self.stderr = open(pipes[2][0], "rb")
+            self.returncode = None
+            self._reaping = threading.Lock()  # one waitpid at a time: a second would reap nothing, or another's
+
+        def _reap(self, flags):
+            try:
+                pid, status = os.waitpid(self.pid, flags)
+            except ChildProcessError:  # reaped already, by no one of ours: as subprocess says then
+                self.returncode = 0
+                return
+            if pid == self.pid:
+                self.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+        def poll(self):
+            if self.returncode is None and self._reaping.acquire(False):
+                try:
+                    if self.returncode is None:
+                        self._reap(os.WNOHANG)
+                finally:
+                    self._reaping.release()
+            return self.returncode
+
+        def wait(self, timeout=None):
+            if timeout is None:
+                with self._reaping:
+                    while self.returncode is None:
+                        self._reap(0)
+                return self.returncode
+            deadline, pause = time.monotonic() + timeout, 0.0005
+            while self.poll() is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutExpired()
+                pause = min(pause * 2, left, 0.05)
+                time.sleep(pause)
+            return self.returncode
+
+        def kill(self):
+            if self.poll() is None:
+                try:
+                    os.kill(self.pid, _SIGKILL)
+                except ProcessLookupError:
+                    pass
+else:  # Python 3.6 and 3.7
+    import subprocess
+    from subprocess import TimeoutExpired
+
+    def Proc(argv, env=None):
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                close_fds=True, env=env)
+
 
 HEADER = struct.Struct(">cHI")
 _CHUNK = 1 << 16
@@ -135,8 +286,7 @@ class Child:
         self.abandoned = False  # K: the controller stopped reading; our read ends close, the child's writes fail
         self._close_lock = threading.Lock()
         try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, close_fds=True)
+            self.proc = Proc(argv)
         except OSError as e:
             self.proc = None
             if replaces is not None:  # the agent request whose id this was: forgotten before X, as every id
@@ -299,8 +449,7 @@ class Resident:
         self.via = argv[0]
         self.requests = 0
         self.busy = True
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     close_fds=True, env=env)
+        self.proc = Proc(argv, env)
         # Its own stderr is /dev/null after the hello; what pct or lxc-attach say (a refusal before it starts)
         # is kept, last 4 KiB, and drained so that they never block on a full pipe.
         self.err = b""
@@ -322,7 +471,7 @@ class Resident:
             if not late():  # its stdout ended: it is exiting (a refusal), though poll() may not see it yet
                 try:
                     self.proc.wait(timeout=RESIDENT_EXIT_S)
-                except subprocess.TimeoutExpired:
+                except TimeoutExpired:
                     pass
             ended = self.proc.poll() is not None
             self.kill()
@@ -386,7 +535,7 @@ class Resident:
         Returns (exit status, delivered, answered): status None when the agent ended, broke the protocol or
         stop() turned true before its X frame; delivered False when the request never reached it; answered
         True once any of its output went to emit."""
-        body = json.dumps(argv).encode() + b"\n" + data
+        body = dumps(argv).encode() + b"\n" + data
         self.requests += 1
         # The agent runs nothing before its whole request arrived: a write cut short delivered nothing.
         if not self._write(HEADER.pack(b"R", 0, len(body)) + body, stop):
@@ -498,7 +647,7 @@ class _Residents:
         for r in left:
             try:
                 r.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
+            except TimeoutExpired:
                 r.kill()
 
 
@@ -707,7 +856,7 @@ class AgentRequest:
 def main():
     _uncoerce_locale()
     stdin = sys.stdin.buffer
-    _emit(b"H", 0, json.dumps({"relay": 3, "pid": os.getpid(), "python": sys.version.split()[0]}).encode())
+    _emit(b"H", 0, dumps({"relay": 3, "pid": os.getpid(), "python": sys.version.split()[0]}).encode())
     while True:
         head = _read_exact(stdin, HEADER.size)
         if head is None:
@@ -722,15 +871,15 @@ def main():
             if child is not None:
                 _emit(b"E", sid, b"ctl relay: stream id reused\n")
                 continue
-            Child(sid, [str(a) for a in json.loads(data.decode())])
+            Child(sid, [str(a) for a in loads(data.decode())])
         elif kind == b"T" and sid == 0:
-            _emit(b"T", 0, json.dumps(_residents.stats()).encode())
+            _emit(b"T", 0, dumps(_residents.stats()).encode())
         elif kind == b"A":
             if child is not None:
                 _emit(b"E", sid, b"ctl relay: stream id reused\n")
                 continue
             try:
-                AgentRequest(sid, json.loads(data.decode()))
+                AgentRequest(sid, loads(data.decode()))
             except (ValueError, KeyError, TypeError, AttributeError):
                 _emit(b"E", sid, b"ctl relay: malformed agent request\n")
                 _emit(b"X", sid, b"2")
