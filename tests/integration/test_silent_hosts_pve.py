@@ -300,7 +300,13 @@ def test_an_ssh_agent_that_never_answers_ends_the_connect_at_its_deadline(pve_en
     listener.bind(str(agent))
     listener.listen(8)
     held: list[object] = []
-    threading.Thread(target=lambda: [held.append(listener.accept()) for _ in iter(int, 1)], daemon=True).start()
+
+    def accept_all() -> None:  # and hold every connection unanswered, until the test closes the listener
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(listener.accept())
+
+    threading.Thread(target=accept_all, daemon=True).start()
     doc = dict(pve_env.base_extra)
     pve_env.host.write_inventory(pve_env.inventory, **doc, hosts={"pve1": {"identity_file": str(key),
                                                                            "connect_timeout": 1}})
