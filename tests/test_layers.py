@@ -28,9 +28,9 @@ ALLOWED = {
 }
 # The scripts that run over there import nothing of ctl: they travel alone over an exec's stdin.
 STANDALONE = {"remote/agent.py", "remote/hostrelay.py", "remote/probe_env.py"}
-# Reading those scripts' bytes (controller.remote.source) is no use of the agent client: the transport's relay
-# sends hostrelay.py's source to the host, so it may read it.
-RESOURCES = {"controller.remote", "controller.remote.source"}
+# Reading those scripts' bytes (controller.remote.source) and the line that starts one (controller.remote.boot) is
+# no use of the agent client: the transport's relay sends hostrelay.py's source to the host and starts it there.
+RESOURCES = {"controller.remote", "controller.remote.source", "controller.remote.boot"}
 
 
 def layer_of(rel: str) -> str:

@@ -33,34 +33,10 @@ from controller.errors import (
     RemoteCommandError,
     VerifyError,
 )
-from controller.remote import source
+from controller.remote import boot, source
 from controller.transport.base import AgentStart, Duplex, Result, Transport
 
-# What `python3 -c` runs: N bytes of agent source from stdin, run as __main__. Its compiled code is kept in the
-# container (agent.py keep_compiled: /run/ctl, root's own, gone at reboot; a `local` target's in its own root,
-# CTL_AGENT_CODE_DIR, which BOOT takes out of the environment) under the source's sha256 and the
-# python's version, so the next start of the same agent reads it instead of compiling 77 KB again (~20 ms of
-# CPU; a fan-out starts one per container). Used only when the file is the running user's, not writable by
-# others, not a symlink, and holds a code object; anything else compiles, as before. The key's sha256 is the
-# interpreter's own (_sha256, _sha2 from 3.12): hashlib would load OpenSSL, ~9 ms of every agent start.
-_BOOT = """import sys,os,marshal
-try:from _sha256 import sha256
-except ImportError:
- try:from _sha2 import sha256
- except ImportError:from hashlib import sha256
-s=sys.stdin.buffer.read(int(sys.argv[1]));c=None
-k=os.environ.pop('CTL_AGENT_CODE_DIR','/run/ctl')+'/agent-%s-%x'%(sha256(s).hexdigest()[:32],sys.hexversion)
-try:
- f=os.open(k,os.O_RDONLY|os.O_NOFOLLOW)
- try:
-  t=os.fstat(f)
-  if t.st_uid==os.geteuid() and not t.st_mode&18:c=marshal.loads(os.read(f,t.st_size))
- finally:os.close(f)
-except Exception:c=None
-if type(c) is not type(compile('','','exec')):c=compile(s,'ctl-agent','exec');__ctl_compiled__=(k,c)
-del s
-exec(c)"""
-BOOT = f"exec({_BOOT!r})"  # one line: it is shown in --dry-run's commands
+BOOT = boot("agent")  # controller/remote/__init__.py says what it does
 
 #: The agent's refusal codes and what ctl raises for each: (exception, text put before the agent's message).
 ERRORS: Mapping[str, tuple[type[CtlError], str]] = {

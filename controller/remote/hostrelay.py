@@ -853,10 +853,43 @@ class AgentRequest:
             self.worker.join()
 
 
+COMPILED_KEEP = 4  # compiled relays kept in /run/ctl (one per ctl version met), newest first
+
+
+def keep_compiled(entry):
+    """Keep the code BOOT just compiled (entry: (path, code), set by BOOT only when it compiled) for the next
+    session's start; best effort, never in the way. The directory must be ours alone; the file is written under a
+    temporary name and renamed; relays beyond the newest COMPILED_KEEP, and temporary names an hour old, go."""
+    if not entry:
+        return
+    import marshal
+
+    path, code = entry
+    d, name = os.path.split(path)
+    try:
+        os.makedirs(d, 0o700, exist_ok=True)
+        st = os.lstat(d)
+        if not os.path.isdir(d) or os.path.islink(d) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return
+        part = "%s.%d.tmp" % (path, os.getpid())
+        with open(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
+            f.write(marshal.dumps(code))
+        os.rename(part, path)
+        prefix = name.split("-")[0] + "-"
+        mine = [(e.stat(follow_symlinks=False).st_mtime, e.name, e.path) for e in os.scandir(d)
+                if e.name.startswith(prefix)]
+        done = sorted((m for m in mine if not m[1].endswith(".tmp")), reverse=True)[COMPILED_KEEP:]
+        for _, _, p in done + [m for m in mine if m[1].endswith(".tmp") and time.time() - m[0] > 3600]:
+            os.unlink(p)
+    except (OSError, ValueError):
+        pass
+
+
 def main():
     _uncoerce_locale()
     stdin = sys.stdin.buffer
     _emit(b"H", 0, dumps({"relay": 3, "pid": os.getpid(), "python": sys.version.split()[0]}).encode())
+    keep_compiled(globals().pop("__ctl_compiled__", None))  # after the hello: ctl is not kept waiting
     while True:
         head = _read_exact(stdin, HEADER.size)
         if head is None:

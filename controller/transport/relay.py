@@ -33,13 +33,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded, RelayExited, RemoteCommandError
-from controller.remote import source
+from controller.remote import boot, source
 from controller.transport.base import AgentStart, Duplex, Result, Transport, limit, too_large
 from controller.transport.ssh import SshEndpoint
 
 HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/remote/hostrelay.py)
 MAX_SID = 0xFFFF  # stream ids are 1..MAX_SID (0 is the hello's)
-BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'ctl-relay','exec'))"
+BOOT = boot("relay")  # its compiled code is kept on the host (controller/remote/__init__.py)
 # The host's own python3 first: a PATH python3 may be a shim or a venv of the login shell's rc files.
 _START = 'p=/usr/bin/python3; [ -x "$p" ] || p=python3; exec "$p" -I -S -c "$0" "$@"'
 _CHUNK = 1 << 16
