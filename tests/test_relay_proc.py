@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from controller.remote import hostrelay
 from controller.remote.hostrelay import Proc, TimeoutExpired, dumps, loads
 from controller.transport.relay import relay_source
+from tests.test_agent_json import values as json_values
 
 PY = sys.executable
 
@@ -125,14 +125,8 @@ def test_a_wait_from_two_threads_reaps_once() -> None:
     assert got == [3, 3, 3] and p.returncode == 3
 
 
-values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
-    max_leaves=30)
-
-
 @settings(max_examples=300, deadline=None)
-@given(values)
+@given(json_values)  # the agent's own json is held to the same documents
 def test_documents_read_and_write_as_jsons(v: object) -> None:
     assert dumps(v) == json.dumps(v)
     assert loads(json.dumps(v)) == v
