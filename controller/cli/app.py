@@ -7,6 +7,7 @@ one OPTS however ctl is started, and no module imports its own caller.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from typing import Any
 
 import typer
 
-from controller.core.terminal import clean, clean_line
+from controller.core.terminal import clean, clean_line, escape_markup, markup_text
 
 app = typer.Typer(
     name="ctl",
@@ -94,16 +95,63 @@ def _out(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
-def _console() -> Any:
-    """Where the cli prints for people: a rich console that also strips escape sequences from every string
-    it is given (core/terminal.py); text from a container still needs markup=False or `_esc` at the call."""
-    from rich.console import Console
+class _Console:
+    """Where the cli prints for people. A string that rich would print as it stands (no colour to add, nothing
+    to lay out: the common case) is written directly; anything else goes to a rich Console, made on first need
+    (importing it costs ~25 ms, a tenth of a warm deploy). Strings lose their escape sequences either way
+    (core/terminal.py); text from a container still needs markup=False or `_esc` at the call. Emoji codes stay
+    as typed: `:x:` in a log line is text, not a picture."""
 
-    class _SafeConsole(Console):
-        def print(self, *objects: Any, **kwargs: Any) -> None:
-            super().print(*(clean(o) if isinstance(o, str) else o for o in objects), **kwargs)
+    def __init__(self) -> None:
+        self._rich: Any = None
 
-    return _SafeConsole(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+    def rich(self) -> Any:
+        if self._rich is None:
+            from rich.console import Console
+
+            self._rich = Console(highlight=False, soft_wrap=True, emoji=False,
+                                 width=None if sys.stdout.isatty() else 160)
+        return self._rich
+
+    def print(self, *objects: Any, markup: bool = True, end: str = "\n", **kwargs: Any) -> None:
+        objects = tuple(clean(o) if isinstance(o, str) else o for o in objects)
+        if self._rich is None and kwargs.keys() <= {"soft_wrap"} and kwargs.get("soft_wrap", True) and all(
+                isinstance(o, str) for o in objects):
+            line = _as_rich_prints(" ".join(objects), markup)
+            if line is not None:
+                sys.stdout.write(line + end)
+                sys.stdout.flush()  # as rich does: lines and stderr's messages keep their order
+                return
+        self.rich().print(*objects, markup=markup, end=end, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # status, rule, ...: rich's own
+        return getattr(self.rich(), name)
+
+
+def _as_rich_prints(text: str, markup: bool) -> str | None:
+    """`text` as rich would write it to stdout, when that is the text itself (its markup read); None when only
+    rich can say: a tab (rich expands it), colour to add to a terminal, markup ctl's own reader does not know."""
+    if "\t" in text:
+        return None
+    shown = markup_text(text) if markup else (text, False)
+    if shown is None:
+        return None
+    if shown[1] and _styled():
+        return None
+    return shown[0]
+
+
+def _styled() -> bool:
+    """Whether rich would write styles to stdout: a terminal, or one forced by TTY_COMPATIBLE or FORCE_COLOR
+    (set to anything, even empty: that errs towards rich)."""
+    env = os.environ
+    if env.get("TTY_COMPATIBLE") == "0":
+        return False
+    return env.get("TTY_COMPATIBLE") == "1" or "FORCE_COLOR" in env or sys.stdout.isatty()
+
+
+def _console() -> _Console:
+    return _Console()
 
 
 def _outcomes(results: list[Any], ok: Any) -> None:
@@ -124,9 +172,7 @@ def _outcomes(results: list[Any], ok: Any) -> None:
 def _esc(text: Any) -> str:
     """Text that may come from a container, for a string printed with markup on: no control bytes, no newline,
     its `[` escaped so that `[link=...]` or `[conceal]` stay literal."""
-    from rich.markup import escape
-
-    return escape(clean_line(str(text)))
+    return escape_markup(clean_line(str(text)))
 
 
 def _table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None:

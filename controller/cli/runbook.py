@@ -19,7 +19,7 @@ from typing import Any
 import typer
 
 from controller.cli import app as _cli
-from controller.core.terminal import clean_line
+from controller.core.terminal import clean_line, escape_markup
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
@@ -69,10 +69,8 @@ def _print_step(r: Any) -> None:
               "STALLED": "red", "CRASHED": "red"}.get(r.outcome)
     indent = "  " * r.depth
     outcome = f"[{colour}]{r.outcome:<8}[/{colour}]" if colour else f"{r.outcome:<8}"
-    from rich.markup import escape
-
-    con.print(f"{indent}{escape(r.path):<{26 - len(indent)}} {escape(r.label):<24} {outcome} {r.seconds:6.2f}s  "
-              f"{_cli._esc(r.detail)}" + (f"  -> on {escape(r.branch)}" if r.branch else ""))
+    con.print(f"{indent}{escape_markup(r.path):<{26 - len(indent)}} {escape_markup(r.label):<24} {outcome} "
+              f"{r.seconds:6.2f}s  {_cli._esc(r.detail)}" + (f"  -> on {escape_markup(r.branch)}" if r.branch else ""))
     for line in r.lines:
         con.print(f"{indent}    {line}", markup=False)
 

@@ -43,3 +43,49 @@ def clean(text: str) -> str:
 def clean_line(text: str) -> str:
     """`clean` for one line of a table or a message: a newline is shown as \\x0a too."""
     return clean(text).replace("\n", "\\x0a")
+
+
+# Console markup as rich reads it: `[` then a letter, `#`, `/` or `@`, anything but `[`, then `]` is a tag;
+# the backslashes before one escape it when odd in number, and half of them print either way.
+_TAG = re.compile(r"(\\*)\[([a-z#/@][^[]*?)]")
+# The styles ctl's own markup uses: enough to read every tag the cli writes; any other goes to rich.
+STYLE_WORDS = frozenset({"bold", "dim", "italic", "underline", "reverse", "strike", "black", "red", "green",
+                         "yellow", "blue", "magenta", "cyan", "white"})
+
+
+def escape_markup(text: str) -> str:
+    """`text` for a string printed with markup on: every `[` that would open a tag escaped, and a trailing lone
+    backslash doubled (it would escape the next string's tag), so it prints as written."""
+    text = _TAG.sub(lambda m: f"{m[1]}{m[1]}\\[{m[2]}]", text)
+    return text + "\\" if text.endswith("\\") and not text.endswith("\\\\") else text
+
+
+def markup_text(markup: str) -> tuple[str, bool] | None:
+    """(the text that markup shows, whether it has any style tag), with its escapes resolved; None for markup
+    with a tag outside STYLE_WORDS or a closing tag that closes nothing (which only rich can render, or
+    refuse)."""
+    if "[" not in markup:
+        return markup, False
+    out: list[str] = []
+    opened: list[str] = []
+    pos, styled = 0, False
+    for m in _TAG.finditer(markup):
+        slashes, tag = m[1], m[2]
+        out.append(markup[pos:m.start()].replace("\\[", "[") + "\\" * (len(slashes) // 2))
+        pos = m.end()
+        if len(slashes) % 2:
+            out.append(f"[{tag}]")
+            continue
+        styled = True
+        if tag.startswith("/"):
+            name = " ".join(tag[1:].split())
+            if not opened or (name and name not in opened):
+                return None
+            opened.pop(len(opened) - 1 - opened[::-1].index(name) if name else -1)
+            continue
+        words = tag.split()
+        if not words or not STYLE_WORDS.issuperset(words):
+            return None
+        opened.append(" ".join(words))
+    out.append(markup[pos:].replace("\\[", "["))  # rich unescapes `\[` in plain text, tag or not
+    return "".join(out), styled
