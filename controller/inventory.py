@@ -52,6 +52,8 @@ def _gpu_indices(v: list[int] | None) -> list[int] | None:
 
 @dataclass(frozen=True)
 class ApiSpec:
+    """A host's `api:` block: where its Proxmox API answers, as which token (its secret from the environment)."""
+
     url: str = spec(check=_https)
     node: str = spec()
     token_id: str = spec(check=_token)
@@ -72,6 +74,8 @@ class KeepaliveSpec:
 
 @dataclass(frozen=True)
 class HostSpec:
+    """One Proxmox host of `hosts:`: how ctl logs in over SSH and how long its session and requests may take."""
+
     address: str
     port: int = spec(22, ge=1, le=65535)
     user: str = "root"
@@ -89,6 +93,8 @@ class HostSpec:
 
 @dataclass(frozen=True)
 class GpuSplit:
+    """A container's `gpus:`: which GPU indices hold the target model and which the drafter."""
+
     target: list[int] = spec(factory=list, check=_gpu_indices)
     drafter: list[int] = spec(factory=list, check=_gpu_indices)
 
@@ -114,6 +120,8 @@ def _mode(v: str | int) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class PayloadEntry:
+    """One file of `payload:`: a source copied as is, or a template rendered, to `dest` in the container."""
+
     src: str | None = None
     template: str | None = None
     dest: str = spec(check=_as_value_error(lambda v: check_container_path(v, "dest")))
@@ -152,6 +160,8 @@ def _has_run(v: str) -> str:
 
 @dataclass(frozen=True)
 class RunsSpec:
+    """`runs:`: how runs are named, which tmux session holds them, where their log and files go."""
+
     series: str = spec("run", check=_as_value_error(check_name))
     session: str = spec("ctl", check=_as_value_error(check_name))
     log: str = spec("/workspace/train_stdout_{run}.log", check=_has_run)
@@ -215,6 +225,9 @@ def _prefixes(v: list[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class ContainerSpec:
+    """One container of `containers:`: how it is reached (pct on a host, ssh or a local root), its GPUs, vars,
+    env lock and baseline."""
+
     host: str | None = None
     vmid: int | None = spec(None, ge=100, le=999999999)
     transport: Literal["pct", "ssh", "local"] = "pct"
@@ -247,6 +260,8 @@ class ContainerSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class InventoryModel:
+    """An inventory file as read and checked, before names are resolved (`Inventory` answers questions)."""
+
     hosts: dict[str, HostSpec] = spec(factory=dict)
     containers: dict[str, ContainerSpec]
     groups: dict[str, list[str]] = spec(factory=dict)
@@ -303,6 +318,8 @@ class Job:
 
 @dataclass(frozen=True)
 class Inventory:
+    """A checked inventory and the file it came from: containers, groups and jobs by name."""
+
     path: Path
     model: InventoryModel
 

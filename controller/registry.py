@@ -159,6 +159,8 @@ SCHEMA = [
 
 @dataclass(frozen=True)
 class RunRecord:
+    """One run as the registry keeps it: where and what it ran (files, vars, environment), and how it went."""
+
     id: int
     name: str
     ct: str
@@ -200,6 +202,8 @@ class RunRecord:
 
 @dataclass(frozen=True)
 class DeployRecord:
+    """One deploy (or rollback) to one container: the commit, the files and their hashes, and whether it held."""
+
     id: str
     ct: str
     kind: str
@@ -710,6 +714,8 @@ class Registry:
 
 @dataclass(frozen=True)
 class RunbookRun:
+    """One run of a runbook: its file's hash, its vars, each step's outcome."""
+
     id: int
     name: str
     path: str

@@ -31,6 +31,8 @@ app = typer.Typer(
 
 @dataclass
 class Opts:
+    """The global options of this command line (set by the app's callback, read by every verb)."""
+
     inventory: str | None = None
     json: bool = False
     output: str | None = None  # --json / --text as given (None: CTL_OUTPUT, the config file or the default)

@@ -17,12 +17,11 @@ import functools
 import hashlib
 import io
 import json
+import os
 import shlex
 import subprocess
-import tarfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +43,8 @@ STORE = "/var/lib/ctl"  # inside the container: objects/<sha256>, deploys/<id>.j
 
 @dataclass(frozen=True)
 class PinnedFile:
+    """One payload file as this deploy sends it: its bytes (rendered, for a template), hash, mode and source."""
+
     dest: str
     sha256: str
     size: int
@@ -55,6 +56,8 @@ class PinnedFile:
 
 @dataclass(frozen=True)
 class Manifest:
+    """What a container is to hold after the deploy: its pinned files, and the commit they came from."""
+
     ct: str
     files: tuple[PinnedFile, ...]
     commit: str | None
@@ -71,6 +74,8 @@ class Manifest:
 
 @dataclass(frozen=True)
 class FilePlan:
+    """One file's fate in a deploy: what the container has, what it will have, and the action between."""
+
     dest: str
     action: str  # create | update | mode | same
     want: str
@@ -228,6 +233,8 @@ def remote_hashes(t: Transport, dests: list[str], follow: list[str] | None = Non
 
 
 def _tar(members: list[tuple[str, bytes]]) -> bytes:
+    import tarfile  # only when something travels: a deploy that changes nothing does not pay for it
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w|") as tar:
         for name, data in members:
@@ -249,7 +256,7 @@ def bundle(entries: list[dict[str, Any]], bodies: list[bytes], *, manifest: bool
 
 
 def _new_id() -> str:
-    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + os.urandom(3).hex()  # (uuid would import platform)
 
 
 Progress = Callable[[str, int, int], None]  # (container, bytes sent, bytes total)
@@ -356,8 +363,7 @@ def deploy(
         raise
     changed = [(e, f) for e, f, p in zip(entries, manifest.files, fplan, strict=True) if p.action != "same"]
     bodies = [f.content for _e, f in changed]
-    tar = bundle([e for e, _f in changed], bodies, manifest=False)
-    if dry_run or not changed:
+    if dry_run or not changed:  # (and no tar made: tarfile is imported only for what travels)
         if conv is not None:
             conv.end()
         commands: tuple[str, ...] = ()
@@ -367,10 +373,12 @@ def deploy(
             private_dir(stdin_file.parent.parent)
             private_dir(stdin_file.parent)
             header = json.dumps({"files": entries, "dry_run": False, "follow": follow}).encode() + b"\n"
+            tar = bundle([e for e, _f in changed], bodies, manifest=False)
             private_file(stdin_file).write_bytes(agent_source() + header + b"apply\n" + tar)  # rendered scripts: 0600
             commands = (f"{agent.shell_line('sync', *args)} < {shlex.quote(str(stdin_file))}",)
         return DeployResult(ct.name, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands,
                             dry_run=dry_run)
+    tar = bundle([e for e, _f in changed], bodies, manifest=False)
     data = b"apply\n" + tar
 
     def sent(n: int) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -21,6 +20,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Outcome(Generic[T]):
+    """What one container of a fan-out gave: its value, or its error and exit code."""
+
     ct: str
     value: T | None
     error: str | None
@@ -69,6 +70,8 @@ def fanout(pool: Pool, cts: list[Container], fn: Callable[[Container, Transport]
 
     if len(cts) == 1:
         return [one(cts[0])]
+    from concurrent.futures import ThreadPoolExecutor  # (and logging): not for one container
+
     pool.share_exec(cts)  # several containers of one host: one exec (and one login shell) for them all
     order = _round_robin(cts)
     hosts = {_host_of(ct) for ct in cts}

@@ -7,13 +7,19 @@ installed ctl (a wheel, pipx, uv tool) carries them as a checkout does.
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 
 @cache
 def source(name: str) -> bytes:
     """The bytes of one of the scripts that run remotely (agent.py, hostrelay.py, probe_env.py)."""
-    from importlib.resources import files
+    try:  # the package is a directory (a checkout, a wheel, pipx, uv tool): read it, as files() would
+        with open(os.path.join(os.path.dirname(__file__), name), "rb") as f:
+            return f.read()
+    except OSError:
+        pass
+    from importlib.resources import files  # (and zipfile): anything else, such as a zip on sys.path
 
     return files(__name__).joinpath(name).read_bytes()
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import re
 import shlex
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -156,7 +156,7 @@ class PctContainer(Transport):
     def put(self, local_path: str, remote_path: str) -> None:
         """Stage on the host (private dir), `pct push`, then verify the sha256 inside the container. Through a
         relay the file travels on the stdin of that one host command; without one, over SFTP first."""
-        stage = f"{self.stage_dir.rstrip('/')}/ctl-stage-{uuid.uuid4().hex}"
+        stage = f"{self.stage_dir.rstrip('/')}/ctl-stage-{os.urandom(16).hex()}"
         staged = f"{stage}/file"
         push = shlex.join(self.pct_argv("push", str(self.vmid), staged, remote_path))
         verify = shlex.join(self.exec_argv(["sha256sum", "--", remote_path]))
