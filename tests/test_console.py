@@ -71,7 +71,8 @@ def test_the_console_writes_plain_lines_itself_and_the_rest_through_rich(capsys:
                                                                           ) -> None:
     con = cli_app._Console()
     lines = ["ct200        up to date (3 files verified, 0.25s)", "ct201        [red]FAILED[/red] no route",
-             "ct202        [yellow]DRIFT[/yellow] in 1 file(s)", "time 12:30:05 :x: \\[kept]"]
+             "ct202        [yellow]DRIFT[/yellow] in 1 file(s)", "time 12:30:05 :x: \\[kept]",
+             "a line past rich's 160 columns [red]is not wrapped[/red]  " * 8, ""]
     for line in lines:
         con.print(line)
     con.print("[link=x]raw[/link] kept", markup=False)

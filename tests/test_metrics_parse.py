@@ -19,6 +19,7 @@ from controller.core.metrics import (
     detect_crash,
     format_eta,
     format_rate,
+    median,
     parse_duration,
     parse_line,
     parse_lines,
@@ -357,3 +358,12 @@ def test_acceptance_length_is_a_metric_of_its_own() -> None:
     assert isinstance(p, MetricPoint)
     assert p.accept_len == 3.21 and p.tok_s == 4600 and "accept_len" not in p.extra
     assert parse_line(json.dumps(p.record())) == p
+
+
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32) | st.integers(-10**6, 10**6), min_size=1))
+@settings(max_examples=300, deadline=None)
+def test_median_is_statistics_median(values: list[float]) -> None:
+    import statistics
+
+    assert median(values) == statistics.median(values)
+    assert type(median(values)) is type(statistics.median(values))

@@ -14,7 +14,6 @@ the run directory); the agent only re-hashes a file whose size or mtime changed 
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -29,6 +28,7 @@ from controller.core.metrics import (
     Verdict,
     combine_nodes,
     has_rate,
+    median,
     parse_line,
     steady_state,
     verdict,
@@ -359,7 +359,7 @@ def baseline_rate(reg: Registry, base: Baseline | None) -> tuple[str, float] | N
         return (base.label, whole) if whole else None
     n = reg.point_count(base.run.id)
     rates = reg.steady_rates(base.run.id, skip=warmup_skip(n))  # steady_state of its points, without decoding them
-    rate = statistics.median(rates) if rates else None
+    rate = median(rates) if rates else None
     return (base.label, rate) if rate else None
 
 
@@ -601,7 +601,7 @@ def _job_points(reg: Registry, members: list[RunRecord]) -> _JobPoints:
                               max((int(t["step"]) for t in tops.values() if t is not None), default=None),
                               max(times) if times else None,
                               {i: int(t["step"]) if t is not None else None for i, t in tops.items()},
-                              {i: statistics.median(r) if r else None for i, r in rates.items()})
+                              {i: median(r) if r else None for i, r in rates.items()})
         k *= 2
     per = {m.id: stored_points(reg, m) for m in members}
     combined = combine_nodes(list(per.values()))

@@ -14,10 +14,8 @@ import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from controller.commands import environment
-from controller.commands.deploy import Manifest, pin
 from controller.commands.fanout import fanout
 from controller.core.loglines import LineSplitter
 from controller.core.redact import redact_rendered, redact_vars
@@ -39,6 +37,9 @@ from controller.remote.client import Agent, AgentReplyError
 from controller.settings import follow_reconnect
 from controller.transport.base import Transport, limit
 from controller.transport.pool import Pool
+
+if TYPE_CHECKING:
+    from controller.commands.deploy import Manifest
 
 START_SCRIPT = "start_training.sh"
 UNKNOWN_OUTCOME = "launch outcome unknown"  # note of a `starting` run whose launch got no answer
@@ -298,6 +299,10 @@ def launch(
     if job is not None and job.nnodes > 1:
         raise InputError(f"{ct.name} is node {job.rank(ct.name)} of job {job.name!r}: its start script is rendered "
                          f"for that job's rendezvous; launch the job (`ctl launch {job.name}`)")
+    # Only a launch pins and probes: `ctl status` (through monitor) loads this module without them.
+    from controller.commands import environment
+    from controller.commands.deploy import pin
+
     manifest = pin(inv, ct)
     start = start_script(inv, manifest)
     agent = Agent(t)

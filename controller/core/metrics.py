@@ -13,13 +13,20 @@ from __future__ import annotations
 import json
 import math
 import re
-import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any
 
 from controller.errors import ExitCode, InputError
+
+
+def median(values: Sequence[float]) -> float:
+    """statistics.median of a non-empty sequence, without importing statistics (and with it fractions and
+    decimal: ~6 ms of every `ctl status`)."""
+    s = sorted(values)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
 
 # --------------------------------------------------------------------------------------------
 # Data
@@ -411,7 +418,7 @@ def steady_state(
     if window is not None:
         steady = steady[-window:] if window > 0 else []
     rates = [p.tok_s for p in steady if p.tok_s is not None]
-    return statistics.median(rates) if rates else None
+    return median(rates) if rates else None
 
 
 def combine_nodes(per_node: Sequence[Sequence[MetricPoint]]) -> list[MetricPoint]:
@@ -569,7 +576,7 @@ def verdict_of_window(
         raise InputError(f"stall time must be positive seconds, got {stall_after_s!r}")
     if min_steady_points < 1:
         raise InputError(f"need min_steady_points >= 1, got {min_steady_points}")
-    tok_s = statistics.median([p.tok_s for p in steady if p.tok_s is not None]) if steady else None
+    tok_s = median([p.tok_s for p in steady if p.tok_s is not None]) if steady else None
     ratio = tok_s / baseline_tok_s if tok_s is not None and baseline_tok_s else None
     idle = now - last_step_time if last_step_time is not None else None
     base = _baseline_text(baseline_tok_s, baseline_name)
