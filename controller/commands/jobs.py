@@ -24,10 +24,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from controller.commands import environment, runs
-from controller.commands.deploy import Manifest, pin
+from controller.commands import runs
 from controller.commands.fanout import Outcome, fanout
 from controller.core.redact import redact_rendered, redact_vars
 from controller.errors import BusyError, ConnectionFailed, CtlError, ExitCode, InputError
@@ -38,6 +37,9 @@ from controller.registry import Registry, RunRecord
 from controller.remote.client import Agent
 from controller.transport.base import Transport
 from controller.transport.pool import Pool
+
+if TYPE_CHECKING:
+    from controller.commands.deploy import Manifest
 
 TEARDOWN_GRACE_S = 5.0  # a surviving node's trainer gets SIGINT, then this long before SIGTERM
 
@@ -130,6 +132,9 @@ def launch(
     if name is not None:
         check_name(name, "run name")
     nodes = list(job.nodes)
+    from controller.commands import environment  # a launch's: `ctl status` settles jobs without them
+    from controller.commands.deploy import pin
+
     manifests: dict[str, Manifest] = {ct.name: pin(inv, ct) for ct in nodes}
     starts = {ct.name: runs.start_script(inv, manifests[ct.name]) for ct in nodes}
     rp = runs.paths_for(inv, name) if name is not None else None

@@ -501,8 +501,6 @@ def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *
 
     A live run whose container did not answer, or whose log could not be read, is UNREACHABLE: judged on stale
     points it would look stalled, and nothing is known of it but that."""
-    from controller.commands import jobs
-
     bases = {r.id: resolve_baseline(inv, reg, r) for r in recs}
     members = {r.id: reg.members(r.id) for r in recs if r.multi}
     asked = {m.id: m for r in recs for m in members.get(r.id) or ([] if r.multi else [r])}
@@ -531,6 +529,8 @@ def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *
             continue
         if any(m.ct in polled.failed for m in ms):
             continue  # a node could not be asked: nothing is concluded from the others alone
+        from controller.commands import jobs  # only for a run across several containers
+
         try:
             jobs.settle(inv, reg, pool, r, ms)
         except CtlError as e:
