@@ -69,6 +69,18 @@ def test_ssh_sessions_get_pct_and_node_from_setenv(h: PveHost) -> None:
     assert ct(h, 200, "test", "-e", "/usr/sbin/pct")[0] == 1  # nor in the containers
 
 
+def test_ssh_sessions_read_debians_root_dotfiles_not_this_machines(h: PveHost) -> None:
+    """What bash reads for each command sshd runs is a Proxmox host's (Debian's default), not a developer's
+    pyenv or conda init from this machine's /root/.bashrc."""
+    if not h._overlay:
+        pytest.skip("without overlayfs sshd runs in this machine's mount namespace")
+    for f in ("bashrc", "profile"):
+        default = Path(f"/usr/share/base-files/dot.{f}")
+        if default.exists() and (Path.home() / f".{f}").exists():
+            rc, out, _ = run(h, "pve1", "cat", f"/root/.{f}")
+            assert (rc, out) == (0, default.read_text())
+
+
 def test_ssh_sessions_attach_by_name_as_on_proxmox_and_the_journal_counts_it(h: PveHost) -> None:
     """A plain `lxc-attach -n VMID` finds the node's own container (its lxcpath is the sessions' default), and
     lands in the node's journal beside pct's calls; pct's own attach does not."""

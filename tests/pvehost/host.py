@@ -16,7 +16,8 @@ Layout under the base directory (nothing is registered outside it; see `PveHost.
 
 Each sshd runs in its own mount namespace where /usr/sbin is a read-only overlay adding pct, so both
 `pct` and `/usr/sbin/pct` work in SSH sessions, as on real Proxmox; nothing changes on this machine's
-/usr/sbin (without overlayfs, sshd's SetEnv puts bin/ first on PATH instead).
+/usr/sbin (without overlayfs, sshd's SetEnv puts bin/ first on PATH instead). In that namespace root's
+.bashrc and .profile are Debian's defaults (base-files), as on a Proxmox host, whatever this machine's are.
 
 One container (ct_ssh_vmid, 301 by default) uses host networking (`lxc.net.0.type = none`) and runs its own
 sshd on 127.0.0.4 as its init's child: the endpoint of the "container over direct SSH" transport.
@@ -696,8 +697,14 @@ Subsystem sftp {SFTP_SERVER}
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
         d = self.node_dir(n.name)
         sshd = [SSHD, "-f", str(d / "sshd_config"), "-E", str(d / "sshd.log")]
+        # Root's dotfiles are Debian's defaults there, as on a Proxmox host: a developer's own (pyenv or conda
+        # init in /root/.bashrc, which bash reads for every command sshd runs) would cost every SSH exec of the
+        # simulated host, ctl's and the benchmark's floor alike, what no Proxmox host costs (~0.2 s here).
         script = ('mount -t overlay pvehost -o ro,lowerdir="$1":/usr/sbin /usr/sbin && '
-                  '{ [ ! -d /etc/lxc ] || mount --bind "$2" /etc/lxc; } && shift 2 && exec "$@"')
+                  '{ [ ! -d /etc/lxc ] || mount --bind "$2" /etc/lxc; } && '
+                  'for f in bashrc profile; do h=$(getent passwd root | cut -d: -f6); '
+                  '[ ! -f "$h/.$f" ] || [ ! -f "/usr/share/base-files/dot.$f" ] || '
+                  'mount --bind -o ro "/usr/share/base-files/dot.$f" "$h/.$f" || exit; done && shift 2 && exec "$@"')
         if not self._overlay:  # its SetEnv PATH has bin/ first (_node)
             _run(sshd, f"sshd for {n.name}")
             return
