@@ -256,7 +256,7 @@ def bundle(entries: list[dict[str, Any]], bodies: list[bytes], *, manifest: bool
 
 
 def _new_id() -> str:
-    return time.strftime("%Y%m%dT%H%M%S") + "-" + os.urandom(3).hex()  # (uuid would import platform)
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + os.urandom(3).hex()
 
 
 Progress = Callable[[str, int, int], None]  # (container, bytes sent, bytes total)
@@ -363,7 +363,8 @@ def deploy(
         raise
     changed = [(e, f) for e, f, p in zip(entries, manifest.files, fplan, strict=True) if p.action != "same"]
     bodies = [f.content for _e, f in changed]
-    if dry_run or not changed:  # (and no tar made: tarfile is imported only for what travels)
+    tar = bundle([e for e, _f in changed], bodies, manifest=False) if changed else b""  # (tarfile: only then)
+    if dry_run or not changed:
         if conv is not None:
             conv.end()
         commands: tuple[str, ...] = ()
@@ -373,12 +374,10 @@ def deploy(
             private_dir(stdin_file.parent.parent)
             private_dir(stdin_file.parent)
             header = json.dumps({"files": entries, "dry_run": False, "follow": follow}).encode() + b"\n"
-            tar = bundle([e for e, _f in changed], bodies, manifest=False)
             private_file(stdin_file).write_bytes(agent_source() + header + b"apply\n" + tar)  # rendered scripts: 0600
             commands = (f"{agent.shell_line('sync', *args)} < {shlex.quote(str(stdin_file))}",)
         return DeployResult(ct.name, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands,
                             dry_run=dry_run)
-    tar = bundle([e for e, _f in changed], bodies, manifest=False)
     data = b"apply\n" + tar
 
     def sent(n: int) -> None:
