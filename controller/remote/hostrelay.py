@@ -38,7 +38,9 @@ The relay falls back to the exec itself when a staying agent cannot
 start (pct's refusal then reaches ctl as it always did), when its input is large (that exec starts as soon as
 the input passes RESIDENT_MAX_INPUT, so the relay never holds more), when RESIDENT_PER_KEY of them are busy or
 the relay keeps as many as its descriptors allow, and, for a request marked "retry" (a verb that only reads),
-when one ended before answering. A K ends the staying agent answering that stream, even one that stopped
+when one ended before answering. Such an exec, and any S exec in a container (`pct exec VMID -- ...`), attaches
+directly while a staying agent of that container that came in through lxc-attach is alive (the container is
+running: pct would only find that again). A K ends the staying agent answering that stream, even one that stopped
 reading (its writes never block).
 """
 
@@ -278,7 +280,7 @@ def _read_exact(stream, n):
 
 
 class Child:
-    def __init__(self, sid, argv, replaces=None):
+    def __init__(self, sid, argv, replaces=None, env=None):
         self.sid = sid
         self.inbox = queue.Queue(maxsize=256)  # bounded: a slow reader holds the relay back, not its memory
         self.threads = []
@@ -286,7 +288,7 @@ class Child:
         self.abandoned = False  # K: the controller stopped reading; our read ends close, the child's writes fail
         self._close_lock = threading.Lock()
         try:
-            self.proc = Proc(argv)
+            self.proc = Proc(argv, env)
         except OSError as e:
             self.proc = None
             if replaces is not None:  # the agent request whose id this was: forgotten before X, as every id
@@ -613,6 +615,11 @@ class _Residents:
         with self.lock:
             self.kept.add(r)
 
+    def attached(self, container):
+        """A live staying agent that lxc-attach started in `container` (its argv's first 3 words: pct exec VMID)."""
+        with self.lock:
+            return any(r.key[0][:3] == container and r.via == "lxc-attach" and r.alive() for r in self.kept)
+
     def stats(self):
         with self.lock:
             return {"agents": [{"argv": list(r.key[0]), "pid": r.proc.pid, "requests": r.requests, "busy": r.busy,
@@ -649,6 +656,18 @@ class _Residents:
                 r.proc.wait(timeout=5)
             except TimeoutExpired:
                 r.kill()
+
+
+def _direct(argv):
+    """(argv, env) to run `pct exec VMID -- ...` with: attached directly when a staying agent of that container
+    came in through lxc-attach and lives (pct found the container running then, and it has not stopped since: the
+    agent would have died with it), as pct would attach after its own check, without pct's start (a Perl program,
+    several hundred ms on a Proxmox host); else argv itself."""
+    if not _no_lxc_attach and len(argv) > 3 and _residents.attached(tuple(argv[:3])):
+        direct = attach_argv(argv, os.environ)
+        if direct is not None:
+            return direct
+    return argv, None
 
 
 def _start_resident(key, argv, source, stop):
@@ -778,7 +797,8 @@ class AgentRequest:
         """The request as its own exec, exactly as an S frame would have run it (with close, its input is all
         here; without, the rest comes to the exec as I frames)."""
         self._flush()  # nothing is kept by now; were anything, it would go before the exec's output
-        child = Child(self.sid, self.argv, replaces=self)  # takes our id: a K from now on reaches it
+        argv, env = _direct(self.argv)
+        child = Child(self.sid, argv, replaces=self, env=env)  # takes our id: a K from now on reaches it
         with self._lock:
             self.handoff = child
             abandoned = self.abandoned
@@ -904,7 +924,8 @@ def main():
             if child is not None:
                 _emit(b"E", sid, b"ctl relay: stream id reused\n")
                 continue
-            Child(sid, [str(a) for a in loads(data.decode())])
+            argv, env = _direct([str(a) for a in loads(data.decode())])
+            Child(sid, argv, env=env)
         elif kind == b"T" and sid == 0:
             _emit(b"T", 0, dumps(_residents.stats()).encode())
         elif kind == b"A":

@@ -247,7 +247,8 @@ def test_container_over_its_own_sshd(pve_env: Env) -> None:
 
 def test_a_warm_session_applies_small_changes_by_request_and_large_ones_over_their_own_exec(pve_env: Env) -> None:
     """With the session's staying agent, a small change is two requests to it (plan, apply) and no `pct exec`; a
-    change over 1 MiB travels over a `sync` exec of its own, with progress, as without a session."""
+    change over 1 MiB travels over a `sync` exec of its own, with progress, as without a session. That exec
+    attaches as the staying agent did (the container is running: no pct start)."""
     blob = pve_env.dir / "blob.bin"
     blob.write_bytes(b"v1" * 1000)
     dest = f"/root/{pve_env.tag}/blob.bin"
@@ -256,7 +257,7 @@ def test_a_warm_session_applies_small_changes_by_request_and_large_ones_over_the
     landed = pve_env.host.rootfs(200) / dest.lstrip("/")
     inv = load(pve_env.inventory)
     ct = inv.container("ct200")
-    for body, execs in ((b"v2" * 1000, []), (os.urandom(3 << 20), ["sync"])):
+    for body, execs in ((b"v2" * 1000, []), (os.urandom(3 << 20), [("attach", "sync")])):
         blob.write_bytes(body)
         seen: list[tuple[int, int]] = []
 
@@ -268,7 +269,7 @@ def test_a_warm_session_applies_small_changes_by_request_and_large_ones_over_the
             res = deploy_mod.deploy(inv, ct, pool.container(ct), None, allow_dirty=True, progress=sent)
         assert res.changed == 1 and sha(landed) == hashlib.sha256(body).hexdigest()
         calls = pve_env.host.pct_calls("pve1")[before:]
-        assert [c["argv"][6] for c in calls] == execs, calls
+        assert [(c["cmd"], c["argv"][6]) for c in calls] == execs, calls
         assert seen and seen[-1][0] == seen[-1][1] and [n for n, _ in seen] == sorted(n for n, _ in seen)
         assert len(seen) == (1 if not execs else -(-seen[-1][1] // (1 << 20)))  # a step per MiB sent
 

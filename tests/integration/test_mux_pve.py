@@ -482,8 +482,9 @@ def test_a_request_past_its_deadline_ends_its_staying_agent_at_once(persist: Env
 def test_staying_agents_start_by_lxc_attach_with_the_environment_pct_gives(persist: Env) -> None:
     """pct exec is `lxc-attach -n VMID --keep-env -- ...` once pct (a Perl program, several hundred ms a start on
     a real host) has found the container running. The relay starts a staying agent that way itself: the node's
-    journal shows an attach and no pct. The agent's environment, which a launch passes on to the training, is the
-    one a `pct exec` from the same relay gives. A stopped container still gets pct's own refusal."""
+    journal shows an attach and no pct; while that agent lives, the relay's other execs in the container attach
+    too. The agent's environment, which a launch passes on to the training, is the one `pct exec` gives. A stopped
+    container still gets pct's own refusal."""
     host = persist.host
     before = len(host.pct_calls("pve1"))
     persist.ctl("ping", "ct200", check=True)
@@ -498,16 +499,27 @@ def test_staying_agents_start_by_lxc_attach_with_the_environment_pct_gives(persi
     session = _environ(relay)  # what the relay started with: the session's
 
     inv = load(persist.inventory)
-    with Pool(inv) as pool:  # the same session, so the same relay: its exec goes through pct
+    with Pool(inv) as pool:  # the same session, so the same relay: its exec attaches as the agent did
         t = pool.container(inv.container("ct200"))
         res = t.run(["cat", "/proc/self/environ"])
     assert res.returncode == 0, res.err
-    through_pct = _environ(res.out.encode(errors="surrogateescape"))
+    through_relay = _environ(res.out.encode(errors="surrogateescape"))
     assert staying["PATH"] == "/sbin:/bin:/usr/sbin:/usr/bin" and staying.get("container") == "lxc", staying
     assert session["SSL_CERT_FILE"] and "SSL_CERT_FILE" not in staying, staying  # pct.pm's clean_environment
     assert staying.get("LC_CTYPE") == session.get("LC_CTYPE"), (staying, session)  # not the relay's coercion
-    assert staying == through_pct
-    assert [c["cmd"] for c in host.pct_calls("pve1")[before + 1:]] == ["exec"]  # the cat
+    assert staying == through_relay
+    assert [c["cmd"] for c in host.pct_calls("pve1")[before + 1:]] == ["attach"]  # the cat
+    # pct itself, in a login of its own, gives the same environment (but for that login's own address and port,
+    # and `_`, which its shell sets to the command it ran)
+    r = subprocess.run([*host.ssh_argv("pve1"), "--", "pct exec 200 -- cat /proc/self/environ"],
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert [c["cmd"] for c in host.pct_calls("pve1")[before + 2:]] == ["exec"]
+
+    def mine(env: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items() if k not in ("SSH_CLIENT", "SSH_CONNECTION", "_")}
+
+    assert mine(staying) == mine(_environ(r.stdout))
 
     host.stop(201)
     try:
