@@ -8,13 +8,17 @@ others, and prints a markdown table of medians as multiples of the floor, `ssh h
 a fresh connection), and of the seeds' way (scp + pct push + md5sum of the deploy payload: bench/deploy.py's
 code), each with its goal and whether it is met.
 
-Settings. The rows "default settings" run ctl with the environment this benchmark was given: whatever CTL_PERSIST
-says (unset: ctl's own default), with every persistent session stopped before each timed run, so they are cold.
+Settings. ctl is the venv's installed `ctl` script, as users run it. The rows "default settings" run ctl with the
+environment this benchmark was given: whatever CTL_PERSIST says (unset: ctl's own default), with every
+persistent session and the command server stopped (`ctl mux stop`) before each timed run, so they are cold.
 The rows "warm" run with CTL_PERSIST as given when it is a number above 0, else 60, right after an untimed
 command that starts the host's session (a ping of ct200 and ct300: the other containers' staying agents, if
-the session has none yet, are started by the timed command). The rows "hot" run right after the same command,
-untimed: the session and its staying agents are up, as when a user runs `ctl status` again. Each row is labelled
-with the value it ran under.
+the session has none yet, are started by the timed command) and the command server (cli/server.py). The rows
+"hot" run right after the same command, untimed: the session and its staying agents are up, as when a user
+runs `ctl status` again. Each row is labelled with the value it ran under. A command that starts a command
+server as it exits (every cold one) is followed by an untimed wait for that server, so that its start-up is
+not the next case's. Client CPU counts the command's own processes and, for a served command, what the
+server's fork of it spent (the server's `cpu_s`).
 
 Needs root, LXC and sshd (like the integration tests). Writes the samples as JSON beside the table.
 """
@@ -39,8 +43,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.deploy import FILES, TEMPLATE, seeds_way, timed  # noqa: E402
+from controller.cli import served  # noqa: E402
 from tests.pvehost import PveHost, find_free_port, missing_prerequisites  # noqa: E402
 
+CTL = Path(sys.executable).with_name("ctl")  # the installed command, as users run it (and its command server)
 PER_NODE = 20  # containers per node: 2 + 18 extra
 LIVE = [f"ct{v}" for v in (*range(200, 210), *range(300, 310))]  # one live run each: 20 runs on 2 hosts
 LAUNCH_CT, TAIL_CT, BIG_CT = "ct219", "ct218", "ct201"
@@ -112,6 +118,11 @@ class Row:
         return self.seconds <= self.limit
 
 
+def served_cpu(env: dict[str, str]) -> dict[int, float]:
+    """{pid: CPU seconds} of the commands each of the user's command servers ran (and reaped) so far."""
+    return {int(d["pid"]): float(d.get("cpu_s", 0.0)) for d in served.servers(env)}
+
+
 class Bench:
     def __init__(self, host: PveHost, base: Path, args: argparse.Namespace) -> None:
         self.host, self.base, self.args = host, base, args
@@ -133,7 +144,7 @@ class Bench:
     # --- helpers ---------------------------------------------------------------------------------
 
     def ctl(self, inv: Path, *args: str) -> list[str]:
-        return [sys.executable, "-m", "controller", "-i", str(inv), *args]
+        return [str(CTL), "-i", str(inv), *args]
 
     def run_ok(self, argv: list[str], env: dict[str, str], ok: tuple[int, ...] = (0,)) -> str:
         r = subprocess.run(argv, capture_output=True, text=True, env=env)
@@ -147,19 +158,31 @@ class Bench:
     def cpu_of(self, fn: Callable[[], object]) -> float:
         """Wall seconds of fn; the CPU seconds of the processes it ran and waited for (the client side: ctl, or
         ssh/scp) go to this case's CPU samples."""
+        s0 = served_cpu(self.env_warm)
         r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
         fn()
         wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
-        self.cpu.setdefault(self.case, []).append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
+        s1 = served_cpu(self.env_warm)  # a served command's CPU is spent in the command server's fork
+        self.cpu.setdefault(self.case, []).append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime +
+                                                  sum(s1.get(pid, 0.0) - s0.get(pid, 0.0) for pid in s1))
         return wall
 
     def cold(self) -> None:
-        """No persistent session left: the next default-settings command starts from nothing."""
+        """No persistent session and no command server left: the next default-settings command starts from
+        nothing."""
         self.run_ok(self.ctl(self.inv_runs, "mux", "stop"), self.env_warm)
 
     def warm(self, *cts: str) -> None:
-        """The sessions of these containers' hosts are up (an untimed ping through them)."""
+        """The sessions of these containers' hosts are up (an untimed ping through them), and the command server."""
         self.run_ok(self.ctl(self.inv_runs, "ping", *cts), self.env_warm)
+        self.settle()
+
+    def settle(self) -> None:
+        """Wait (untimed) for the command server a command started as it exited: its start-up (~0.5 s of CPU, after
+        that command returned) is not the next case's."""
+        deadline = time.time() + 15
+        while time.time() < deadline and not served.servers(self.env_warm):
+            time.sleep(0.02)
 
     def ssh(self, node: str, command: str) -> list[str]:
         return [*self.host.ssh_argv(node), "--", command]
@@ -276,7 +299,9 @@ class Bench:
         def cold(argv: list[str], ok: tuple[int, ...] = (0,)) -> Callable[[], float]:
             def run() -> float:
                 self.cold()
-                return self.timed_ok(argv, d, ok)
+                wall = self.timed_ok(argv, d, ok)
+                self.settle()
+                return wall
             return run
 
         def warm(argv: list[str], cts: tuple[str, ...], ok: tuple[int, ...] = (0,)) -> Callable[[], float]:
@@ -288,6 +313,7 @@ class Bench:
         def hot(argv: list[str], ok: tuple[int, ...] = (0,)) -> Callable[[], float]:
             def run() -> float:
                 self.run_ok(argv, w, ok)
+                self.settle()
                 return self.timed_ok(argv, w, ok)
             return run
 
@@ -297,7 +323,7 @@ class Bench:
             "floor": lambda: self.cpu_of(lambda: timed(self.ssh("pve1", "pct exec 200 true"))),
             "seeds": lambda: self.cpu_of(lambda: seeds_way(self.host, "pve1", 200, self.seeds_files, "dep")),
             "python_pass": lambda: self.cpu_of(lambda: timed([sys.executable, "-c", "pass"])),
-            "help": lambda: self.cpu_of(lambda: timed([sys.executable, "-m", "controller", "--help"], d)),
+            "help": lambda: self.cpu_of(lambda: timed([str(CTL), "--help"], d)),
             "deploy_cold": cold(e(self.inv_deploy, "deploy", "ct200", "--allow-dirty")),
             "deploy_warm": warm(e(self.inv_deploy, "deploy", "ct200", "--allow-dirty"), ("ct200",)),
             "scp_tiny": lambda: self.cpu_of(lambda: timed(self.scp([self.work / "tiny.bin"], "pve1", "/tmp/"))),
@@ -500,6 +526,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeat < 1 or args.big_mb < 2 or args.log_mb < 4:
         ap.error("--repeat >= 1, --big-mb >= 2 and --log-mb >= 4")
+    if not CTL.exists():
+        raise SystemExit(f"bench: no installed ctl at {CTL} (pip install -e . into this interpreter's venv)")
     why = missing_prerequisites()
     if why:
         print(f"bench: needs the local Proxmox host: {why}", file=sys.stderr)

@@ -117,6 +117,19 @@ def main() -> None:
         sys.exit(answer())
     if _plain_help(sys.argv[1:]):
         sys.exit(0)
+    from controller.cli import served
+
+    code = served.run(sys.argv[1:])  # the user's command server runs it, when there is one (cli/served.py)
+    if code is not None:
+        served.exit_as(code)
+    try:
+        run_here()
+    finally:
+        served.start_server(sys.argv[1:])  # none answered: one for the next commands (unless sessions are off)
+
+
+def run_here() -> None:
+    """Run the command line in this process (also what the command server's forked child runs)."""
     from controller.cli.early import spare, start
 
     spare(sys.argv[1:])  # a session process for the hosts not yet known imports paramiko while this one reads
@@ -150,6 +163,27 @@ def _completion_shell(argv: list[str]) -> None:
         sys.exit(2)
 
 
+_built: Any = None  # every verb's click command, built once by the command server (cli/server.py)
+
+
+def build(app: Any) -> Any:
+    """The click command typer makes of app, its option values converted without building pydantic adapters
+    (cli/coerce.py)."""
+    import typer.main
+
+    from controller.cli.coerce import install
+
+    command = typer.main.get_command(app)
+    install(command)
+    return command
+
+
+def build_all() -> None:
+    """Build the command of every verb now (the command server, before it forks)."""
+    global _built
+    _built = build(load_app())
+
+
 def _main() -> None:
     import typer
     import typer.main
@@ -166,10 +200,7 @@ def _main() -> None:
         if flag in head[1:]:
             head = [a for a in head if a != flag]
             head.insert(0, flag)
-    from controller.cli.coerce import install
-
-    command = typer.main.get_command(load(head + sep + tail))
-    install(command)  # option values converted without building pydantic adapters (cli/coerce.py)
+    command = _built if _built is not None else build(load(head + sep + tail))
     try:
         rc = command(args=head + sep + tail, prog_name="ctl", standalone_mode=False)
     except CtlError as e:

@@ -39,6 +39,13 @@ def status_cmd() -> None:
                 [[d.get("host"), f"{d.get('user')}@{d.get('address')}:{d.get('port')}", d.get("pid"),
                   f"{d.get('idle')}s", f"{now - float(d.get('started', now)):.0f}s",
                   "live" if d["live"] else "gone", _agents_cell(d.get("agents")), d.get("socket")] for d in docs])
+    from controller.cli import served
+
+    con = _cli._console()
+    for d in served.servers():
+        con.print(f"command server: pid {d['pid']}, {d['served']} commands served, {d['running']} running, "
+                  f"idle {d['idle_for']:.0f}s of {d['idle']:.0f}s, age {now - float(d['started']):.0f}s "
+                  f"({d['socket']})", markup=False)
 
 
 def _agents_cell(agents: list[dict[str, Any]] | None) -> str:
@@ -58,11 +65,19 @@ def stop_cmd(host: str = typer.Argument(None, autocompletion=_c.hosts,
     from controller.transport import mux
 
     stopped = mux.stop(host, grace=grace)
+    servers: list[dict[str, Any]] = []
+    if host is None:
+        from controller.cli import served
+
+        servers = served.stop_servers()  # the next command runs in a process of its own, as the first did
     if OPTS.json:
         _cli._out([{"host": d.get("host"), "pid": d.get("pid")} for d in stopped])
         return
     con = _cli._console()
     for d in stopped:
         con.print(f"{d.get('host')}: stopped session (pid {d.get('pid')})")
-    if not stopped:
+    for d in servers:
+        con.print(f"command server: stopping (pid {d['pid']}) once its {d['running']} running commands end"
+                  if d["running"] else f"command server: stopped (pid {d['pid']})")
+    if not stopped and not servers:
         con.print("no live session" + (f" for {host}" if host else ""))

@@ -1,0 +1,491 @@
+"""The user's command server: ctl imported once, forked for each command line (served.py is the client, and says
+why and what the wire is).
+
+Started by a command that found none (`python -P -c BOOT SOCKET KEY IDLE SYS.PATH...`, in a session of its own,
+stdin and stdout /dev/null, stderr `cmd-KEY.log` beside the socket). It takes the socket's lock (one server per
+key), imports what commands use (PRELOAD) while it records which environment variables those imports read, and
+listens on `cmd-KEY.sock` (0600, in the user's 0700 socket directory; a peer of another uid is dropped). It is
+never threaded, so each fork is a clean copy.
+
+For each command: the request and the client's descriptors arrive; the server checks the key and that every
+variable its imports read has the same value in the command's environment (else "refuse", and the client runs
+the command itself), forks, answers "pid N", and lets the child start on the client's "go" (a client that gave
+up in the meantime never has its command run twice). The child takes the client's descriptors as 0, 1, 2 and
+its directory, its environment, umask and argv, fresh standard streams, default signal handlers, and returns
+out of the server's loop to run `ctl` as a started process would, to its normal exit (atexit, threads, exit
+status). The server forwards the client's signals to it, kills it if the client goes away (as the command would
+have gone with the client), and sends its exit status when it ends.
+
+It exits after IDLE seconds without a command, on `ctl mux stop` or SIGTERM (after its running commands end),
+or when a newer one took its socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import socket
+    from typing import Any
+
+# Modules most commands use: each is a module a forked command does not import again.
+PRELOAD = ("controller.commands.deploy", "controller.commands.runs", "controller.commands.monitor",
+           "controller.commands.fanout", "controller.commands.jobs", "controller.commands.environment",
+           "controller.transport.pool", "controller.transport.pct", "controller.transport.mux.client",
+           "controller.registry", "controller.inventory", "controller.cli.early", "controller.cli.complete",
+           "controller.cli.coerce", "controller.core.envlock", "controller.core.render", "jinja2", "yaml",
+           "sqlite3", "platformdirs", "rich.console", "rich.table")
+
+
+def _forwarded() -> frozenset[int]:
+    import signal
+
+    from controller.cli.served import FORWARDED as names
+
+    return frozenset(getattr(signal, n) for n in names if n != "SIGTSTP")  # TSTP arrives as SIGSTOP
+
+
+def _preload() -> set[str]:
+    """Import PRELOAD and every cli module; the names of the environment variables those imports read ("*":
+    one of them read it all)."""
+    import importlib
+
+    reads: set[str] = set()
+    real = os.environ
+
+    class Recording(type(real)):  # type: ignore[misc]
+        def __getitem__(self, name: str) -> str:
+            reads.add(name)
+            return str(super().__getitem__(name))
+
+        def __contains__(self, name: object) -> bool:
+            reads.add(str(name))
+            return bool(super().__contains__(name))
+
+        def __iter__(self) -> Any:
+            reads.add("*")
+            return super().__iter__()
+
+    os.environ = Recording(real._data, real.encodekey, real.decodekey,  # type: ignore[attr-defined]  # noqa: B003
+                           real.encodevalue, real.decodevalue)
+    try:
+        from controller.cli.main import build_all
+
+        build_all()
+        for name in PRELOAD:
+            with contextlib.suppress(ImportError):  # an optional one not installed
+                importlib.import_module(name)
+    finally:
+        os.environ = real  # noqa: B003 - the same object, put back
+    return reads
+
+
+def main() -> None:
+    import fcntl
+
+    from controller.cli import served
+
+    path, key, idle = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    os.chdir("/")
+    os.umask(0o077)
+    lock = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # another command started this key's server a moment ago
+    if served.key(os.environ) != key:
+        return  # ctl changed since the command that started this one computed the key
+    reads = _preload()
+    if served.key(os.environ) != key:
+        return  # changed while it loaded: what it imported may be half old
+    import gc
+    import socket
+
+    gc.freeze()  # what was imported is never scanned again: a fork's collections do not copy its pages
+    with_env = {n: os.environ.get(n) for n in reads if n != "*"}
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a dead server's (we hold the lock)
+    listener.bind(path)
+    os.chmod(path, 0o600)
+    listener.listen(64)
+    req = Server(listener, path, key, idle, lock, reads, with_env).serve()
+    if req is None:
+        return
+    req.become()
+    from controller.cli.main import run_here
+
+    _run_and_exit(run_here)
+
+
+def _run_and_exit(fn: Any) -> None:
+    """Run fn as the interpreter runs a program, to the same exit, but leave with os._exit: a full finalization
+    tears down every module and object the server imported, and in a fork each object it touches is a page copied
+    (~0.1 s for a command that itself took 0.05 s). What finalization does that a command can see is done here,
+    in its order (Py_FinalizeEx): wait for non-daemon threads, atexit callbacks, flush stdout and stderr (120
+    when that fails)."""
+    import atexit
+
+    code = 0
+    try:
+        fn()
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code & 0xFF
+        else:
+            sys.stderr.write(f"{e.code}\n")
+            code = 1
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        code = -2
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        threading._shutdown()  # what the interpreter calls at exit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            code = 120 if code == 0 else code
+    if code == -2:  # an uncaught Ctrl-C ends the process by SIGINT, as the interpreter does
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 130
+    os._exit(code)
+
+
+class Command:
+    """A command this server forked: its pid, a pidfd to learn when it ends, the client's connection."""
+
+    def __init__(self, pid: int, conn: socket.socket, go: int, deadline: float) -> None:
+        self.pid, self.conn, self.go = pid, conn, go
+        self.pidfd = os.pidfd_open(pid)
+        self.deadline = deadline  # of the client's "go"
+        self.buf = b""
+        self.sigs: list[int] = []  # signals the client forwarded before its "go"
+
+
+class Request:
+    """In the forked child: the command line to run and what the client passed."""
+
+    def __init__(self, doc: dict[str, Any], fds: list[int]) -> None:
+        self.doc, self.fds = doc, fds
+
+    def become(self) -> None:
+        import io
+
+        for target, fd in zip((0, 1, 2), self.fds, strict=False):
+            os.dup2(fd, target)
+        os.fchdir(self.fds[3])
+        for fd in self.fds:
+            if fd > 2:
+                os.close(fd)
+        os.umask(int(self.doc["umask"]))
+        import signal
+
+        for n in self.doc.get("ignored") or []:  # as the client was started (nohup: SIGHUP), so is the command
+            if int(n) in _forwarded() or int(n) == signal.SIGTSTP:
+                signal.signal(int(n), signal.SIG_IGN)
+        os.environ.clear()
+        os.environ.update({str(k): str(v) for k, v in self.doc["env"].items()})
+        sys.argv = [str(a) for a in self.doc["argv"]]
+        # Standard streams as the interpreter makes them (pylifecycle's create_stdio), for these descriptors:
+        # line-buffered on a terminal, stderr always; the server's own (closefd=False) close nothing when dropped.
+        unbuffered = bool(getattr(sys.stdout, "write_through", False))  # -u or PYTHONUNBUFFERED
+        made: list[Any] = []
+        for fd, old, name in ((0, sys.stdin, "<stdin>"), (1, sys.stdout, "<stdout>"), (2, sys.stderr, "<stderr>")):
+            writing = fd != 0
+            buf: Any = open(fd, "wb" if writing else "rb", buffering=0 if unbuffered and writing else -1,  # noqa: SIM115
+                            closefd=False)
+            raw = buf if unbuffered and writing else buf.raw
+            raw.name = name
+            stream: Any = io.TextIOWrapper(buf, encoding=old.encoding, errors=old.errors, newline="\n",
+                                           line_buffering=not unbuffered and (raw.isatty() or fd == 2),
+                                           write_through=unbuffered)
+            stream.mode = "w" if writing else "r"
+            made.append(stream)
+        sys.stdin, sys.stdout, sys.stderr = made
+        setattr(sys, "__stdin__", made[0])  # noqa: B010 - typeshed calls them final; the interpreter does not
+        setattr(sys, "__stdout__", made[1])  # noqa: B010
+        setattr(sys, "__stderr__", made[2])  # noqa: B010
+
+
+class Server:
+    def __init__(self, listener: socket.socket, path: str, key: str, idle: float, lock: int, reads: set[str],
+                 with_env: dict[str, str | None]) -> None:
+        import time
+
+        self.listener, self.path, self.key, self.idle, self.lock = listener, path, key, idle, lock
+        self.reads, self.with_env = reads, with_env
+        self.commands: dict[int, Command] = {}
+        self.started = self.last = time.time()
+        self.served = 0
+        self.cpu = 0.0  # CPU seconds of the commands that ended (and of their children that they waited for)
+        self.stopping = False
+        self.ino = os.stat(path).st_ino
+
+    def serve(self) -> Request | None:
+        """Answer commands until idle or stopped: None here; a Request in each forked child."""
+        import select
+        import signal
+        import time
+
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGTERM, lambda *_: self._stop())
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        self.wake = (wake_r, wake_w)
+        while True:
+            now = time.time()
+            if not self.commands and (self.stopping or now - self.last >= self.idle or not self._ours()):
+                break
+            waits = [c.deadline - now for c in self.commands.values() if c.go >= 0]
+            timeout = min([self.idle - (now - self.last), *waits, 30.0]) if not self.stopping else 1.0
+            poll = select.poll()  # not select(): any number of commands, whatever their descriptors' numbers
+            fds = [wake_r, *(c.conn.fileno() for c in self.commands.values()),
+                   *(c.pidfd for c in self.commands.values())]
+            for fd in fds if self.stopping else [*fds, self.listener.fileno()]:
+                poll.register(fd, select.POLLIN)
+            ready = {fd for fd, _ in poll.poll(max(0.0, timeout) * 1000)}
+            if wake_r in ready:
+                try:
+                    while os.read(wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+            for c in list(self.commands.values()):
+                if c.pidfd in ready:
+                    self._ended(c)
+                elif c.conn.fileno() in ready:
+                    self._from_client(c)
+                elif c.go >= 0 and time.time() >= c.deadline:
+                    self._no_go(c)
+            if not self.stopping and self.listener.fileno() in ready:
+                req = self._accept()
+                if req is not None:
+                    return req
+        self._close()
+        return None
+
+    def _ours(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino == self.ino
+        except OSError:
+            return False
+
+    def _stop(self) -> None:
+        if not self.stopping:
+            self.stopping = True
+            if self._ours():
+                os.unlink(self.path)  # no new client finds it
+            self.listener.close()  # and one waiting to be accepted is refused at once: it runs its command itself
+
+    def _close(self) -> None:
+        if not self.stopping and self._ours():
+            os.unlink(self.path)
+        self.listener.close()
+        os.close(self.lock)
+
+    def _accept(self) -> Request | None:
+        import json
+        import socket
+        import struct
+
+        from controller.cli import served
+
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return None
+        fds: list[int] = []
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            if struct.unpack("3i", creds)[1] != os.getuid():
+                conn.close()
+                return None
+            conn.settimeout(5.0)
+            msg, fds, _, _ = socket.recv_fds(conn, 65536, 4)
+            while len(msg) < 8 or len(msg) < 8 + int.from_bytes(msg[4:8], "big"):
+                if len(msg) >= 8 and int.from_bytes(msg[4:8], "big") > served.MAX_MESSAGE:
+                    raise ValueError("request too large")
+                more = conn.recv(1 << 20)
+                if not more:
+                    raise ValueError("request cut short")
+                msg += more
+            if msg[:4] != served.MAGIC:
+                raise ValueError("not a ctl request")
+            doc = json.loads(msg[8:8 + int.from_bytes(msg[4:8], "big")])
+        except (OSError, ValueError) as e:
+            for fd in fds:
+                os.close(fd)
+            sys.stderr.write(f"ctl server: a request dropped: {e}\n")
+            conn.close()
+            return None
+        op = doc.get("op")
+        if op != "run":
+            for fd in fds:
+                os.close(fd)
+            self._answer_op(conn, op)
+            return None
+        why = self._refusal(doc, fds)
+        if why:
+            for fd in fds:
+                os.close(fd)
+            self._send(conn, f"refuse {why}\n")
+            conn.close()
+            return None
+        return self._fork(conn, doc, fds)
+
+    def _answer_op(self, conn: socket.socket, op: object) -> None:
+        import json
+        import time
+
+        if op == "info":
+            self._send(conn, json.dumps({"pid": os.getpid(), "started": self.started, "served": self.served,
+                                         "running": len(self.commands), "idle": self.idle,
+                                         "cpu_s": round(self.cpu, 4),
+                                         "idle_for": round(time.time() - self.last, 1)}) + "\n")
+        elif op == "stop":
+            self._stop()
+            self._send(conn, "stopping\n")
+        conn.close()
+
+    def _refusal(self, doc: dict[str, Any], fds: list[int]) -> str:
+        if doc.get("key") != self.key:
+            return "another ctl"
+        if len(fds) != 4 or not isinstance(doc.get("env"), dict) or not isinstance(doc.get("argv"), list):
+            return "a request without its descriptors"
+        env = doc["env"]
+        if "*" in self.reads:
+            return "the server's imports read the whole environment"
+        for name, value in self.with_env.items():
+            if env.get(name) != value:
+                return f"{name} differs from the server's"
+        return ""
+
+    def _fork(self, conn: socket.socket, doc: dict[str, Any], fds: list[int]) -> Request | None:
+        import time
+
+        go_r, go_w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:
+            import signal
+
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_DFL)  # never the server's handlers, even before "go"
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            os.close(go_w)
+            self._drop_for_child()
+            if os.read(go_r, 1) != b"g":
+                os._exit(0)  # the client gave up before "go": the command runs there, not here
+            os.close(go_r)
+            conn.detach()  # kept open, unused: the client waits for our end as long as the command runs
+            return Request(doc, fds)
+        os.close(go_r)
+        for fd in fds:
+            os.close(fd)
+        self.served += 1
+        self.last = time.time()
+        cmd = Command(pid, conn, go_w, time.time() + 5.0)
+        self.commands[pid] = cmd
+        conn.setblocking(False)
+        if not self._send(conn, f"pid {pid}\n"):
+            self._no_go(cmd)
+        return None
+
+    def _drop_for_child(self) -> None:
+        """Close in the child what is the server's: its socket, lock, wake pipe, the other commands' ends."""
+        self.listener.close()
+        os.close(self.lock)
+        for fd in self.wake:
+            os.close(fd)
+        for c in self.commands.values():
+            c.conn.close()
+            os.close(c.pidfd)
+            if c.go >= 0:
+                os.close(c.go)
+
+    @staticmethod
+    def _send(conn: socket.socket, text: str) -> bool:
+        try:
+            conn.sendall(text.encode())
+            return True
+        except OSError:
+            return False
+
+    def _from_client(self, c: Command) -> None:
+        import signal
+
+        try:
+            data = c.conn.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client went away: so does its command
+            if c.go >= 0:
+                self._no_go(c)
+            else:
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(c.pidfd, signal.SIGKILL)
+            return
+        c.buf += data
+        while b"\n" in c.buf:
+            line, _, c.buf = c.buf.partition(b"\n")
+            word, _, arg = line.decode(errors="replace").partition(" ")
+            if word == "go" and c.go >= 0:
+                os.write(c.go, b"g")
+                os.close(c.go)
+                c.go = -1
+                for n in c.sigs:  # what the client received before it said go
+                    self._signal(c, n)
+            elif word == "sig" and arg.isdigit():
+                n = int(arg)
+                if n == signal.SIGTSTP:
+                    n = signal.SIGSTOP
+                elif n not in _forwarded():
+                    continue
+                if c.go >= 0:
+                    c.sigs.append(n)
+                else:
+                    self._signal(c, n)
+
+    @staticmethod
+    def _signal(c: Command, n: int) -> None:
+        import signal
+
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(c.pidfd, n)
+
+    def _no_go(self, c: Command) -> None:
+        """The client gave up, or went, before its "go": the child exits unstarted."""
+        if c.go >= 0:
+            os.close(c.go)
+            c.go = -1
+
+    def _ended(self, c: Command) -> None:
+        _, status, usage = os.wait4(c.pid, 0)
+        self.cpu += usage.ru_utime + usage.ru_stime
+        del self.commands[c.pid]
+        os.close(c.pidfd)
+        if c.go >= 0:
+            os.close(c.go)
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+        c.conn.setblocking(True)
+        c.conn.settimeout(2.0)
+        self._send(c.conn, f"signal {sig}\n" if sig else f"exit {os.WEXITSTATUS(status)}\n")
+        c.conn.close()
+        import time
+
+        self.last = time.time()

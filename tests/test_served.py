@@ -1,0 +1,331 @@
+"""The user's command server (controller/cli/server.py, served.py): the installed `ctl` hands its command line to
+a process that forked from a server with ctl already imported. Real processes throughout: the venv's `ctl`
+script (or a script of the same shape over a copy of the package), its server, a local-transport container,
+a pty, signals. Each test has its own socket directory (XDG_RUNTIME_DIR), so its servers are its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controller.cli import served
+
+REPO = Path(__file__).resolve().parent.parent
+CTL = Path(sys.executable).with_name("ctl")
+
+pytestmark = pytest.mark.skipif(not CTL.exists(), reason=f"no installed ctl script at {CTL} (pip install -e .)")
+
+
+class World:
+    def __init__(self, tmp: Path, run: Path) -> None:
+        self.tmp, self.run, self.ctl = tmp, run, [str(CTL)]
+        self.root = tmp / "root"
+        self.root.mkdir()
+        (tmp / "a.txt").write_text("a\n")
+        (tmp / "inventory.yaml").write_text(yaml.safe_dump({
+            "containers": {"loc": {"transport": "local", "root": str(self.root)}},
+            "payload": [{"src": "a.txt", "dest": "/root/sub/a.txt"}]}))
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("CTL_", "TYPER_"))}
+        self.env.update(XDG_RUNTIME_DIR=str(run), CTL_STATE_DIR=str(tmp / "state"), CTL_INVENTORY="inventory.yaml",
+                        CTL_CONFIG=str(tmp / "no-config.yaml"))
+
+    @property
+    def sockets(self) -> Path:
+        return self.run / "ctl"
+
+    def __call__(self, *args: str, env: dict[str, str] | None = None, **kw: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*self.ctl, *args], capture_output=True, text=True, cwd=self.tmp,
+                              env=env or self.env, timeout=60, **kw)  # type: ignore[call-overload]
+
+    def here(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """The same command in a process of its own (`python -m controller` is never served), same environment."""
+        return subprocess.run([sys.executable, "-m", "controller", *args], capture_output=True, text=True,
+                              cwd=self.tmp, env=self.env, timeout=60)
+
+    def servers(self) -> list[dict[str, object]]:
+        r = self("mux", "status")
+        assert r.returncode == 0, r.stderr
+        return [{"pid": int(m[1]), "served": int(m[2]), "running": int(m[3])} for m in re.finditer(
+            r"command server: pid (\d+), (\d+) commands served, (\d+) running", r.stdout)]
+
+    def up(self) -> dict[str, object]:
+        """The one server, once a command started it and it listens."""
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            if list(self.sockets.glob("cmd-*.sock")):
+                found = self.servers()
+                if found:
+                    assert len(found) == 1, found
+                    return found[0]
+            time.sleep(0.05)
+        logs = "".join(p.read_text() for p in self.sockets.glob("cmd-*.log"))
+        raise AssertionError(f"no command server came up; its log: {logs}")
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    run = Path(tempfile.mkdtemp(prefix="ctl-srv-"))  # short: a socket path must fit in 104 bytes
+    os.chmod(run, 0o700)
+    w = World(tmp_path, run)
+    try:
+        yield w
+    finally:
+        subprocess.run([*w.ctl, "mux", "stop", "--grace", "0"], capture_output=True, env=w.env, cwd=w.tmp, timeout=60)
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def _masked(text: str) -> str:
+    return re.sub(r'("seconds": )[\d.]+', r"\1N", re.sub(r"\d+\.\d+s", "N.NNs", text))
+
+
+CASES = [("config", "show"), ("--json", "config", "show"), ("config", "path"), ("deploy", "loc", "--allow-dirty"),
+         ("--json", "deploy", "loc", "--allow-dirty"), ("deploy", "--nosuch"), ("-i", "missing.yaml", "ping"),
+         ("status", "nosuch"), ("runs",)]
+
+
+def test_a_served_command_is_the_same_command(world: World) -> None:
+    first = world("deploy", "loc", "--allow-dirty")  # runs here, and starts the server; the cases find it deployed
+    assert first.returncode == 0, first.stderr
+    before = world.up()
+    for case in CASES:
+        here, there = world.here(*case), world(*case)
+        assert (there.returncode, _masked(there.stdout), _masked(there.stderr)) == (
+            here.returncode, _masked(here.stdout), _masked(here.stderr)), case
+    after = world.servers()[0]
+    # each case once, and each `mux status` that read the counts
+    assert after["pid"] == before["pid"] and after["served"] == int(before["served"]) + len(CASES) + 1  # type: ignore[call-overload]
+    assert world("deploy", "loc", "--allow-dirty").stdout.startswith("loc")
+    assert (world.root / "root" / "sub" / "a.txt").read_text() == "a\n"
+
+
+def test_it_runs_in_the_clients_directory_environment_and_umask(world: World) -> None:
+    world("config", "path")
+    world.up()
+    other = world.tmp / "elsewhere"
+    other.mkdir()
+    shutil.copy(world.tmp / "inventory.yaml", other / "inv2.yaml")
+    shutil.copy(world.tmp / "a.txt", other / "a.txt")
+    env = {**world.env, "CTL_INVENTORY": "inv2.yaml", "CTL_STATE_DIR": str(other / "state")}
+    r = subprocess.run([*world.ctl, "--json", "config", "show"], capture_output=True, text=True, cwd=other, env=env,
+                       timeout=60)
+    shown = {s["name"]: s for s in json.loads(r.stdout)["settings"]}
+    assert shown["inventory"] == {"name": "inventory", "value": "inv2.yaml", "source": "env CTL_INVENTORY"}
+    r = subprocess.run([*world.ctl, "deploy", "loc", "--allow-dirty"], capture_output=True, text=True, cwd=other,
+                       env=env, timeout=60, preexec_fn=lambda: os.umask(0o027))
+    assert r.returncode == 0, r.stderr  # inv2.yaml found in the client's directory
+    assert (other / "state").is_dir()  # the client's CTL_STATE_DIR
+    assert oct((world.root / "root" / "sub").stat().st_mode & 0o777) == oct(0o750)  # made under the client's umask
+    assert world.servers()[0]["served"] >= 3  # type: ignore[operator]
+
+
+def _on_a_pty(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, bytes]:
+    master, slave = pty.openpty()
+    p = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env)
+    os.close(slave)
+    out = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 30)
+        if not ready:
+            p.kill()
+            raise AssertionError("no output on the pty in 30 s")
+        try:
+            data = os.read(master, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        out += data
+    os.close(master)
+    return p.wait(timeout=30), out
+
+
+def test_on_a_terminal_it_writes_what_it_writes_here(world: World) -> None:
+    world("config", "path")
+    world.up()
+    env = {**world.env, "TERM": "xterm-256color", "COLUMNS": "120"}
+    here = _on_a_pty([sys.executable, "-m", "controller", "config", "show"], world.tmp, env)
+    there = _on_a_pty([*world.ctl, "config", "show"], world.tmp, env)
+    assert here == there and b"\x1b[" in there[1]  # the same bytes, colour included: it saw a terminal
+
+
+def _dashboard(world: World, env: dict[str, str], preexec: Callable[[], object] | None = None,
+               ) -> tuple[subprocess.Popen[str], int]:
+    p = subprocess.Popen([*world.ctl, "--json", "dashboard", "--port", "0"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=world.tmp, env=env, preexec_fn=preexec)
+    assert p.stdout is not None
+    text = ""
+    for line in p.stdout:  # one JSON document, indented: read to its closing brace
+        text += line
+        if line.startswith("}"):
+            break
+    assert text, p.stderr.read() if p.stderr else ""
+    return p, int(json.loads(text)["port"])
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["here", "served"])
+def test_ctrl_c_reaches_the_served_command(world: World, how: str) -> None:
+    world("config", "path")
+    world.up()
+    p, port = _dashboard(world, {**world.env, "CTL_PERSIST": "0"} if how == "here" else world.env)  # 0: not served
+    assert _listening(port)
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=30) == 0  # the dashboard stops on Ctrl-C and exits 0, in both
+    assert not _listening(port)
+    if how == "served":
+        assert world.servers()[0]["running"] == 1  # only the `mux status` asking
+
+
+def test_a_killed_client_takes_its_command_along(world: World) -> None:
+    world("config", "path")
+    world.up()
+    p, port = _dashboard(world, world.env)
+    assert world.servers()[0]["running"] == 2  # the dashboard, and the `mux status` asking
+    p.kill()
+    p.wait(timeout=10)
+    deadline = time.time() + 10
+    while _listening(port) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _listening(port)
+    assert world.servers()[0]["running"] == 1
+
+
+def test_a_killed_server_is_replaced_and_a_stopped_one_is_gone(world: World) -> None:
+    world("config", "path")
+    first = world.up()
+    os.kill(int(first["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
+    r = world("config", "path")  # its socket is left behind: refused, so this runs here and starts another
+    assert r.returncode == 0 and r.stdout.strip().endswith("no-config.yaml"), r.stderr
+    second = world.up()
+    assert second["pid"] != first["pid"]
+    stop = world("mux", "stop")
+    assert f"command server: stopped (pid {second['pid']})" in stop.stdout or (
+        "command server: stopping" in stop.stdout), stop.stdout
+    deadline = time.time() + 10
+    while time.time() < deadline and list(world.sockets.glob("cmd-*.sock")):
+        time.sleep(0.05)
+    assert not list(world.sockets.glob("cmd-*.sock"))
+    r = world("mux", "status")
+    assert "command server" not in r.stdout  # `mux` commands start none
+
+
+def test_a_variable_its_imports_read_must_match(world: World) -> None:
+    world("config", "path")
+    before = world.up()
+    r = world("config", "show", env={**world.env, "TYPER_USE_RICH": "0"})  # typer reads it at import
+    assert r.returncode == 0
+    after = world.servers()
+    assert len(after) == 1 and after[0]["served"] == int(before["served"]) + 1  # type: ignore[call-overload]
+    # only the `mux status` above was served; the command with TYPER_USE_RICH ran here, and started no server
+
+
+def test_no_go_no_command(world: World) -> None:
+    """A client that gives up after the fork (no "go") never has its command run there."""
+    world("config", "path")
+    world.up()
+    path = next(world.sockets.glob("cmd-*.sock"))
+    k = path.name[4:-5]
+    env = {**world.env, "PWD": str(world.tmp)}
+    msg = served.request({"op": "run", "key": k, "argv": [str(CTL), "deploy", "loc", "--allow-dirty"],
+                          "env": env, "umask": 0o022})
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(path))
+    cwd = os.open(world.tmp, os.O_PATH | os.O_DIRECTORY)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    socket.send_fds(s, [msg], [devnull, devnull, devnull, cwd])
+    os.close(cwd)
+    os.close(devnull)
+    assert s.recv(100).startswith(b"pid ")
+    s.close()
+    deadline = time.time() + 10
+    while time.time() < deadline and world.servers()[0]["running"] != 1:
+        time.sleep(0.05)
+    assert world.servers()[0]["running"] == 1
+    assert not (world.root / "root" / "sub").exists()  # the deploy never ran
+
+
+def _own_copy(world: World) -> Path:
+    """A copy of the package and a `ctl` script of pip's shape over it: files a test may change."""
+    lib = world.tmp / "lib"
+    shutil.copytree(REPO / "controller", lib / "controller", ignore=shutil.ignore_patterns("__pycache__"))
+    script = world.tmp / "bin" / "ctl"
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(1, {str(lib)!r})\n"
+                      "from controller.cli.main import main\nsys.exit(main())\n")
+    script.chmod(0o755)
+    return lib
+
+
+def test_a_changed_ctl_gets_a_server_of_its_own(world: World) -> None:
+    lib = _own_copy(world)
+    world.ctl = [str(world.tmp / "bin" / "ctl")]
+    world("config", "path")
+    first = world.up()
+    r = world("--json", "config", "show")
+    assert r.returncode == 0 and world.servers()[0]["served"] == int(first["served"]) + 2  # type: ignore[call-overload]
+    changed = lib / "controller" / "cli" / "config.py"
+    changed.write_text(changed.read_text() + "\n# changed\n")
+    r = world("config", "path")  # the old server is not this ctl's: runs here, and starts this one's
+    assert r.returncode == 0
+    deadline = time.time() + 20
+    while time.time() < deadline and len(list(world.sockets.glob("cmd-*.sock"))) < 2:
+        time.sleep(0.05)
+    pids = {int(d["pid"]) for d in world.servers()}  # type: ignore[call-overload]
+    assert len(pids) == 2 and int(first["pid"]) in pids  # type: ignore[call-overload]
+
+
+def test_python_dash_m_is_never_served(world: World) -> None:
+    r = subprocess.run([sys.executable, "-m", "controller", "config", "path"], capture_output=True, text=True,
+                       cwd=world.tmp, env={**world.env, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert r.returncode == 0
+    time.sleep(1)
+    assert not (world.sockets.exists() and list(world.sockets.glob("cmd-*.sock")))
+
+
+def test_many_commands_at_once(world: World) -> None:
+    world("config", "path")
+    before = world.up()
+    procs = [subprocess.Popen([*world.ctl, "--json", "config", "show"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=world.tmp, env=world.env) for _ in range(32)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e for _, e in outs if e]
+    assert all(json.loads(o)["settings"][0]["value"] == "inventory.yaml" for o, _ in outs)
+    assert world.servers()[0]["served"] == int(before["served"]) + 33  # type: ignore[call-overload]
+
+
+
+def test_a_signal_ignored_by_the_client_is_ignored_by_its_command(world: World) -> None:
+    """`nohup ctl dashboard`: SIGHUP is ignored by the client and by the command the server forked for it."""
+    world("config", "path")
+    server = int(world.up()["pid"])  # type: ignore[call-overload]
+    p, port = _dashboard(world, world.env, preexec=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    forked = [int(c) for c in Path(f"/proc/{server}/task/{server}/children").read_text().split()]
+    assert len(forked) == 1
+    p.send_signal(signal.SIGHUP)
+    os.kill(forked[0], signal.SIGHUP)
+    time.sleep(0.5)
+    assert p.poll() is None and _listening(port)
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=30) == 0 and not _listening(port)
