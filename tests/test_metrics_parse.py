@@ -24,6 +24,7 @@ from controller.core.metrics import (
     parse_line,
     parse_lines,
     parse_rate,
+    point_of,
     points_of,
 )
 
@@ -367,3 +368,22 @@ def test_median_is_statistics_median(values: list[float]) -> None:
 
     assert median(values) == statistics.median(values)
     assert type(median(values)) is type(statistics.median(values))
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-10**20, max_value=10**20) | st.floats(allow_nan=False) |
+    st.text(max_size=8), lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                     max_size=3), max_leaves=6)
+_records = st.dictionaries(
+    st.sampled_from(["step", "loss", "lr", "elapsed_s", "tgt_bps", "dft_bps", "tok_s", "eta_s", "time", "accept_len",
+                     "q_hs", "extra", "other"]) | st.text(max_size=5),
+    _json_values | st.sampled_from(["12.8K", "3h2m", "1.5d", "x"]) | st.integers(min_value=0, max_value=10**6),
+    max_size=8)
+
+
+@settings(max_examples=600, deadline=None)
+@given(_records)
+def test_a_decoded_record_is_the_point_its_line_is(rec: dict[str, object]) -> None:
+    """point_of (the registry's stored points, already decoded) reads a record as parse_line reads its line."""
+    line = parse_line(json.dumps(rec))
+    assert point_of(rec) == (line if isinstance(line, MetricPoint) else None)

@@ -36,22 +36,22 @@ def _records(rng: random.Random, n: int) -> list[dict[str, object]]:
 
 
 class _Decodes:
-    """Counts the points monitor decodes (its parse_line) while in use."""
+    """Counts the points monitor decodes (its point_of) while in use."""
 
     def __init__(self) -> None:
         self.count = 0
-        self.real = monitor.parse_line
+        self.real = monitor.point_of
 
     def __enter__(self) -> _Decodes:
-        def counting(text: str):  # type: ignore[no-untyped-def]
+        def counting(rec: dict[str, object]):  # type: ignore[no-untyped-def]
             self.count += 1
-            return self.real(text)
+            return self.real(rec)
 
-        monitor.parse_line = counting  # type: ignore[assignment]
+        monitor.point_of = counting  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        monitor.parse_line = self.real  # type: ignore[assignment]
+        monitor.point_of = self.real  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 5, 25, 60, 400, 5000])

@@ -13,7 +13,6 @@ the run directory); the agent only re-hashes a file whose size or mtime changed 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -29,7 +28,7 @@ from controller.core.metrics import (
     combine_nodes,
     has_rate,
     median,
-    parse_line,
+    point_of,
     steady_state,
     verdict,
     verdict_of_window,
@@ -221,12 +220,7 @@ def stored_points(reg: Registry, run: RunRecord) -> list[MetricPoint]:
     several containers: its nodes' points, one per step, tok/s summed (metrics.combine_nodes)."""
     if run.multi:
         return combine_nodes([stored_points(reg, m) for m in reg.members(run.id)])
-    out = []
-    for rec in reg.points(run.id):
-        p = parse_line(json.dumps(rec))
-        if isinstance(p, MetricPoint):
-            out.append(p)
-    return out
+    return _decoded(reg.points(run.id))
 
 
 # --- baselines -----------------------------------------------------------------------------------
@@ -306,7 +300,7 @@ class PointWindow:
 
 
 def _decoded(records: list[dict[str, Any]]) -> list[MetricPoint]:
-    return [p for p in (parse_line(json.dumps(rec)) for rec in records) if isinstance(p, MetricPoint)]
+    return [p for p in map(point_of, records) if p is not None]
 
 
 def point_window(reg: Registry, run: RunRecord, *, window: int = 20, history: int = 20,

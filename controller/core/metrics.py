@@ -213,6 +213,12 @@ def _parse_json(line: str) -> MetricPoint | None:
         return None
     if not isinstance(obj, dict):
         return None
+    return point_of(obj, raw=line)
+
+
+def point_of(obj: dict[str, Any], raw: str = "") -> MetricPoint | None:
+    """A JSON-lines record already decoded (the registry's stored points) -> its MetricPoint, as `parse_line`
+    reads that record's line; None when it has no valid step."""
     step = obj.get("step")
     if isinstance(step, float) and step.is_integer() and 0 <= step < 10**_MAX_DIGITS:
         step = int(step)
@@ -241,7 +247,7 @@ def _parse_json(line: str) -> MetricPoint | None:
             fields[key] = parsed
         else:
             extra[key] = value if isinstance(value, str) else json.dumps(value)
-    return MetricPoint(step=step, extra=extra, raw=line, **fields)
+    return MetricPoint(step=step, extra=extra, raw=raw, **fields)
 
 
 # --------------------------------------------------------------------------------------------
