@@ -1129,6 +1129,7 @@ def _sweep(run, log):
 # or \r (tqdm redraws with \r), each is cut to LINE_CAP bytes. The same rules as controller/core/loglines.py
 # (this file is stdlib only and imports nothing of ctl).
 TAIL_WINDOW = 1 << 20
+TAIL_CHUNK = 1 << 16  # read back from the end this much at a time, until the last N lines are in
 LINE_CAP = 4096
 
 
@@ -1165,13 +1166,12 @@ def tailinfo(args):
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            start = max(0, size - TAIL_WINDOW)
-            f.seek(start)
-            data = f.read(size - start)
+            start, data, at_line = _tail_read(f, size, n)
     except OSError as e:
         return {"ok": False, "error": _describe(e)}
     ends = []
-    lines = _tail_lines(data, start > 0 and not data.startswith((b"\n", b"\r")), ends) if n > 0 else []
+    partial = start > 0 and not at_line and not data.startswith((b"\n", b"\r"))
+    lines = _tail_lines(data, partial, ends) if n > 0 else []
     if start > 0 and len(lines) > n:
         lines, ends = lines[1:], ends[1:]  # the partial first line is only shown when fewer than N lines follow it
     lines, ends = (lines[-n:], ends[-n:]) if n > 0 else ([], [])
@@ -1180,6 +1180,27 @@ def tailinfo(args):
     if args.get("times"):
         out["times"] = _line_times(path, [start + e for e in ends])
     return out
+
+
+def _tail_read(f, size, n):
+    """(start, data, at_line) of the last TAIL_WINDOW bytes of f that hold its last n lines: read back from the
+    end TAIL_CHUNK at a time, and cut just after a \n once n more \n follow it (a \n always ends a line that
+    _tail_lines keeps, and the lines after it are split the same whatever precedes it); the whole window when
+    fewer lines are in it (at_line False: its first line may have begun before it). A 1 GiB log's last 20
+    lines cost one small read, not the split of 1 MiB."""
+    limit = max(0, size - TAIL_WINDOW)
+    if n <= 0:
+        return size, b"", True
+    pos, data = size, b""
+    while pos > limit:
+        step = min(TAIL_CHUNK, pos - limit)
+        pos -= step
+        f.seek(pos)
+        data = f.read(step) + data
+        if data.count(b"\n") > n:
+            cut = data.index(b"\n") + 1
+            return pos + cut, data[cut:], True
+    return pos, data, False
 
 
 def _line_times(log, ends):
