@@ -229,6 +229,7 @@ def test_a_killed_server_is_replaced_and_a_stopped_one_is_gone(world: World) -> 
     assert not list(world.sockets.glob("cmd-*.sock"))
     r = world("mux", "status")
     assert "command server" not in r.stdout  # `mux` commands start none
+    assert not [p.name for p in world.sockets.glob("cmd-*")]  # nor is its lock or (empty) log left behind
 
 
 def test_a_variable_its_imports_read_must_match(world: World) -> None:

@@ -97,10 +97,10 @@ def main() -> None:
     except OSError:
         return  # another command started this key's server a moment ago
     if served.key(os.environ) != key:
-        return  # ctl changed since the command that started this one computed the key
+        return _leave(path, lock)  # ctl changed since the command that started this one computed the key
     reads = _preload()
     if served.key(os.environ) != key:
-        return  # changed while it loaded: what it imported may be half old
+        return _leave(path, lock)  # changed while it loaded: what it imported may be half old
     import gc
     import socket
 
@@ -162,6 +162,20 @@ def _run_and_exit(fn: Any) -> None:
         os.kill(os.getpid(), signal.SIGINT)
         code = 130
     os._exit(code)
+
+
+def _leave(path: str, lock: int) -> None:
+    """Remove this key's lock and an empty log, so that a key no ctl has any more (each upgrade or edit makes one)
+    leaves nothing behind. A server starting for the same key in this instant may hold a lock no longer named
+    here, and a third one then another: the second of two such servers takes the socket, the first sees that it
+    is no longer its own and exits."""
+    with contextlib.suppress(OSError):
+        os.unlink(path + ".lock")
+    log = path[:-len(".sock")] + ".log"
+    with contextlib.suppress(OSError):
+        if os.stat(log).st_size == 0:
+            os.unlink(log)
+    os.close(lock)
 
 
 class Command:
@@ -294,7 +308,7 @@ class Server:
         if not self.stopping and self._ours():
             os.unlink(self.path)
         self.listener.close()
-        os.close(self.lock)
+        _leave(self.path, self.lock)
 
     def _accept(self) -> Request | None:
         import json
