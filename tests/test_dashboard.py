@@ -314,3 +314,30 @@ def env_noruns(tmp_path: Path) -> Env:
             dict(os.environ, CTL_STATE_DIR=str(tmp_path / "state"), PYTHONPATH=str(REPO)))
     e.inventory.write_text(yaml.safe_dump({"containers": {"loc": {"transport": "local", "root": str(root)}}}))
     return e
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_closing_never_waits_for_a_loop_that_is_not_running_elsewhere(served: bool) -> None:
+    """`ctl dashboard` serves in its main thread: a Ctrl-C before the loop started, or one that ended it, closes
+    at once (shutdown() would wait for a loop that never runs); a loop in another thread is stopped and waited for."""
+    import threading
+
+    from controller.web.server import Dashboard
+
+    d = Dashboard(object(), "127.0.0.1", 0)  # type: ignore[arg-type]  # a source is only read by requests
+    port = d.port
+    loop = threading.Thread(target=d.serve_forever, daemon=True) if served else None
+    if loop is not None:
+        loop.start()
+        deadline = time.time() + 10
+        while d._serving is None and time.time() < deadline:
+            time.sleep(0.01)
+    closer = threading.Thread(target=d.close, daemon=True)
+    closer.start()
+    closer.join(timeout=10)
+    assert not closer.is_alive(), "close() waited for a serve loop"
+    if loop is not None:
+        loop.join(timeout=10)
+        assert not loop.is_alive()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()

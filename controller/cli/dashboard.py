@@ -57,24 +57,25 @@ def dashboard_cmd(
     board = Board(inv, _registry(), cts, lambda: session(inv), settings)
     web = Dashboard(board, bind, port, allow_remote=allow_remote)
     stop = threading.Event()
-    board.run(stop)
-    if OPTS.json:
-        _out({"url": web.url, "port": web.port, "containers": [c.name for c in cts]})
-    else:
-        con = _console()
-        con.print(f"ctl dashboard: {web.url}", markup=False)
-        con.print(f"  {len(cts)} container(s) on {len(board.hosts)} host(s), polled every {settings.interval_s:g}s; "
-                  "the token in the URL is needed by every request; Ctrl-C stops", markup=False)
-        if web.remote:
-            con.print(f"  [yellow]serving on {bind}, not only this machine (--allow-remote): plain HTTP, the token "
-                      "is all that protects the page[/yellow]")
-    sys.stdout.flush()
 
     def _term(*_: Any) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _term)
-    try:
+    board.run(stop)
+    try:  # Ctrl-C stops it from the moment it is up, even before its address is printed: exit 0
+        if OPTS.json:
+            _out({"url": web.url, "port": web.port, "containers": [c.name for c in cts]})
+        else:
+            con = _console()
+            con.print(f"ctl dashboard: {web.url}", markup=False)
+            con.print(f"  {len(cts)} container(s) on {len(board.hosts)} host(s), polled every "
+                      f"{settings.interval_s:g}s; the token in the URL is needed by every request; Ctrl-C stops",
+                      markup=False)
+            if web.remote:
+                con.print(f"  [yellow]serving on {bind}, not only this machine (--allow-remote): plain HTTP, the "
+                          "token is all that protects the page[/yellow]")
+        sys.stdout.flush()
         web.serve_forever()
     except KeyboardInterrupt:
         pass

@@ -132,15 +132,24 @@ class Dashboard:
         self.httpd.access = self.access
         self.httpd.source = source
         self.httpd.closing = threading.Event()
+        self._serving: int | None = None  # the thread in serve_forever, while it runs
         pkg = resources.files("controller.web") / "static"
         self.httpd.pages = {path: (pkg / name).read_bytes() for path, (name, _type) in STATIC.items()}
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever(poll_interval=0.2)
+        self._serving = threading.get_ident()
+        try:
+            self.httpd.serve_forever(poll_interval=0.2)
+        finally:
+            self._serving = None
 
     def close(self) -> None:
+        """Stop serving and close the socket. shutdown() is only for a serve_forever running in another thread:
+        it waits for that loop to return, and so would wait forever for one that never started (Ctrl-C before it,
+        `ctl dashboard` serves in its main thread) or that already returned in this thread."""
         self.httpd.closing.set()
-        self.httpd.shutdown()
+        if self._serving is not None and self._serving != threading.get_ident():
+            self.httpd.shutdown()
         self.httpd.server_close()
 
 
