@@ -330,3 +330,80 @@ def test_a_signal_ignored_by_the_client_is_ignored_by_its_command(world: World) 
     assert p.poll() is None and _listening(port)
     p.send_signal(signal.SIGINT)
     assert p.wait(timeout=30) == 0 and not _listening(port)
+
+
+def test_a_go_that_comes_late_still_runs_the_command(world: World) -> None:
+    """The fork waits for its client's go as long as the client is there (stopped by Ctrl-Z, a loaded machine)."""
+    world("config", "path")
+    world.up()
+    path = next(world.sockets.glob("cmd-*.sock"))
+    msg = served.request({"op": "run", "key": path.name[4:-5], "argv": [str(CTL), "deploy", "loc", "--allow-dirty"],
+                          "env": world.env, "umask": 0o022})
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(path))
+    cwd = os.open(world.tmp, os.O_PATH | os.O_DIRECTORY)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    socket.send_fds(s, [msg], [devnull, devnull, devnull, cwd])
+    os.close(cwd)
+    os.close(devnull)
+    assert s.recv(100).startswith(b"pid ")
+    time.sleep(6)  # past any deadline a server might keep for it
+    s.sendall(b"go\n")
+    s.settimeout(60)
+    assert s.recv(100) == b"exit 0\n"
+    s.close()
+    assert (world.root / "root" / "sub" / "a.txt").read_text() == "a\n"
+
+
+def test_the_server_keeps_nothing_of_the_command_that_started_it(world: World) -> None:
+    """Neither a descriptor (a lock, a pipe) nor a signal the first command was started ignoring lives on in the
+    server, or in the commands it forks later."""
+    r, w = os.pipe()
+    try:
+        p = subprocess.Popen([*world.ctl, "config", "path"], cwd=world.tmp, env=world.env, pass_fds=(w,),
+                             stdout=subprocess.DEVNULL,
+                             preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN))
+        os.close(w)
+        assert p.wait(timeout=60) == 0
+        server = int(world.up()["pid"])  # type: ignore[call-overload]
+        ready, _, _ = select.select([r], [], [], 10)
+        assert ready and os.read(r, 1) == b""  # nobody holds the pipe's write end any more
+    finally:
+        os.close(r)
+    d, port = _dashboard(world, world.env)
+    (forked,) = [int(c) for c in Path(f"/proc/{server}/task/{server}/children").read_text().split()]
+    os.kill(forked, signal.SIGUSR1)  # default action: it ends, as ctl in its own process would
+    assert d.wait(timeout=30) == -signal.SIGUSR1  # and its client leaves the same way
+    assert not _listening(port)
+
+
+def test_a_symlinked_ctl_is_served(world: World) -> None:
+    """pipx and `uv tool` put a link to the script on PATH."""
+    link = world.tmp / "bin-link" / "ctl"
+    link.parent.mkdir()
+    link.symlink_to(CTL)
+    world.ctl = [str(link)]
+    world("config", "path")
+    before = world.up()
+    assert world("config", "path").returncode == 0
+    assert world.servers()[0]["served"] == int(before["served"]) + 2  # type: ignore[call-overload]
+
+
+def _cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_server_idles_while_a_long_command_runs_and_a_dead_one_leaves_it_stoppable(world: World) -> None:
+    world.env["CTL_PERSIST"] = "1"  # the server's idle time: a command outlives it
+    world("config", "path")
+    server = int(world.up()["pid"])  # type: ignore[call-overload]
+    p, port = _dashboard(world, world.env)
+    before = _cpu(server)
+    time.sleep(3)
+    assert _cpu(server) - before < 0.5  # waiting, not spinning
+    os.kill(server, signal.SIGKILL)
+    p.send_signal(signal.SIGINT)  # the client signals its command itself: no server needed
+    assert p.wait(timeout=30) == 1  # its exit status went with the server: said, and 1
+    assert p.stderr is not None and "ended without the command's exit status" in p.stderr.read()
+    assert not _listening(port)

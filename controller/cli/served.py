@@ -6,7 +6,8 @@ Mercurial's chg does, a command that finds the user's command server (server.py:
 that once) hands it the command line, and the server forks a process that runs it: the client sends its argv,
 environment and umask, and passes its stdin, stdout, stderr and working directory as descriptors (SCM_RIGHTS),
 so the forked process reads and writes the client's own terminal, pipes and files, in the client's directory.
-The client forwards the signals it receives (Ctrl-C, SIGTERM, Ctrl-Z and fg) and exits as the command exits.
+The client signals the command's process group itself with what it receives (Ctrl-C, SIGTERM, Ctrl-Z and fg),
+and exits as the command exits.
 
 The server is kept as persistent host sessions are (CTL_PERSIST, the config file's `persist`: 60 idle seconds
 by default, 0 turns both off): a command that found none starts one as it exits (`start_server`). A server
@@ -28,9 +29,9 @@ Only os and sys are imported here, and the interpreter's own C modules (_socket,
 _json): `socket` and `signal` would load enum and selectors, ~16 ms of every command's start.
 
 Wire (one Unix stream connection per command, in the user's 0700 socket directory, spare.socket_place):
-  client -> server  "CTL1" + 4-byte big-endian length + JSON {"op": "run", "key", "argv", "env", "umask"},
-                    with descriptors 0, 1, 2 and the working directory (O_PATH) in its first message
-                    then lines: "go" (the command may start), "sig N" (a signal to forward)
+  client -> server  "CTL1" + 4-byte big-endian length + JSON {"op": "run", "key", "argv", "env", "umask",
+                    "ignored": signals the client was started ignoring}, with descriptors 0, 1, 2 and the working
+                    directory (O_PATH) in its first message; then the line "go" (the command may start)
                     ({"op": "info"} and {"op": "stop"}, with no descriptors: `ctl mux status` and `stop`)
   server -> client  lines: "pid N" (forked, waiting for go) or "refuse WHY", then "exit N" or "signal N"
 """
@@ -93,8 +94,32 @@ def key(environ: Any, path: list[str] | None = None) -> str:
             h.update(b"%d\n" % os.stat(p or ".").st_mtime_ns)
         except OSError:
             h.update(b"-\n")
+    h.update(_context())
     _stamp(h, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return str(h.hexdigest()[:20])
+
+
+def _context() -> bytes:
+    """What a forked command inherits from the server rather than from its client, and a client could differ in:
+    groups, namespaces (a toolbox, a sandbox), cgroup (a systemd unit or scope: stopping it stops the server and
+    the commands it runs), capabilities, no_new_privs, seccomp and niceness. A client that differs gets a server
+    of its own."""
+    parts = [repr((os.getgid(), os.getegid(), sorted(os.getgroups()), os.getpriority(os.PRIO_PROCESS, 0)))]
+    for ns in ("mnt", "net", "pid", "user", "ipc", "uts", "cgroup"):
+        try:
+            parts.append(os.readlink(f"/proc/self/ns/{ns}"))
+        except OSError:
+            parts.append("-")
+    for name, keep in (("/proc/self/cgroup", None), ("/proc/self/status", ("Cap", "NoNewPrivs", "Seccomp"))):
+        try:
+            with open(name, "rb") as f:
+                text = f.read()
+        except OSError:
+            continue
+        parts.append((text if keep is None else b"".join(
+            line for line in text.splitlines(keepends=True) if line.startswith(tuple(k.encode() for k in keep))))
+            .decode(errors="replace"))
+    return "\0".join(parts).encode(errors="surrogateescape")
 
 
 def place(environ: Any) -> str | None:
@@ -126,8 +151,9 @@ def persist_env(environ: Any) -> float | None:
 def installed_command() -> bool:
     """This process is the `ctl` command as installed (a script whose directory starts sys.path), not `python -m
     controller`, whose sys.path starts with the working directory: what that imports depends on where it runs."""
-    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
+    pkg = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    # the interpreter puts the script's directory first, its links resolved (pipx and uv install links to it)
     return bool(script) and bool(sys.path) and sys.path[0] == os.path.dirname(script) and not script.startswith(
         pkg + os.sep)
 
@@ -143,7 +169,8 @@ def _verb(argv: list[str]) -> str | None:
 _start: tuple[str, str] | None = None  # (socket directory, key): no server answered; start_server may start one
 
 
-def _connect(path: str) -> Any:
+def _connect(path: str) -> tuple[Any, int] | None:
+    """A connection to the server at path and the server's pid (the kernel's word); None when there is none."""
     import _socket
 
     try:
@@ -163,7 +190,7 @@ def _connect(path: str) -> Any:
     except OSError:
         s.close()
         return None
-    return s
+    return s, int.from_bytes(creds[0:4], sys.byteorder)
 
 
 def _json(obj: Any) -> str:
@@ -233,17 +260,18 @@ def run(argv: list[str]) -> int | None:
     path = socket_path(d, k)
     if len(os.fsencode(path)) >= 104:
         return None
-    s = _connect(path) if st is not None else None
-    if s is None:
+    found = _connect(path) if st is not None else None
+    if found is None:
         _start = (d, k)
         return None
+    s, server = found
     try:
-        return _served(s, k, [sys.argv[0], *argv], environ)
+        return _served(s, server, k, [sys.argv[0], *argv], environ)
     finally:
         s.close()
 
 
-def _served(s: Any, k: str, argv: list[str], environ: Any) -> int | None:
+def _served(s: Any, server: int, k: str, argv: list[str], environ: Any) -> int | None:
     import _signal
     import _socket
 
@@ -262,12 +290,13 @@ def _served(s: Any, k: str, argv: list[str], environ: Any) -> int | None:
         return None  # no answer in START_WAIT, or the server went: the command runs here
     finally:
         os.close(cwd)
-    if first is None or not first.startswith("pid "):
+    if first is None or not first.startswith("pid ") or not _forked_by(int(first[4:]), server):
         return None  # refused: the command runs here, and no second server is started for it
     s.settimeout(None)
-    _forward(s)
+    went = _forward(int(first[4:]))
     try:
         s.sendall(b"go\n")
+        went()
         last = lines.next()
     except OSError:
         last = None
@@ -279,25 +308,52 @@ def _served(s: Any, k: str, argv: list[str], environ: Any) -> int | None:
     return 1
 
 
-def _forward(s: Any) -> None:
-    """Signals to the client go to the command. Ctrl-Z stops the command (SIGSTOP: a process in the server's
-    orphaned process group would ignore SIGTSTP), then the client; fg continues both."""
+def _forked_by(pid: int, server: int) -> bool:
+    """pid is a process the server forked (its parent, from /proc): the one the client will signal."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b") ", 1)[1].split()[1]) == server
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def _forward(pid: int) -> Any:
+    """Signals to the client go to the command's process group (the command and what it started, as Ctrl-C
+    reaches a command in its own process and its children), sent by the client itself, so that it can stop its
+    command even if the server is gone. Ctrl-Z stops the group (SIGSTOP: a group in the server's orphaned
+    session would ignore SIGTSTP), then the client; fg continues both. A signal before the command may start
+    waits for it. Returns the function that says it may start (after "go")."""
     import _signal
 
-    def send(signum: int, _frame: Any) -> None:
+    pending: list[int] = []
+    started: list[bool] = []
+
+    def deliver(signum: int) -> None:
         try:  # noqa: SIM105 - contextlib is not on the client's path
-            s.sendall(b"sig %d\n" % signum)
+            os.killpg(pid, _signal.SIGSTOP if signum == _signal.SIGTSTP else signum)
         except OSError:
-            pass
+            pass  # it ended: its exit status is on its way
+
+    def send(signum: int, _frame: Any) -> None:
+        if not started:
+            pending.append(signum)
+            return
+        deliver(signum)
         if signum == _signal.SIGTSTP:
             _signal.signal(_signal.SIGTSTP, _signal.SIG_DFL)
             os.kill(os.getpid(), _signal.SIGTSTP)  # stops here; SIGCONT resumes below
             _signal.signal(_signal.SIGTSTP, send)
 
+    def go() -> None:
+        started.append(True)
+        while pending:
+            send(pending.pop(0), None)
+
     for name in FORWARDED:
         n = getattr(_signal, name)
         if _signal.getsignal(n) != _signal.SIG_IGN:  # ignored (nohup): the command ignores it too (server.py)
             _signal.signal(n, send)
+    return go
 
 
 def exit_as(code: int) -> None:
@@ -340,7 +396,12 @@ def start_server(argv: list[str]) -> None:
         if idle <= 0:
             return
         d, k = _start
+        import signal
+        import subprocess
+
         from controller.transport.mux.spare import ours_alone
+
+        os.close(os.pidfd_open(os.getpid()))  # a kernel (or seccomp) without pidfds: no server, every command here
 
         with contextlib.suppress(FileExistsError):
             os.mkdir(d, 0o700)
@@ -349,9 +410,14 @@ def start_server(argv: list[str]) -> None:
         log = os.open(os.path.join(d, f"cmd-{k}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW |
                       os.O_CLOEXEC, 0o600)
         try:
-            os.posix_spawn(sys.executable, [sys.executable, "-P", "-c", BOOT, socket_path(d, k), k, str(idle),
-                                            *sys.path],
-                           server_env(os.environ), setsid=True,
+            # the interpreter's flags as this one's (-s, -E, -X ...: part of the key), default signal actions and
+            # no blocked signal (whatever this command was started with), and no descriptor but 0, 1, 2 (the
+            # server closes the rest first thing)
+            flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+            os.posix_spawn(sys.executable, [sys.executable, *flags, "-P", "-c", BOOT, socket_path(d, k), k,
+                                            str(idle), *sys.path],
+                           server_env(os.environ), setsid=True, setsigmask=(),
+                           setsigdef=[n for n in signal.valid_signals() if n not in (signal.SIGKILL, signal.SIGSTOP)],
                            file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                                          (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
                                          (os.POSIX_SPAWN_DUP2, log, 2)])
@@ -362,9 +428,10 @@ def start_server(argv: list[str]) -> None:
 
 
 def _ask(path: str, doc: dict[str, Any]) -> str | None:
-    s = _connect(path)
-    if s is None:
+    found = _connect(path)
+    if found is None:
         return None
+    s = found[0]
     try:
         s.sendall(request(doc))
         return _Lines(s).next()

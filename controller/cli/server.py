@@ -9,12 +9,14 @@ never threaded, so each fork is a clean copy.
 
 For each command: the request and the client's descriptors arrive; the server checks the key and that every
 variable its imports read has the same value in the command's environment (else "refuse", and the client runs
-the command itself), forks, answers "pid N", and lets the child start on the client's "go" (a client that gave
-up in the meantime never has its command run twice). The child takes the client's descriptors as 0, 1, 2 and
-its directory, its environment, umask and argv, fresh standard streams, default signal handlers, and returns
-out of the server's loop to run `ctl` as a started process would, to its normal exit (atexit, threads, exit
-status). The server forwards the client's signals to it, kills it if the client goes away (as the command would
-have gone with the client), and sends its exit status when it ends.
+the command itself), forks, answers "pid N", and lets the child start on the client's "go", however late (a
+client that gave up in the meantime never has its command run twice). The child makes a process group of its
+own (the client signals that group), takes the client's descriptors as 0, 1, 2 and its directory, its
+environment (and TZ), umask and argv, fresh standard streams, the client's signal dispositions, and returns out
+of the server's loop to run `ctl` as a started process would, to its normal exit (atexit, threads, exit
+status). The server kills it if the client goes away (as the command would have gone with the client), and
+sends its exit status when it ends. It starts with no descriptor of its starter's but 0, 1, 2, every signal at
+its default, and none blocked.
 
 It exits after IDLE seconds without a command, on `ctl mux stop` or SIGTERM (after its running commands end),
 or when a newer one took its socket.
@@ -89,6 +91,7 @@ def main() -> None:
     from controller.cli import served
 
     path, key, idle = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    os.closerange(3, 1 << 20)  # nothing of the starter's (a lock, a pipe) may live on here, or in each command
     os.chdir("/")
     os.umask(0o077)
     lock = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -116,9 +119,22 @@ def main() -> None:
     if req is None:
         return
     req.become()
+    _stop_if_off()
     from controller.cli.main import run_here
 
     _run_and_exit(run_here)
+
+
+def _stop_if_off() -> None:
+    """The config file now says `persist: 0` (CTL_PERSIST=0 never reaches a server): this command is the server's
+    last; it stops taking new ones."""
+    import signal
+
+    with contextlib.suppress(Exception):  # a config the command itself will refuse, in words
+        from controller import settings
+
+        if settings.persist_seconds() == 0:
+            os.kill(os.getppid(), signal.SIGTERM)
 
 
 def _run_and_exit(fn: Any) -> None:
@@ -181,12 +197,10 @@ def _leave(path: str, lock: int) -> None:
 class Command:
     """A command this server forked: its pid, a pidfd to learn when it ends, the client's connection."""
 
-    def __init__(self, pid: int, conn: socket.socket, go: int, deadline: float) -> None:
+    def __init__(self, pid: int, conn: socket.socket, go: int) -> None:
         self.pid, self.conn, self.go = pid, conn, go
         self.pidfd = os.pidfd_open(pid)
-        self.deadline = deadline  # of the client's "go"
         self.buf = b""
-        self.sigs: list[int] = []  # signals the client forwarded before its "go"
 
 
 class Request:
@@ -206,10 +220,13 @@ class Request:
                 os.close(fd)
         os.umask(int(self.doc["umask"]))
         import signal
+        import time
 
-        for n in self.doc.get("ignored") or []:  # as the client was started (nohup: SIGHUP), so is the command
-            if int(n) in _forwarded() or int(n) == signal.SIGTSTP:
-                signal.signal(int(n), signal.SIG_IGN)
+        time.tzset()  # the client's TZ, for the C library and the time module
+        ignored = {int(n) for n in self.doc.get("ignored") or []}
+        for n in _forwarded() | {signal.SIGTSTP}:  # as the client was started (nohup: SIGHUP), nothing else
+            signal.signal(n, signal.SIG_IGN if n in ignored else
+                          signal.default_int_handler if n == signal.SIGINT else signal.SIG_DFL)
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in self.doc["env"].items()})
         sys.argv = [str(a) for a in self.doc["argv"]]
@@ -263,8 +280,8 @@ class Server:
             now = time.time()
             if not self.commands and (self.stopping or now - self.last >= self.idle or not self._ours()):
                 break
-            waits = [c.deadline - now for c in self.commands.values() if c.go >= 0]
-            timeout = min([self.idle - (now - self.last), *waits, 30.0]) if not self.stopping else 1.0
+            # idle time counts only without commands (each one's end wakes the loop through its pidfd)
+            timeout = 30.0 if self.commands else min(self.idle - (now - self.last), 30.0)
             poll = select.poll()  # not select(): any number of commands, whatever their descriptors' numbers
             fds = [wake_r, *(c.conn.fileno() for c in self.commands.values()),
                    *(c.pidfd for c in self.commands.values())]
@@ -278,12 +295,13 @@ class Server:
                 except BlockingIOError:
                     pass
             for c in list(self.commands.values()):
-                if c.pidfd in ready:
-                    self._ended(c)
-                elif c.conn.fileno() in ready:
-                    self._from_client(c)
-                elif c.go >= 0 and time.time() >= c.deadline:
-                    self._no_go(c)
+                try:
+                    if c.pidfd in ready:
+                        self._ended(c)
+                    elif c.conn.fileno() in ready:
+                        self._from_client(c)
+                except OSError as e:  # one command's trouble (its client gone mid-write) is never the server's end
+                    sys.stderr.write(f"ctl server: command {c.pid}: {e}\n")
             if not self.stopping and self.listener.fileno() in ready:
                 req = self._accept()
                 if req is not None:
@@ -399,6 +417,7 @@ class Server:
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_DFL)  # never the server's handlers, even before "go"
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            os.setpgid(0, 0)  # a group of its own: the client's signals reach it and what it starts, as Ctrl-C does
             os.close(go_w)
             self._drop_for_child()
             if os.read(go_r, 1) != b"g":
@@ -411,7 +430,7 @@ class Server:
             os.close(fd)
         self.served += 1
         self.last = time.time()
-        cmd = Command(pid, conn, go_w, time.time() + 5.0)
+        cmd = Command(pid, conn, go_w)
         self.commands[pid] = cmd
         conn.setblocking(False)
         if not self._send(conn, f"pid {pid}\n"):
@@ -439,6 +458,8 @@ class Server:
             return False
 
     def _from_client(self, c: Command) -> None:
+        """"go" lets the command start; the end of the connection before it ends means its client is gone (the
+        client signals the command's group itself)."""
         import signal
 
         try:
@@ -447,7 +468,7 @@ class Server:
             return
         except OSError:
             data = b""
-        if not data:  # the client went away: so does its command
+        if not data:  # the client went away: so does its command, as it would have gone with the client
             if c.go >= 0:
                 self._no_go(c)
             else:
@@ -457,30 +478,12 @@ class Server:
         c.buf += data
         while b"\n" in c.buf:
             line, _, c.buf = c.buf.partition(b"\n")
-            word, _, arg = line.decode(errors="replace").partition(" ")
-            if word == "go" and c.go >= 0:
-                os.write(c.go, b"g")
-                os.close(c.go)
-                c.go = -1
-                for n in c.sigs:  # what the client received before it said go
-                    self._signal(c, n)
-            elif word == "sig" and arg.isdigit():
-                n = int(arg)
-                if n == signal.SIGTSTP:
-                    n = signal.SIGSTOP
-                elif n not in _forwarded():
-                    continue
-                if c.go >= 0:
-                    c.sigs.append(n)
-                else:
-                    self._signal(c, n)
-
-    @staticmethod
-    def _signal(c: Command, n: int) -> None:
-        import signal
-
-        with contextlib.suppress(OSError):
-            signal.pidfd_send_signal(c.pidfd, n)
+            if line == b"go" and c.go >= 0:
+                try:
+                    os.write(c.go, b"g")
+                finally:
+                    os.close(c.go)
+                    c.go = -1
 
     def _no_go(self, c: Command) -> None:
         """The client gave up, or went, before its "go": the child exits unstarted."""
