@@ -242,15 +242,14 @@ def test_a_variable_its_imports_read_must_match(world: World) -> None:
     # only the `mux status` above was served; the command with TYPER_USE_RICH ran here, and started no server
 
 
-def test_no_go_no_command(world: World) -> None:
-    """A client that gives up after the fork (no "go") never has its command run there."""
+def _forked_deploy(world: World) -> socket.socket:
+    """A client of its own (not ctl's) that asks the server to run `ctl deploy loc` and reads "pid N": the
+    server has forked, and the fork waits for this client's go."""
     world("config", "path")
     world.up()
     path = next(world.sockets.glob("cmd-*.sock"))
-    k = path.name[4:-5]
-    env = {**world.env, "PWD": str(world.tmp)}
-    msg = served.request({"op": "run", "key": k, "argv": [str(CTL), "deploy", "loc", "--allow-dirty"],
-                          "env": env, "umask": 0o022})
+    msg = served.request({"op": "run", "key": path.name[4:-5], "argv": [str(CTL), "deploy", "loc", "--allow-dirty"],
+                          "env": world.env, "umask": 0o022})
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(str(path))
     cwd = os.open(world.tmp, os.O_PATH | os.O_DIRECTORY)
@@ -259,6 +258,12 @@ def test_no_go_no_command(world: World) -> None:
     os.close(cwd)
     os.close(devnull)
     assert s.recv(100).startswith(b"pid ")
+    return s
+
+
+def test_no_go_no_command(world: World) -> None:
+    """A client that gives up after the fork (no "go") never has its command run there."""
+    s = _forked_deploy(world)
     s.close()
     deadline = time.time() + 10
     while time.time() < deadline and world.servers()[0]["running"] != 1:
@@ -334,19 +339,7 @@ def test_a_signal_ignored_by_the_client_is_ignored_by_its_command(world: World) 
 
 def test_a_go_that_comes_late_still_runs_the_command(world: World) -> None:
     """The fork waits for its client's go as long as the client is there (stopped by Ctrl-Z, a loaded machine)."""
-    world("config", "path")
-    world.up()
-    path = next(world.sockets.glob("cmd-*.sock"))
-    msg = served.request({"op": "run", "key": path.name[4:-5], "argv": [str(CTL), "deploy", "loc", "--allow-dirty"],
-                          "env": world.env, "umask": 0o022})
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(str(path))
-    cwd = os.open(world.tmp, os.O_PATH | os.O_DIRECTORY)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    socket.send_fds(s, [msg], [devnull, devnull, devnull, cwd])
-    os.close(cwd)
-    os.close(devnull)
-    assert s.recv(100).startswith(b"pid ")
+    s = _forked_deploy(world)
     time.sleep(6)  # past any deadline a server might keep for it
     s.sendall(b"go\n")
     s.settimeout(60)
