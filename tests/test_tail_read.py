@@ -34,7 +34,7 @@ logs = st.lists(st.sampled_from([b"a", b"bc", b"\n", b"\r", b"\r\n", b"x" * 20, 
                 max_size=120).map(b"".join)
 
 
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(log=logs, n=st.integers(min_value=0, max_value=9), window=st.integers(min_value=1, max_value=200),
        chunk=st.integers(min_value=1, max_value=64))
 def test_the_tail_is_the_whole_windows_tail(log: bytes, n: int, window: int, chunk: int) -> None:
