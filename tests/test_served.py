@@ -400,3 +400,18 @@ def test_a_server_idles_while_a_long_command_runs_and_a_dead_one_leaves_it_stopp
     assert p.wait(timeout=30) == 1  # its exit status went with the server: said, and 1
     assert p.stderr is not None and "ended without the command's exit status" in p.stderr.read()
     assert not _listening(port)
+
+
+def test_times_are_shown_in_the_clients_time_zone(world: World) -> None:
+    (world.tmp / "rb.yaml").write_text("name: t\nsteps:\n  - deploy: {containers: [loc], allow_dirty: true}\n")
+    assert world("runbook", "run", "rb.yaml").returncode == 0  # starts the server (no TZ in its environment)
+    world.up()
+    shown = {}
+    for tz in ("UTC", "Asia/Tokyo"):
+        env = {**world.env, "TZ": tz}
+        there = world("runbook", "history", env=env)
+        here = subprocess.run([sys.executable, "-m", "controller", "runbook", "history"], capture_output=True,
+                              text=True, cwd=world.tmp, env=env, timeout=60)
+        assert there.returncode == 0 and there.stdout == here.stdout, (tz, there.stdout, here.stdout)
+        shown[tz] = there.stdout
+    assert shown["UTC"] != shown["Asia/Tokyo"]  # the hours differ: the served command read its client's TZ

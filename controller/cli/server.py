@@ -42,12 +42,19 @@ PRELOAD = ("controller.commands.deploy", "controller.commands.runs", "controller
            "sqlite3", "platformdirs", "rich.console", "rich.table")
 
 
-def _forwarded() -> frozenset[int]:
+def _dispositions(ignored: set[int]) -> None:
+    """A forked command's signal actions, set before it may start: never the server's (its SIGTERM handler would
+    stop the server from the child, its wake-up fd is the server's), but each as the client was started: the
+    signals the client passes on at their defaults (SIGINT: Python's KeyboardInterrupt), except those the client
+    was started ignoring (nohup's SIGHUP), which stay ignored."""
     import signal
 
-    from controller.cli.served import FORWARDED as names
+    from controller.cli.served import FORWARDED
 
-    return frozenset(getattr(signal, n) for n in names if n != "SIGTSTP")  # TSTP arrives as SIGSTOP
+    signal.set_wakeup_fd(-1)
+    for n in (getattr(signal, name) for name in FORWARDED):
+        signal.signal(n, signal.SIG_IGN if n in ignored else
+                      signal.default_int_handler if n == signal.SIGINT else signal.SIG_DFL)
 
 
 def _preload() -> set[str]:
@@ -219,16 +226,11 @@ class Request:
             if fd > 2:
                 os.close(fd)
         os.umask(int(self.doc["umask"]))
-        import signal
+        os.environ.clear()
+        os.environ.update({str(k): str(v) for k, v in self.doc["env"].items()})
         import time
 
         time.tzset()  # the client's TZ, for the C library and the time module
-        ignored = {int(n) for n in self.doc.get("ignored") or []}
-        for n in _forwarded() | {signal.SIGTSTP}:  # as the client was started (nohup: SIGHUP), nothing else
-            signal.signal(n, signal.SIG_IGN if n in ignored else
-                          signal.default_int_handler if n == signal.SIGINT else signal.SIG_DFL)
-        os.environ.clear()
-        os.environ.update({str(k): str(v) for k, v in self.doc["env"].items()})
         sys.argv = [str(a) for a in self.doc["argv"]]
         # Standard streams as the interpreter makes them (pylifecycle's create_stdio), for these descriptors:
         # line-buffered on a terminal, stderr always; the server's own (closefd=False) close nothing when dropped.
@@ -411,12 +413,7 @@ class Server:
         go_r, go_w = os.pipe2(os.O_CLOEXEC)
         pid = os.fork()
         if pid == 0:
-            import signal
-
-            signal.set_wakeup_fd(-1)
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_DFL)  # never the server's handlers, even before "go"
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            _dispositions({int(n) for n in doc.get("ignored") or []})
             os.setpgid(0, 0)  # a group of its own: the client's signals reach it and what it starts, as Ctrl-C does
             os.close(go_w)
             self._drop_for_child()
