@@ -12,9 +12,10 @@ and exits as the command exits.
 The server is kept as persistent host sessions are (CTL_PERSIST, the config file's `persist`: 60 idle seconds
 by default, 0 turns both off): a command that found none starts one as it exits (`start_server`). A server
 serves only a command that would have run exactly as it does: the same interpreter, flags, sys.path, locale and
-PYTHON* variables, and ctl's files as they are now (`key`: their sizes and mtimes, and the mtime of every
-sys.path directory, so an edit or a `pip install` makes a new server, and the old one idles out), and the same
-value of every environment variable that its imports read (the server checks). Anything else, a server that
+PYTHON* variables, the same groups, namespaces, cgroup, capabilities and niceness (`_context`), and ctl's files
+as they are now (`key`: their sizes and mtimes, and the mtime of every sys.path directory, so an edit or a `pip
+install` makes a new server, and the old one idles out), and the same value of every environment variable that
+its imports read (the server checks). Anything else, a server that
 does not answer within START_WAIT, a command that needs to be this process (NOT_SERVED: `attach` hands the
 terminal to tmux; completion's installer looks for the shell among its parents; `supervise` without --once
 runs for days, under whatever service manager, scope or limits its user gave it, where a second of start-up is
@@ -22,8 +23,8 @@ nothing), and `python -m controller` (whose sys.path starts with the working dir
 A signal the client was started with ignored (nohup's SIGHUP) stays ignored, in the client and in the command.
 
 What differs in a served command: its parent process is the server (in a session of its own, with the
-server's resource limits and cgroup), and it has no controlling terminal, only the client's descriptors; so it
-never opens /dev/tty. `ctl mux status` lists the user's command servers; `ctl mux stop` stops them.
+resource limits of the command that started the server), and it has no controlling terminal, only the client's
+descriptors; so it never opens /dev/tty. `ctl mux status` lists the user's command servers; `ctl mux stop` stops them.
 
 Only os and sys are imported here, and the interpreter's own C modules (_socket, _signal, _sha256/_sha2,
 _json): `socket` and `signal` would load enum and selectors, ~16 ms of every command's start.
@@ -122,30 +123,37 @@ def _context() -> bytes:
     return "\0".join(parts).encode(errors="surrogateescape")
 
 
-def place(environ: Any) -> str | None:
-    """The user's socket directory when it is theirs alone (sock.py refuses it in words otherwise), else None."""
+def _socket_dir(environ: Any) -> tuple[str, bool] | None:
+    """The user's socket directory and whether it exists yet; None when it is not theirs alone (sock.py refuses
+    it in words when a command gets there) or cannot be looked at."""
     from controller.transport.mux.spare import ours_alone, socket_place
 
     d = socket_place(environ)
     try:
-        return d if ours_alone(os.lstat(d)) else None
+        return (d, True) if ours_alone(os.lstat(d)) else None
+    except FileNotFoundError:
+        return d, False  # the user's first command: start_server makes it
     except OSError:
         return None
+
+
+def place(environ: Any) -> str | None:
+    """The user's socket directory when it exists and is theirs alone, else None."""
+    found = _socket_dir(environ)
+    return found[0] if found is not None and found[1] else None
 
 
 def socket_path(directory: str, k: str) -> str:
     return os.path.join(directory, f"cmd-{k}.sock")
 
 
-def persist_env(environ: Any) -> float | None:
-    """CTL_PERSIST as a number of seconds (None: unset or not a number, which the command itself reports)."""
-    raw = environ.get("CTL_PERSIST")
-    if raw is None:
-        return None
+def _persist_off(environ: Any) -> bool:
+    """CTL_PERSIST turns sessions, and so the server, off. Read here without settings.py (its errors module
+    imports enum, ~8 ms of every start); a value settings refuses is served, and the command says what is wrong."""
     try:
-        return float(raw.strip())
+        return float(environ.get("CTL_PERSIST", "").strip() or "nan") <= 0
     except ValueError:
-        return None
+        return False
 
 
 def installed_command() -> bool:
@@ -234,23 +242,15 @@ def run(argv: list[str]) -> int | None:
     not to be served (then it runs here, and `start_server` may start a server as it exits)."""
     global _start
     environ = os.environ
-    seconds = persist_env(environ)
-    if (seconds is not None and seconds <= 0) or not installed_command() or not SUPPORTED:
+    if _persist_off(environ) or not installed_command() or not SUPPORTED:
         return None
     verb = _verb(argv)
     if NOT_SERVED & set(argv) or verb in NOT_SERVED or (verb == "supervise" and "--once" not in argv):
         return None
-    from controller.transport.mux.spare import ours_alone, socket_place
-
-    d = socket_place(environ)
-    try:
-        st = os.lstat(d)
-    except FileNotFoundError:
-        st = None  # the first command of this user: start_server makes it
-    except OSError:
+    found = _socket_dir(environ)
+    if found is None:
         return None
-    if st is not None and not ours_alone(st):
-        return None  # not the user's alone: sock.py refuses it in words when the command gets there
+    d, exists = found
     try:
         for fd in (0, 1, 2):
             os.fstat(fd)
@@ -260,11 +260,11 @@ def run(argv: list[str]) -> int | None:
     path = socket_path(d, k)
     if len(os.fsencode(path)) >= 104:
         return None
-    found = _connect(path) if st is not None else None
-    if found is None:
+    conn = _connect(path) if exists else None
+    if conn is None:
         _start = (d, k)
         return None
-    s, server = found
+    s, server = conn
     try:
         return _served(s, server, k, [sys.argv[0], *argv], environ)
     finally:
