@@ -165,3 +165,74 @@ def test_a_deploy_that_changes_nothing_does_not_import_rich() -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout == ("ct200        up to date; [link=x]from a container[/link]\n"
                         "ct201        FAILED no route to [host]\n")
+
+
+# --- tables ----------------------------------------------------------------------------------------------------
+
+def rich_table(title: str | None, columns: list[str], rows: list[list[str]]) -> str:
+    """What the cli's tables (cli/app.py `_table`) looked like on a pipe when rich laid them all out."""
+    from rich.table import Table
+
+    buf = io.StringIO()
+    t = Table(title=title, title_justify="left", box=None, pad_edge=False, header_style="bold")
+    for c in columns:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*r)
+    Console(file=buf, force_terminal=False, highlight=False, soft_wrap=True, emoji=False, width=160).print(t)
+    return buf.getvalue()
+
+
+def test_every_character_measured_one_cell_wide_is_so_for_rich() -> None:
+    from rich.cells import cell_len
+
+    from controller.core.terminal import cell_width
+
+    ones = [chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000 and cell_width(chr(c)) == 1]
+    assert len(ones) > 800 and "▇" in ones and "é" in ones and "…" in ones  # ASCII, Latin, punctuation, blocks
+    assert [c for c in ones if cell_len(c) != 1] == []
+    assert cell_width("漢") is None and cell_width("e\u0301") is None and cell_width("🙂") is None  # rich's to measure
+    assert cell_width("ct200 ▁▃█") == 9
+
+
+PLAIN_PIECES = ["ct200", "s1", "", " ", "running", "12.8K", "▁▃▅▇█", "é", "—", "[red]", "[green]OK[/green]",
+                "\\[x]", "[1]", "\\", "x" * 40]
+RICHS_PIECES = ["漢字", "🙂", "e\u0301", "[/red]", "[link=x]", "y" * 75]  # rich's to lay out or refuse
+cells = st.lists(st.sampled_from(PLAIN_PIECES * 8 + RICHS_PIECES), max_size=3).map("".join)
+
+
+@given(st.none() | cells, st.integers(1, 6).flatmap(
+    lambda n: st.tuples(st.lists(cells, min_size=n, max_size=n),
+                        st.lists(st.lists(cells, min_size=n, max_size=n), max_size=5))))
+@settings(max_examples=600, deadline=None)
+def test_a_table_written_directly_is_what_rich_writes(title: str | None, table: tuple[list[str], list[list[str]]]
+                                                      ) -> None:
+    columns, rows = table
+    ours = cli_app._plain_table(title, columns, rows)
+    if ours is not None:  # else rich lays it out, as before
+        try:
+            theirs = rich_table(title, columns, rows)
+        except MarkupError:
+            raise AssertionError("written directly, where rich refuses the markup") from None
+        assert ours == theirs
+
+
+def test_status_like_tables_are_written_directly(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    for var in ("FORCE_COLOR", "TTY_COMPATIBLE"):
+        monkeypatch.delenv(var, raising=False)
+    columns = ["ct", "run", "state", "step", "loss", "tok/s", "ETA", "tok/s trend", "verdict", "why"]
+    rows = [[f"ct{200 + i}", "s1", "running", 255 - i, "1.8123", "12.9K", "13.1d", "▅▁▁▅██▁▇▅▃▁▁▃█▅▁▁██▇",
+             "[green]OK[/green]", "12.8K tok/s, 0.99x of [baseline] #3"] for i in range(20)]
+    text_rows = [[str(v) if i == 8 else cli_app._esc(v) for i, v in enumerate(r)] for r in rows]
+    assert cli_app._plain_table(None, columns, text_rows) == rich_table(None, columns, text_rows)
+    cli_app._table(None, columns, rows, markup=frozenset({8}))
+    out = capsys.readouterr().out
+    assert out == rich_table(None, columns, text_rows)
+    assert "[baseline] #3" in out and "OK  " in out and "[green]" not in out
+    wide = [["x" * 100, "y" * 59]]  # 161 columns: rich shrinks it, so rich writes it
+    assert cli_app._plain_table(None, ["a", "b"], wide) is None
+    cli_app._table(None, ["a", "b"], wide)
+    assert capsys.readouterr().out == rich_table(None, ["a", "b"], wide)
+    monkeypatch.setenv("FORCE_COLOR", "1")  # styles to write: rich's
+    assert cli_app._plain_table(None, columns, text_rows) is None

@@ -25,7 +25,7 @@ app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
 _console, _inv, _out, _registry, _warn, session = _cli._console, _cli._inv, _cli._out, _cli._registry, _cli._warn, \
     _cli.session
-_esc = _cli._esc
+_esc, _table = _cli._esc, _cli._table
 
 metrics_app = typer.Typer(help="Pull a run's metrics (only new log bytes travel) and export them.",
                           no_args_is_help=True)
@@ -219,16 +219,10 @@ def _render_status(sts: list[Any]) -> None:
             s.run.ct, s.run.name, s.run.state, v.step if v.step is not None else "-",
             f"{last.loss:.4f}" if last and last.loss is not None else "-",
             format_rate(last.tok_s if last else None), format_eta(last.eta_s if last else None),
-            sparkline(list(s.tok_s_history)), f"[{c}]{label}[/{c}]" if c else label, _esc(v.reason),
+            sparkline(list(s.tok_s_history)), f"[{c}]{label}[/{c}]" if c else label, v.reason,
         ])
-    from rich.table import Table
-
-    t = Table(box=None, pad_edge=False, header_style="bold")
-    for col in ("ct", "run", "state", "step", "loss", "tok/s", "ETA", "tok/s trend", "verdict", "why"):
-        t.add_column(col)
-    for row in rows:  # every cell but the verdict (ctl's own markup) escaped: names and reasons are text
-        t.add_row(*[x if i == 8 else _esc(x) for i, x in enumerate(row)])
-    _console().print(t)
+    _table(None, ["ct", "run", "state", "step", "loss", "tok/s", "ETA", "tok/s trend", "verdict", "why"], rows,
+           markup=frozenset({8}))  # every cell but the verdict (ctl's own markup) escaped: names and reasons are text
 
 
 @app.command("status")

@@ -53,6 +53,18 @@ STYLE_WORDS = frozenset({"bold", "dim", "italic", "underline", "reverse", "strik
                          "yellow", "blue", "magenta", "cyan", "white"})
 
 
+# Characters a terminal shows one cell wide, and rich measures so (tests/test_console.py checks each against
+# rich's own measure): printable ASCII, Latin-1 and Latin Extended-A/B, general punctuation, arrows, box drawing
+# and block elements (the sparklines). Anything else (CJK, emoji, combining marks) is rich's to measure.
+_NARROW = re.compile("[\x20-\x7e\xa1-\xac\xae-\u024f\u2010-\u2027\u2030-\u205e\u2190-\u21ff\u2500-\u259f]*")
+
+
+def cell_width(text: str) -> int | None:
+    """How many terminal cells `text` takes, when every character of it is one rich measures one cell wide
+    (`_NARROW`); None otherwise."""
+    return len(text) if _NARROW.fullmatch(text) else None
+
+
 def escape_markup(text: str) -> str:
     """`text` for a string printed with markup on: every `[` that would open a tag escaped, and a trailing lone
     backslash doubled (it would escape the next string's tag), so it prints as written."""
