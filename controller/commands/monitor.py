@@ -13,6 +13,7 @@ the run directory); the agent only re-hashes a file whose size or mtime changed 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -307,11 +308,20 @@ def point_window(reg: Registry, run: RunRecord, *, window: int = 20, history: in
                  last_time: bool = True) -> PointWindow:
     """The run's PointWindow, in a few indexed reads however many points it has: what `verdict` would take from
     `stored_points` (the same steady window, step and time), without decoding the rest. The newest point time
-    (a read of every point) only `last_time`: a verdict needs it only when no pull says when the log grew."""
+    (a read of every point) only `last_time`: a verdict needs it only when no pull says when the log grew.
+    The steady window, the top point and the recent history are mostly the same rows: each is decoded once."""
     n = reg.point_count(run.id)
-    steady = _decoded(reg.steady_points(run.id, skip=warmup_skip(n), last=window))
-    top = _decoded([rec for rec in [reg.top_point(run.id)] if rec is not None])
-    recent = _decoded(reg.recent_points(run.id, history))
+    seen: dict[int, MetricPoint | None] = {}
+
+    def decoded(rows: list[tuple[int, str]]) -> list[MetricPoint]:
+        for seq, data in rows:
+            if seq not in seen:
+                seen[seq] = point_of(json.loads(data))
+        return [p for p in (seen[seq] for seq, _ in rows) if p is not None]
+
+    steady = decoded(reg.steady_rows(run.id, skip=warmup_skip(n), last=window))
+    top = decoded([row for row in [reg.top_row(run.id)] if row is not None])
+    recent = decoded(reg.recent_rows(run.id, history))
     return PointWindow(tuple(steady), top[0] if top else None, reg.last_point_time(run.id) if last_time else None,
                        tuple(p.tok_s for p in recent))
 
