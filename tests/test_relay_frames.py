@@ -48,3 +48,14 @@ def test_a_frame_header_claiming_too_much_is_a_protocol_error_not_an_allocation(
     with pytest.raises(FrameError, match="protocol error"):
         next(got)
     assert list(frames([HEADER.pack(b"O", 1, MAX_FRAME) + b"y" * MAX_FRAME])) == [(b"O", 1, b"y" * MAX_FRAME)]
+
+
+def test_frames_come_in_the_batches_their_chunks_completed() -> None:
+    from controller.transport.relay import frame_batches, pack
+
+    a, b, c = (b"A", 1, b'{"argv": []}'), (b"I", 1, b"in"), (b"C", 1, b"")
+    whole = pack([a, b, c])
+    assert list(frame_batches([whole])) == [[a, b, c]]  # one read: answered together
+    cut = len(pack([a])) + 3
+    assert list(frame_batches([whole[:cut], whole[cut:]])) == [[a], [b, c]]
+    assert list(frame_batches([whole[:2], whole[2:]])) == [[a, b, c]]  # a chunk completing nothing yields nothing

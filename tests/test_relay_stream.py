@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.transport.relay import HostRelay
+from controller.transport.relay import HostRelay, frames
 from tests.test_relay_ids import _LocalHost
 
 
@@ -69,3 +69,26 @@ def test_a_follow_left_early_ends_its_child_and_frees_its_id(relay: HostRelay, t
         time.sleep(0.05)
     assert not relay._streams
     assert relay.run(["echo", "next"]).stdout == b"next\n"  # the relay goes on
+
+
+def test_a_command_with_its_whole_input_goes_out_in_one_write(relay: HostRelay) -> None:
+    """Start, input and close of a request travel together: over SSH one packet instead of three (each a
+    paramiko encrypt and MAC in the session process), over the session socket one send."""
+    chan = relay._chan
+    writes: list[bytes] = []
+    send = chan.send
+
+    def counted(data: bytes) -> int:
+        writes.append(bytes(data))
+        return send(data)
+
+    chan.send = counted  # the real socket still carries every byte to the real relay process
+    res = relay.run(["cat"], stdin=b"hello\n")
+    assert (res.returncode, res.stdout) == (0, b"hello\n")
+    assert len(writes) == 1
+    assert [(k, d) for k, _, d in frames([writes[0]])] == [(b"S", b'["cat"]'), (b"I", b"hello\n"), (b"C", b"")]
+    big = b"x" * (70 << 10)  # past one frame's worth: the input follows the start, as it comes
+    writes.clear()
+    res = relay.run(["wc", "-c"], stdin=big)
+    assert res.stdout.strip() == str(len(big)).encode()
+    assert len(writes) > 1 and writes[0][:1] == b"S"

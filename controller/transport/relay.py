@@ -53,22 +53,37 @@ class FrameError(ConnectionFailed):
     """A frame header that no relay or session writes: the stream is not (or no longer) the protocol."""
 
 
-def frames(chunks: Iterable[bytes]) -> Iterator[tuple[bytes, int, bytes]]:
-    """(kind, stream id, data) frames out of a byte stream that arrives in chunks of any size; FrameError
-    for a frame longer than MAX_FRAME."""
+def frame_batches(chunks: Iterable[bytes]) -> Iterator[list[tuple[bytes, int, bytes]]]:
+    """The (kind, stream id, data) frames out of a byte stream that arrives in chunks of any size, as a list of
+    those each chunk completed (so that a reader can answer them together); FrameError for a frame longer than
+    MAX_FRAME, once the frames before it went out."""
     buf = bytearray()
     for data in chunks:
         buf += data
+        batch: list[tuple[bytes, int, bytes]] = []
         while len(buf) >= HEADER.size:
             kind, sid, n = HEADER.unpack_from(buf)
             if n > MAX_FRAME:
+                if batch:
+                    yield batch
                 raise FrameError(f"protocol error: a frame of {n:,} bytes (kind {kind!r}, stream {sid}; "
                                  f"the limit is {MAX_FRAME:,})")
             if len(buf) < HEADER.size + n:
                 break
-            payload = bytes(buf[HEADER.size:HEADER.size + n])
+            batch.append((kind, sid, bytes(buf[HEADER.size:HEADER.size + n])))
             del buf[:HEADER.size + n]
-            yield kind, sid, payload
+        if batch:
+            yield batch
+
+
+def frames(chunks: Iterable[bytes]) -> Iterator[tuple[bytes, int, bytes]]:
+    """frame_batches, one frame at a time."""
+    for batch in frame_batches(chunks):
+        yield from batch
+
+
+def pack(frames: Iterable[tuple[bytes, int, bytes]]) -> bytes:
+    return b"".join(HEADER.pack(kind, sid, len(data)) + data for kind, sid, data in frames)
 
 
 def relay_source() -> bytes:
@@ -212,13 +227,17 @@ class HostRelay:
             view = view[n:]
 
     def _send(self, kind: bytes, sid: int, data: bytes = b"") -> None:
+        self._send_frames([(kind, sid, data)])
+
+    def _send_frames(self, frames: list[tuple[bytes, int, bytes]]) -> None:
+        """Frames in one write: a request's start, input and close travel as one SSH packet, not three."""
         with self._cond:
             dead = self._dead
         if dead is not None:
             raise _retold(dead, f"{self.host.name}: {dead.message}")
         try:
             with self._send_lock:
-                self._send_raw(self._chan, HEADER.pack(kind, sid, len(data)) + data)
+                self._send_raw(self._chan, pack(frames))
         except (OSError, EOFError) as e:
             end = ConnectionDropped(f"SSH connection dropped: {e or type(e).__name__}")
             self._fail(end)
@@ -228,8 +247,8 @@ class HostRelay:
     def _read_loop(self) -> None:
         chan = self._chan
         try:
-            for kind, sid, payload in frames(iter(lambda: chan.recv(_CHUNK), b"")):
-                self._dispatch(kind, sid, payload)
+            for batch in frame_batches(iter(lambda: chan.recv(_CHUNK), b"")):
+                self._dispatch_batch(batch)
         except (OSError, EOFError) as e:
             self._fail(ConnectionDropped(f"SSH connection dropped: {e or type(e).__name__}{self.host._why()}"))
             return
@@ -242,26 +261,32 @@ class HostRelay:
         self._fail(ConnectionDropped(f"SSH connection dropped{self.host._why()}") if status == -1
                    else RelayExited(f"ctl's relay exited with status {status}"))
 
-    def _dispatch(self, kind: bytes, sid: int, payload: bytes) -> None:
+    def _dispatch_batch(self, batch: list[tuple[bytes, int, bytes]]) -> None:
+        """The frames one read brought, under one lock, its waiters woken once."""
         with self._cond:
-            st = self._streams.get(sid)
-            if st is None:
-                return
-            if st.abandoned:
-                if kind == b"X":  # the relay forgot the id: it is free again
-                    del self._streams[sid]
-                return
-            if kind in (b"O", b"E") and st.cap is not None and len(st.out) + len(st.err) + len(payload) > st.cap:
-                st.over = True
-            elif kind == b"O":
-                st.out += payload
-            elif kind == b"E":
-                st.err += payload
-            elif kind == b"X":
-                st.code = int(payload.decode() or "-1")
-            elif kind == b"U":
-                st.unknown_source = True
+            for kind, sid, payload in batch:
+                self._take(kind, sid, payload)
             self._cond.notify_all()
+
+    def _take(self, kind: bytes, sid: int, payload: bytes) -> None:
+        """One frame of the relay into its stream; under self._cond."""
+        st = self._streams.get(sid)
+        if st is None:
+            return
+        if st.abandoned:
+            if kind == b"X":  # the relay forgot the id: it is free again
+                del self._streams[sid]
+            return
+        if kind in (b"O", b"E") and st.cap is not None and len(st.out) + len(st.err) + len(payload) > st.cap:
+            st.over = True
+        elif kind == b"O":
+            st.out += payload
+        elif kind == b"E":
+            st.err += payload
+        elif kind == b"X":
+            st.code = int(payload.decode() or "-1")
+        elif kind == b"U":
+            st.unknown_source = True
 
     def _fail(self, end: ConnectionFailed) -> None:
         """The channel ended (end.message: why, without the host's name): fail every open stream with it."""
@@ -278,10 +303,11 @@ class HostRelay:
     # --- streams ----------------------------------------------------------------------------------
 
     def open(self, argv: Sequence[str], *, agent: AgentStart | None = None,
-             max_output: int | None = None) -> _RelayDuplex:
+             max_output: int | None = None, stdin: bytes | None = None) -> _RelayDuplex:
         """Start argv on the host (no shell) through the relay; a conversation like a direct exec's. With `agent`
         (only when `staying`), argv is a request of ctl's agent that a staying agent answers (A frame). With
-        `max_output`, finish() stops it once its output passes that many bytes (OutputTooLarge)."""
+        `max_output`, finish() stops it once its output passes that many bytes (OutputTooLarge). With `stdin`
+        (at most one frame's worth), that is all its input: it goes, and its stdin closes, with the start."""
         with self._cond:
             sid = self._free_sid()
             self._streams[sid] = _Stream(tuple(argv), max_output)
@@ -291,13 +317,24 @@ class HostRelay:
                                             "sha": agent.sha})
         else:
             kind, start = b"S", json.dumps(list(argv))
+        whole = stdin is not None and len(stdin) <= _CHUNK
+        sent = [(kind, sid, start.encode())]
+        if whole:
+            assert stdin is not None
+            sent += [(b"I", sid, stdin)] if stdin else []
+            sent.append((b"C", sid, b""))
         try:
-            self._send(kind, sid, start.encode())
+            self._send_frames(sent)
         except ConnectionFailed:
             with self._cond:
                 self._streams.pop(sid, None)
             raise
-        return _RelayDuplex(self, sid)
+        d = _RelayDuplex(self, sid)
+        d.closed = whole
+        if stdin is not None and not whole:
+            d.send(stdin)
+            d.close_stdin()
+        return d
 
     def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
             agent: AgentStart | None = None, max_output: int | None = None) -> Result:
@@ -305,16 +342,13 @@ class HostRelay:
         An agent request whose source the relay has (sent before on this relay, or kept by a session this command
         did not start) travels without it; when the relay answers that it lacks it (U), it is sent again with it."""
         if agent is not None and agent.sha and stdin is not None and agent.n and self.has_source(agent.sha):
-            d = self.open(argv, agent=dataclasses.replace(agent, n=0), max_output=max_output)
-            d.send(stdin[agent.n:])
+            d = self.open(argv, agent=dataclasses.replace(agent, n=0), max_output=max_output, stdin=stdin[agent.n:])
             res = d.finish(timeout)
             if not d.st.unknown_source:
                 return res
             with self._cond:
                 self.sources_missing.add(agent.sha)
-        d = self.open(argv, agent=agent, max_output=max_output)
-        if stdin:
-            d.send(stdin)
+        d = self.open(argv, agent=agent, max_output=max_output, stdin=stdin or b"")
         res = d.finish(timeout)
         if agent is not None and agent.sha:
             with self._cond:

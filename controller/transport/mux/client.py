@@ -375,11 +375,13 @@ class MuxRelay(HostRelay):
 
     # --- frames and streams -----------------------------------------------------------------------------
 
-    def _dispatch(self, kind: bytes, sid: int, payload: bytes) -> None:
-        if sid == 0 and kind == b"D":
-            self._fail(end_from(payload))
-            return
-        super()._dispatch(kind, sid, payload)
+    def _dispatch_batch(self, batch: list[tuple[bytes, int, bytes]]) -> None:
+        for i, (kind, sid, payload) in enumerate(batch):
+            if sid == 0 and kind == b"D":  # the session ended: what came before it is delivered, then the end
+                super()._dispatch_batch(batch[:i])
+                self._fail(end_from(payload))
+                return
+        super()._dispatch_batch(batch)
 
     def _fail(self, end: ConnectionFailed) -> None:
         if isinstance(end, ConnectionDropped) and "ctl's session" not in end.message:
@@ -416,14 +418,14 @@ class MuxRelay(HostRelay):
                 raise ConnectionFailed(f"{self.host.name}: ctl's session ended and no new one could start")
 
     def open(self, argv: Sequence[str], *, agent: AgentStart | None = None,
-             max_output: int | None = None) -> _RelayDuplex:
+             max_output: int | None = None, stdin: bytes | None = None) -> _RelayDuplex:
         """Like HostRelay.open; after the session ended, connect to a new one first, as a direct SshEndpoint
         opens a new connection for the next exec after a drop (streams of the old one keep their error). A
         session that ends before this request reached it (its socket refused the start) is replaced and the
         request sent once more: nothing of it ran."""
         self._reconnect_if_ended()
         try:
-            return super().open(argv, agent=agent, max_output=max_output)
+            return super().open(argv, agent=agent, max_output=max_output, stdin=stdin)
         except ConnectionFailed as e:
             with self._cond:
                 gone = self._dead is not None
@@ -432,7 +434,7 @@ class MuxRelay(HostRelay):
             if self.note is not None:
                 self.note(f"{self.host.name}: {e.message}; the request did not reach it: sending it again")
         self._reconnect_if_ended()
-        return super().open(argv, agent=agent, max_output=max_output)
+        return super().open(argv, agent=agent, max_output=max_output, stdin=stdin)
 
     def close(self) -> None:
         chan = self._chan

@@ -43,10 +43,9 @@ from controller.transport.mux.sock import (
     error_doc,
     peer_uid,
     private,
-    recv_frames,
-    send_frame,
+    recv_batches,
 )
-from controller.transport.relay import MAX_SID, HostRelay
+from controller.transport.relay import MAX_SID, HostRelay, pack
 from controller.transport.ssh import SshEndpoint
 
 STOP_GRACE = 10.0  # seconds clients still running get after SIGTERM
@@ -61,11 +60,14 @@ class _Client:
         self.gone = False  # a send to it failed: its process is gone; its streams are abandoned
 
     def send(self, kind: bytes, sid: int, data: bytes = b"") -> bool:
+        return self.send_packed(pack([(kind, sid, data)]))
+
+    def send_packed(self, frames: bytes) -> bool:
         with self.lock:
             if self.gone:
                 return False
             try:
-                send_frame(self.sock, kind, sid, data)
+                self.sock.sendall(frames)
             except OSError:
                 self.gone = True
                 return False
@@ -88,28 +90,34 @@ class _Mux(HostRelay):
         self.next_gsid = 1
         self.asking: list[_Client] = []  # clients waiting for the relay's T (its staying agents), in order
 
-    def _dispatch(self, kind: bytes, sid: int, payload: bytes) -> None:
-        if kind == b"T" and sid == 0:
+    def _dispatch_batch(self, batch: list[tuple[bytes, int, bytes]]) -> None:
+        """The relay's frames of one read, to the clients that own their streams: one write per client."""
+        out: dict[_Client, list[tuple[bytes, int, bytes]]] = {}
+        for kind, sid, payload in batch:
+            if kind == b"T" and sid == 0:
+                with self.map_lock:
+                    asker = self.asking.pop(0) if self.asking else None
+                if asker is not None:
+                    out.setdefault(asker, []).append((b"T", 0, payload))
+                continue
             with self.map_lock:
-                asker = self.asking.pop(0) if self.asking else None
-            if asker is not None:
-                asker.send(b"T", 0, payload)
-            return
-        with self.map_lock:
-            entry = self.owner.get(sid)
-            if entry is None:
-                return
-            client, csid = entry
-            if kind == b"X":
-                del self.owner[sid]
-                client.streams.pop(csid, None)
-                self.last_busy = time.monotonic()
-            close_now = client.eof and not client.streams
-        if not client.send(kind, csid, payload):
-            self._abandon(client)
-        if close_now:
-            with contextlib.suppress(OSError):
-                client.sock.close()
+                entry = self.owner.get(sid)
+                if entry is None:
+                    continue
+                client, csid = entry
+                if kind == b"X":
+                    del self.owner[sid]
+                    client.streams.pop(csid, None)
+                    self.last_busy = time.monotonic()
+            out.setdefault(client, []).append((kind, csid, payload))
+        for client, frames in out.items():
+            if not client.send_packed(pack(frames)):
+                self._abandon(client)
+            with self.map_lock:
+                close_now = client.eof and not client.streams
+            if close_now:
+                with contextlib.suppress(OSError):
+                    client.sock.close()
 
     def _abandon(self, client: _Client) -> None:
         """The client's process is gone: its children see their pipes close (K), as when an SSH channel ends."""
@@ -151,31 +159,9 @@ class _Mux(HostRelay):
                                              "connects": self.host.connects, "idle": self.idle,
                                              "relay": 3 if self.staying else 2,
                                              "hostkey": self.host.server_key}).encode())
-            for kind, csid, data in recv_frames(sock):
-                if kind == b"Q":
-                    try:
-                        grace = float(json.loads(data or b"{}").get("grace", STOP_GRACE))
-                    except (ValueError, AttributeError):
-                        grace = STOP_GRACE
-                    self.ask_stop("stopped by `ctl mux stop`", grace)
+            for batch in recv_batches(sock):
+                if not self._forward(client, batch):
                     break
-                if kind == b"T" and csid == 0:
-                    if self.staying:
-                        with self.map_lock:
-                            self.asking.append(client)
-                        self._send(b"T", 0)
-                    else:
-                        client.send(b"T", 0, b'{"agents": []}')
-                    continue
-                if kind in (b"S", b"A"):
-                    if csid in client.streams:
-                        client.send(b"E", csid, b"ctl mux: stream id reused\n")
-                        continue
-                    self._send(kind, self._alloc(client, csid), data)
-                elif kind in (b"I", b"C", b"K"):
-                    gsid = client.streams.get(csid)
-                    if gsid is not None:
-                        self._send(kind, gsid, data)
         except CtlError:
             pass  # the relay channel is gone: _fail has set `ended`
         finally:
@@ -195,6 +181,41 @@ class _Mux(HostRelay):
             if not live:
                 with contextlib.suppress(OSError):
                     sock.close()
+
+    def _forward(self, client: _Client, batch: list[tuple[bytes, int, bytes]]) -> bool:
+        """A client's frames of one read to the relay, renumbered, in one write (a request's start, input and
+        close: one SSH packet); False at its Q (stop the session)."""
+        out: list[tuple[bytes, int, bytes]] = []
+        for kind, csid, data in batch:
+            if kind == b"Q":
+                if out:
+                    self._send_frames(out)
+                try:
+                    grace = float(json.loads(data or b"{}").get("grace", STOP_GRACE))
+                except (ValueError, AttributeError):
+                    grace = STOP_GRACE
+                self.ask_stop("stopped by `ctl mux stop`", grace)
+                return False
+            if kind == b"T" and csid == 0:
+                if self.staying:
+                    with self.map_lock:
+                        self.asking.append(client)
+                    out.append((b"T", 0, b""))
+                else:
+                    client.send(b"T", 0, b'{"agents": []}')
+                continue
+            if kind in (b"S", b"A"):
+                if csid in client.streams:
+                    client.send(b"E", csid, b"ctl mux: stream id reused\n")
+                    continue
+                out.append((kind, self._alloc(client, csid), data))
+            elif kind in (b"I", b"C", b"K"):
+                gsid = client.streams.get(csid)
+                if gsid is not None:
+                    out.append((kind, gsid, data))
+        if out:
+            self._send_frames(out)
+        return True
 
     def ask_stop(self, why: str, grace: float) -> None:
         """Take no new client; end once the clients are done, or `grace` seconds from now (the earliest asked)."""

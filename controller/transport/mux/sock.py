@@ -56,7 +56,7 @@ from controller.errors import (
     SessionEnded,
 )
 from controller.transport.mux.spare import ours_alone, socket_place
-from controller.transport.relay import _CHUNK, HEADER, frames, relay_source
+from controller.transport.relay import _CHUNK, HEADER, frame_batches, relay_source
 from controller.transport.ssh import SshEndpoint
 
 PROTOCOL = 3  # in the hello: a client replaces a session that speaks another protocol
@@ -176,6 +176,12 @@ def send_frame(sock: socket.socket, kind: bytes, sid: int, data: bytes = b"") ->
 
 def recv_frames(sock: socket.socket) -> Iterator[tuple[bytes, int, bytes]]:
     """Yield (kind, sid, data) until the peer ends the connection (or it breaks)."""
+    for batch in recv_batches(sock):
+        yield from batch
+
+
+def recv_batches(sock: socket.socket) -> Iterator[list[tuple[bytes, int, bytes]]]:
+    """The frames of each read, as lists, until the peer ends the connection (or it breaks)."""
 
     def chunks() -> Iterator[bytes]:
         while True:
@@ -187,7 +193,7 @@ def recv_frames(sock: socket.socket) -> Iterator[tuple[bytes, int, bytes]]:
                 return
             yield data
 
-    return frames(chunks())
+    return frame_batches(chunks())
 
 
 def end_payload(end: ConnectionFailed) -> bytes:
