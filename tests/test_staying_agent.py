@@ -421,3 +421,27 @@ def test_a_verb_that_fails_leaves_no_descriptor_behind_in_a_staying_agent(relay:
             assert relay.request(argv, src)[2] != 0
     assert [a["pid"] for a in relay.agents()] == [pid]
     assert len(os.listdir(f"/proc/{pid}/fd")) == before
+
+
+def _tasks(pid: int) -> set[str]:
+    """The process's threads, by id (a thread started later has an id never seen before)."""
+    return set(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_the_threads_that_answer_are_kept_and_a_hung_request_holds_back_no_other(relay: Relay) -> None:
+    """A thread per request cost the relay's reading loop its start each time: threads that answered wait for the
+    next requests instead, and one stuck in a request never makes another wait."""
+    hung = relay.start(fake("hang"), FAKE, n=len(FAKE), at=FAKE_AT)
+    time.sleep(0.5)
+    burst = [relay.start(fake(f"slow #{i}"), FAKE, n=len(FAKE), at=FAKE_AT) for i in range(4)]  # 4 containers
+    t0 = time.monotonic()
+    assert {json.loads(relay.answer(s)[0])["via"] for s in burst} == {"serve"}
+    assert time.monotonic() - t0 < 6  # side by side (1.5 s each), past the hung one
+    kept = _tasks(relay.p.pid)
+    again = [relay.start(fake(f"slow #{i}"), FAKE, n=len(FAKE), at=FAKE_AT) for i in range(4)]
+    time.sleep(0.5)  # the 4 requests are being answered (1.5 s each)
+    assert _tasks(relay.p.pid) == kept  # by the threads that answered before: none started
+    assert {json.loads(relay.answer(s)[0])["via"] for s in again} == {"serve"}
+    relay.send(b"K", hung)
+    relay.wait(hung, lambda fs: any(k == b"X" for k, _ in fs), 10)
+    assert relay.close() == 0
