@@ -71,3 +71,40 @@ def test_threads_that_end_pass_their_connection_on(tmp_path):
     assert len(reg._conns) == 5 and len(reg._free) == 4
     reg.close()
     assert open_fds() < before
+
+
+def test_threads_of_one_process_take_turns_to_write_without_sqlite_s_busy_sleeps(tmp_path):
+    """A writer that finds the database locked sleeps in SQLite's busy handler (1, 2, 5, 10 ms...), which a
+    fan-out's threads met in turn: the registry's threads queue on a lock of its own, and SQLite's wait is left
+    to other processes. Here the second writer's SQLite wait is off: only the registry's lock can order it."""
+    import sqlite3
+
+    reg = Registry(tmp_path / "reg.sqlite3")
+    inside, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        with reg.tx() as db:
+            db.execute("PRAGMA user_version")
+            inside.set()
+            release.wait(10)
+
+    def second() -> None:
+        reg._db.execute("PRAGMA busy_timeout=0")  # this thread's connection: refuse at once when locked
+        try:
+            reg.claim_run("second", "ct200")
+        except sqlite3.OperationalError as e:  # "database is locked": it met the first writer's lock
+            errors.append(e)
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert inside.wait(10)
+    b = threading.Thread(target=second)
+    b.start()
+    b.join(0.3)
+    assert b.is_alive()  # waiting for the first writer, in the registry's lock
+    release.set()
+    a.join()
+    b.join()
+    assert errors == []
+    assert [r.name for r in reg.runs("ct200")] == ["second"]
