@@ -501,35 +501,21 @@ class Registry:
                                (run_id, skip)).fetchone()
         return (row[0], row[1]) if row is not None else None
 
-    def steady_rows(self, run_id: int, *, skip: int, last: int) -> list[tuple[int, str]]:
-        """(seq, JSON) of the last `last` steady points, in step order."""
-        first = self._after(run_id, skip)
-        if first is None:
-            return []
-        rows = self._db.execute("SELECT seq, data FROM metrics WHERE run_id=? AND (step, seq) >= (?, ?) AND tok_s > 0 "
-                                "AND tok_s <= 1.7976931348623157e308 ORDER BY step DESC, seq DESC LIMIT ?",
-                                (run_id, *first, last))
-        return [(r[0], r[1]) for r in rows][::-1]
-
-    def steady_rates(self, run_id: int, *, skip: int) -> list[float]:
-        """tok/s of every steady point, in step order (from the index alone)."""
+    def steady_rates(self, run_id: int, *, skip: int, last: int | None = None) -> list[float]:
+        """tok/s of every steady point (of the last `last`), in step order, from the index alone."""
         first = self._after(run_id, skip)
         if first is None:
             return []
         rows = self._db.execute("SELECT tok_s FROM metrics WHERE run_id=? AND (step, seq) >= (?, ?) AND tok_s > 0 "
-                                "AND tok_s <= 1.7976931348623157e308 ORDER BY step, seq", (run_id, *first))
-        return [r[0] for r in rows]
-
-    def top_row(self, run_id: int) -> tuple[int, str] | None:
-        """(seq, JSON) of the point of the highest step (the first logged of equals)."""
-        row = self._db.execute("SELECT seq, data FROM metrics WHERE run_id=? ORDER BY step DESC, seq LIMIT 1",
-                               (run_id,)).fetchone()
-        return (row[0], row[1]) if row is not None else None
+                                "AND tok_s <= 1.7976931348623157e308 ORDER BY step DESC, seq DESC LIMIT ?",
+                                (run_id, *first, -1 if last is None else last))
+        return [r[0] for r in rows][::-1]
 
     def top_point(self, run_id: int) -> dict[str, Any] | None:
         """The point of the highest step (the first logged of equals)."""
-        row = self.top_row(run_id)
-        return json.loads(row[1]) if row is not None else None
+        row = self._db.execute("SELECT data FROM metrics WHERE run_id=? ORDER BY step DESC, seq LIMIT 1",
+                               (run_id,)).fetchone()
+        return json.loads(row[0]) if row is not None else None
 
     def step_from_top(self, run_id: int, n: int) -> int | None:
         """The step of the `n`th point counting down from the highest step (the lowest step when it has fewer)."""
@@ -544,10 +530,10 @@ class Registry:
         rows = self._db.execute("SELECT data FROM metrics WHERE run_id=? AND step >= ? ORDER BY seq", (run_id, step))
         return [json.loads(r[0]) for r in rows]
 
-    def recent_rows(self, run_id: int, n: int) -> list[tuple[int, str]]:
-        """(seq, JSON) of the last `n` points, in log order."""
-        rows = self._db.execute("SELECT seq, data FROM metrics WHERE run_id=? ORDER BY seq DESC LIMIT ?", (run_id, n))
-        return [(r[0], r[1]) for r in rows][::-1]
+    def recent_rates(self, run_id: int, n: int) -> list[float | None]:
+        """tok/s of the last `n` points, in log order (None where a point has none, or NaN: SQLite keeps NULL)."""
+        rows = self._db.execute("SELECT tok_s FROM metrics WHERE run_id=? ORDER BY seq DESC LIMIT ?", (run_id, n))
+        return [r[0] for r in rows][::-1]
 
     def series(self, run_id: int) -> list[tuple[int | None, float | None, float | None]]:
         """(step, tok/s, loss) of every point, in order: what a chart needs, without decoding each point."""

@@ -13,7 +13,6 @@ the run directory); the agent only re-hashes a file whose size or mtime changed 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -291,10 +290,11 @@ class RunStatus:
 @dataclass(frozen=True)
 class PointWindow:
     """What judging a run reads of its stored points (a long run holds tens of thousands: they are never all
-    decoded for a verdict): the last window of steady points, the point of the highest step, the newest point
-    time, and the tok/s of the last `history` points for the trend."""
+    decoded for a verdict): the tok/s of the last window of steady points, the point of the highest step, the
+    newest point time, and the tok/s of the last `history` points for the trend (None where a point has none,
+    or NaN: SQLite keeps NaN as NULL)."""
 
-    steady: tuple[MetricPoint, ...]
+    steady_rates: tuple[float, ...]
     top: MetricPoint | None
     last_time: float | None
     history: tuple[float | None, ...]
@@ -307,23 +307,13 @@ def _decoded(records: list[dict[str, Any]]) -> list[MetricPoint]:
 def point_window(reg: Registry, run: RunRecord, *, window: int = 20, history: int = 20,
                  last_time: bool = True) -> PointWindow:
     """The run's PointWindow, in a few indexed reads however many points it has: what `verdict` would take from
-    `stored_points` (the same steady window, step and time), without decoding the rest. The newest point time
-    (a read of every point) only `last_time`: a verdict needs it only when no pull says when the log grew.
-    The steady window, the top point and the recent history are mostly the same rows: each is decoded once."""
+    `stored_points` (the same steady window, step and time). Only the top point is decoded: the rates come from
+    the index's own column. The newest point time (a read of every point) only `last_time`: a verdict needs it
+    only when no pull says when the log grew."""
     n = reg.point_count(run.id)
-    seen: dict[int, MetricPoint | None] = {}
-
-    def decoded(rows: list[tuple[int, str]]) -> list[MetricPoint]:
-        for seq, data in rows:
-            if seq not in seen:
-                seen[seq] = point_of(json.loads(data))
-        return [p for p in (seen[seq] for seq, _ in rows) if p is not None]
-
-    steady = decoded(reg.steady_rows(run.id, skip=warmup_skip(n), last=window))
-    top = decoded([row for row in [reg.top_row(run.id)] if row is not None])
-    recent = decoded(reg.recent_rows(run.id, history))
-    return PointWindow(tuple(steady), top[0] if top else None, reg.last_point_time(run.id) if last_time else None,
-                       tuple(p.tok_s for p in recent))
+    top = _decoded([rec for rec in [reg.top_point(run.id)] if rec is not None])
+    return PointWindow(tuple(reg.steady_rates(run.id, skip=warmup_skip(n), last=window)), top[0] if top else None,
+                       reg.last_point_time(run.id) if last_time else None, tuple(reg.recent_rates(run.id, history)))
 
 
 def judge(
@@ -344,7 +334,8 @@ def judge(
     if not run.state.live and exit_status is None and crash is None:
         exit_status = 0  # ended without a status (should not happen): judge what it logged
     v = verdict_of_window(
-        points.steady, step=points.top.step if points.top else None, baseline_tok_s=baseline[1] if baseline else None,
+        points.steady_rates, step=points.top.step if points.top else None,
+        baseline_tok_s=baseline[1] if baseline else None,
         now=now, last_step_time=last_time if last_time is not None else points.last_time, slow_ratio=slow_ratio,
         stall_after_s=stall_after_s, exit_status=0 if run.state == Lifecycle.STOPPED else exit_status, crash=crash,
         baseline_name=baseline[0] if baseline else None)
@@ -655,7 +646,7 @@ def job_status(run: RunRecord, reg: Registry, baseline: tuple[str, float] | None
                     slow_ratio=slow_ratio, stall_after_s=stall_after_s, exit_status=exit_status, crash=crash,
                     baseline_name=name)
     else:  # the newest steps only: far past the warm-up, whose first points it therefore needs not skip
-        steady = [p for p in points if has_rate(p)][-JOB_WINDOW:]
+        steady = [p.tok_s for p in points if has_rate(p) and p.tok_s is not None][-JOB_WINDOW:]
         v = verdict_of_window(steady, step=stored.top_step, baseline_tok_s=rate, now=now,
                               last_step_time=0.0 if stalest else stored.last_time, slow_ratio=slow_ratio,
                               stall_after_s=stall_after_s, exit_status=exit_status, crash=crash, baseline_name=name)

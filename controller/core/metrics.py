@@ -204,6 +204,7 @@ def _parse_queue(value: str) -> tuple[int, ...] | None:
 # JSON-lines metrics: {"step": 14, "loss": 10.69, "tok_s": 4600, ...}
 
 _JSON_FLOATS = ("loss", "lr", "elapsed_s", "tgt_bps", "dft_bps", "tok_s", "eta_s", "time", "accept_len")
+_FLOAT_KEYS = frozenset(_JSON_FLOATS)
 
 
 def _parse_json(line: str) -> MetricPoint | None:
@@ -227,10 +228,13 @@ def point_of(obj: dict[str, Any], raw: str = "") -> MetricPoint | None:
     fields: dict[str, Any] = {}
     extra: dict[str, str] = {}
     for key, value in obj.items():
+        if type(value) is float and key in _FLOAT_KEYS:  # the common case (every stored point): kept as it is
+            fields[key] = value
+            continue
         if key == "step":
             continue
         parsed: object = None
-        if key in _JSON_FLOATS:
+        if key in _FLOAT_KEYS:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 parsed = float(value)
             elif isinstance(value, str) and key == "tok_s":
@@ -551,14 +555,15 @@ def verdict(
     step = max((p.step for p in points), default=None)
     if last_step_time is None:
         last_step_time = max((p.time for p in points if p.time is not None), default=None)
-    return verdict_of_window(steady, step=step, baseline_tok_s=baseline_tok_s, now=now,
+    return verdict_of_window([p.tok_s for p in steady if p.tok_s is not None], step=step,
+                             baseline_tok_s=baseline_tok_s, now=now,
                              last_step_time=last_step_time, slow_ratio=slow_ratio, stall_after_s=stall_after_s,
                              exit_status=exit_status, crash=crash, min_steady_points=min_steady_points,
                              baseline_name=baseline_name)
 
 
 def verdict_of_window(
-    steady: Sequence[MetricPoint],
+    steady: Sequence[float],
     *,
     step: int | None,
     baseline_tok_s: float | None,
@@ -571,9 +576,9 @@ def verdict_of_window(
     min_steady_points: int = 3,
     baseline_name: str | None = None,
 ) -> Verdict:
-    """`verdict` from what it reads of the points: the last window of steady points (`steady_points(...)[-window:]`),
-    the highest step and when the log last grew. A registry run is judged this way without decoding every point
-    it ever logged (commands/monitor.point_window)."""
+    """`verdict` from what it reads of the points: the tok/s of the last window of steady points
+    (`steady_points(...)[-window:]`), the highest step and when the log last grew. A registry run is judged this
+    way without decoding every point it ever logged (commands/monitor.point_window)."""
     if baseline_tok_s is not None and not (math.isfinite(baseline_tok_s) and baseline_tok_s > 0):
         raise InputError(f"baseline throughput must be a positive number of tok/s, got {baseline_tok_s!r}")
     if not 0.0 < slow_ratio <= 1.0:
@@ -582,7 +587,7 @@ def verdict_of_window(
         raise InputError(f"stall time must be positive seconds, got {stall_after_s!r}")
     if min_steady_points < 1:
         raise InputError(f"need min_steady_points >= 1, got {min_steady_points}")
-    tok_s = median([p.tok_s for p in steady if p.tok_s is not None]) if steady else None
+    tok_s = median(steady) if steady else None
     ratio = tok_s / baseline_tok_s if tok_s is not None and baseline_tok_s else None
     idle = now - last_step_time if last_step_time is not None else None
     base = _baseline_text(baseline_tok_s, baseline_name)
