@@ -415,3 +415,22 @@ def test_times_are_shown_in_the_clients_time_zone(world: World) -> None:
         assert there.returncode == 0 and there.stdout == here.stdout, (tz, there.stdout, here.stdout)
         shown[tz] = there.stdout
     assert shown["UTC"] != shown["Asia/Tokyo"]  # the hours differ: the served command read its client's TZ
+
+
+def test_what_a_fan_out_and_a_supervisor_import_is_already_in_the_server() -> None:
+    """A module imported inside a served command is imported again by every command (its fork keeps nothing):
+    the thread pool of a fan-out over several containers and `supervise --once` come with the server's preload."""
+    code = """
+import sys
+from controller.cli import server
+server._preload()
+before = set(sys.modules)
+from concurrent.futures import ThreadPoolExecutor
+with ThreadPoolExecutor(2) as ex:
+    list(ex.map(abs, [1, -2]))
+import controller.commands.supervise, controller.commands.notify, controller.cli.compspec
+print(sorted(set(sys.modules) - before))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
