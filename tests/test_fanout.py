@@ -91,3 +91,37 @@ def test_a_failure_stays_with_its_container(inv: inventory.Inventory) -> None:
     assert [(o.ct, o.value, o.error) for o in out] == [("a1", "a1", None), ("b1", None, "b1: no such thing"),
                                                         ("a2", "a2", None)]
     assert out[1].exit_code == int(InputError.exit_code)
+
+
+def test_a_bug_in_one_container_s_work_is_raised_and_nothing_more_begins(inv: inventory.Inventory) -> None:
+    """Not a container's failure (an Outcome) but an exception of ctl's own: raised to the caller once the work
+    already begun has ended, as a thread pool's map raised it; the containers not begun are never touched."""
+    cts = [inv.container(n) for n in ("a1", "a2", "a3", "a4", "a5")]
+    begun: list[str] = []
+    ended: list[str] = []
+    a2_runs = threading.Event()
+
+    def fn(ct: inventory.Container, _t: object) -> str:
+        begun.append(ct.name)
+        if ct.name == "a1":
+            assert a2_runs.wait(10)
+            raise ZeroDivisionError("a bug")
+        a2_runs.set()
+        time.sleep(0.3)  # still running when a1 fails: it ends before the caller sees the bug
+        ended.append(ct.name)
+        return ct.name
+
+    with Pool(inv) as pool, pytest.raises(ZeroDivisionError, match="a bug"):
+        fanout(pool, cts, fn, per_host=2)
+    assert sorted(begun) == ["a1", "a2"] and ended == ["a2"]
+
+
+def test_side_by_side_keeps_the_order_and_ends_its_threads() -> None:
+    from controller.commands.fanout import _side_by_side
+
+    before = threading.active_count()
+    assert _side_by_side(lambda i: i * i, [3, 1, 0, 2], 3) == [0, 1, 4, 9]
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before  # no thread left waiting for work

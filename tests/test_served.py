@@ -419,15 +419,14 @@ def test_times_are_shown_in_the_clients_time_zone(world: World) -> None:
 
 def test_what_a_fan_out_and_a_supervisor_import_is_already_in_the_server() -> None:
     """A module imported inside a served command is imported again by every command (its fork keeps nothing):
-    the thread pool of a fan-out over several containers and `supervise --once` come with the server's preload."""
+    what a fan-out over several containers and `supervise --once` use comes with the server's preload."""
     code = """
 import sys
 from controller.cli import server
 server._preload()
 before = set(sys.modules)
-from concurrent.futures import ThreadPoolExecutor
-with ThreadPoolExecutor(2) as ex:
-    list(ex.map(abs, [1, -2]))
+from controller.commands import fanout
+assert fanout._side_by_side(lambda i: i * 2, [1, 0], 2) == [0, 2]
 import controller.commands.supervise, controller.commands.notify, controller.cli.compspec
 print(sorted(set(sys.modules) - before))
 """

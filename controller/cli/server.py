@@ -39,8 +39,8 @@ PRELOAD = ("controller.commands.deploy", "controller.commands.runs", "controller
            "controller.transport.pool", "controller.transport.pct", "controller.transport.mux.client",
            "controller.registry", "controller.inventory", "controller.cli.early", "controller.cli.complete",
            "controller.cli.coerce", "controller.cli.compspec", "controller.core.envlock", "controller.core.render",
-           "controller.commands.supervise", "controller.commands.notify", "concurrent.futures.thread", "jinja2",
-           "yaml", "sqlite3", "platformdirs", "rich.console", "rich.table")
+           "controller.commands.supervise", "controller.commands.notify", "jinja2", "yaml", "sqlite3",
+           "platformdirs", "rich.console", "rich.table")
 
 
 def _dispositions(ignored: set[int]) -> None:
