@@ -433,3 +433,31 @@ print(sorted(set(sys.modules) - before))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_a_server_that_cannot_start_is_not_started_again_and_says_why(world: World) -> None:
+    """A broken install (here: a module the server preloads fails to import; the commands below never need it)
+    runs every command in its own process, and only the first one tries a server: each try costs ~0.5 s of CPU
+    and would fail alike. `ctl mux status` says why; `ctl mux stop` lets the next command try again."""
+    lib = _own_copy(world)
+    world.ctl = [str(world.tmp / "bin" / "ctl")]
+    broken = lib / "controller" / "core" / "render.py"
+    broken.write_text(broken.read_text() + "\nraise RuntimeError('half an upgrade')\n")
+    assert world("config", "path").returncode == 0
+    deadline = time.time() + 20
+    while time.time() < deadline and not list(world.sockets.glob("cmd-*.sock.failed")):
+        time.sleep(0.05)
+    [marker] = list(world.sockets.glob("cmd-*.sock.failed"))
+    assert "RuntimeError: half an upgrade" in marker.read_text()
+    log = Path(str(marker)[:-len(".sock.failed")] + ".log")
+    assert "Traceback" in log.read_text()
+    size = log.stat().st_size
+    for _ in range(3):
+        r = world("config", "path")
+        assert r.returncode == 0, r.stderr
+    time.sleep(1.0)  # a server start, had one been asked for, writes to the log at once
+    assert log.stat().st_size == size and not list(world.sockets.glob("cmd-*.sock"))
+    status = world("mux", "status")
+    assert "command server: could not start (RuntimeError: half an upgrade)" in status.stdout
+    assert world("mux", "stop").returncode == 0
+    assert not marker.exists()

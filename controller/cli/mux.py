@@ -46,6 +46,9 @@ def status_cmd() -> None:
         con.print(f"command server: pid {d['pid']}, {d['served']} commands served, {d['running']} running, "
                   f"idle {d['idle_for']:.0f}s of {d['idle']:.0f}s, age {now - float(d['started']):.0f}s "
                   f"({d['socket']})", markup=False)
+    for d in served.failed_servers():
+        con.print(f"command server: could not start ({d['why']}); commands run in a process of their own. "
+                  f"Its log: {d['log']}; `ctl mux stop` lets the next command try again", markup=False)
 
 
 def _agents_cell(agents: list[dict[str, Any]] | None) -> str:

@@ -147,6 +147,9 @@ def socket_path(directory: str, k: str) -> str:
     return os.path.join(directory, f"cmd-{k}.sock")
 
 
+FAILED = ".failed"  # beside a key's socket: why its server could not start (server._failed); no new start is tried
+
+
 def _persist_off(environ: Any) -> bool:
     """CTL_PERSIST turns sessions, and so the server, off. Read here without settings.py (its errors module
     imports enum, ~8 ms of every start); a value settings refuses is served, and the command says what is wrong."""
@@ -405,7 +408,7 @@ def start_server(argv: list[str]) -> None:
 
         with contextlib.suppress(FileExistsError):
             os.mkdir(d, 0o700)
-        if not ours_alone(os.lstat(d)):
+        if not ours_alone(os.lstat(d)) or os.path.lexists(socket_path(d, k) + FAILED):
             return
         log = os.open(os.path.join(d, f"cmd-{k}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW |
                       os.O_CLOEXEC, 0o600)
@@ -458,12 +461,39 @@ def servers(environ: Any = None) -> list[dict[str, Any]]:
     return found
 
 
+def failed_servers(environ: Any = None) -> list[dict[str, str]]:
+    """Command servers that could not start ({"key", "why", "log"}): their commands run in a process of their own."""
+    d = place(os.environ if environ is None else environ)
+    if d is None:
+        return []
+    found = []
+    for name in sorted(os.listdir(d)):
+        if name.startswith("cmd-") and name.endswith(".sock" + FAILED):
+            path = os.path.join(d, name)
+            try:
+                with open(path, "rb") as f:
+                    why = f.read(4096).decode("utf-8", "replace").strip()
+            except OSError:
+                continue
+            key = name[len("cmd-"):-len(".sock" + FAILED)]
+            found.append({"key": key, "why": why, "log": os.path.join(d, f"cmd-{key}.log")})
+    return found
+
+
 def stop_servers() -> list[dict[str, Any]]:
-    """Stop the user's command servers: each takes no new command, and exits once the commands it runs end."""
+    """Stop the user's command servers: each takes no new command, and exits once the commands it runs end. A
+    server that could not start is forgotten, so that the next command tries again."""
     stopped = []
     for doc in servers():
         if _ask(doc["socket"], {"op": "stop"}) is not None:
             if doc["pid"] == os.getppid():
                 doc["running"] -= 1  # this `ctl mux stop` is one of them
             stopped.append(doc)
+    import contextlib
+
+    d = place(os.environ)
+    for doc in failed_servers():
+        if d is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(socket_path(d, doc["key"]) + FAILED)
     return stopped

@@ -28,6 +28,8 @@ import contextlib
 import os
 import sys
 
+from controller.cli.served import FAILED
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import socket
@@ -109,7 +111,11 @@ def main() -> None:
         return  # another command started this key's server a moment ago
     if served.key(os.environ) != key:
         return _leave(path, lock)  # ctl changed since the command that started this one computed the key
-    reads = _preload()
+    try:
+        reads = _preload()
+    except BaseException as e:  # a broken install: commands run in their own process, none starts us again
+        _failed(path, e)
+        return _leave(path, lock)
     if served.key(os.environ) != key:
         return _leave(path, lock)  # changed while it loaded: what it imported may be half old
     import gc
@@ -186,6 +192,21 @@ def _run_and_exit(fn: Any) -> None:
         os.kill(os.getpid(), signal.SIGINT)
         code = 130
     os._exit(code)
+
+
+def _failed(path: str, e: BaseException) -> None:
+    """What stopped this server from starting, beside its socket (served.FAILED): commands of this key then run
+    in their own process without starting another (each start costs ~0.5 s of CPU, and would fail alike), and
+    `ctl mux status` says why. A new key (ctl mended, upgraded) or `ctl mux stop` tries again. The traceback is
+    in the log."""
+    import traceback
+
+    traceback.print_exc()
+    why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+    with contextlib.suppress(OSError):
+        fd = os.open(path + FAILED, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(why + "\n")
 
 
 def _leave(path: str, lock: int) -> None:
