@@ -43,6 +43,22 @@ def test_good_inventory_loads(tmp_path: Path) -> None:
     assert inv.model.payload[0].mode == "0644"
 
 
+def test_the_same_file_and_text_are_built_once_an_edit_is_read(tmp_path: Path) -> None:
+    """A command loads its inventory twice (its early session start, then the command): the second load reads the
+    file again but gets the Inventory built from that text; an edit in between is read and checked."""
+    path = write(tmp_path, GOOD)
+    first = load(path)
+    assert load(path) is first
+    path.write_text(GOOD.replace("vmid: 201", "vmid: 202"))
+    edited = load(path)
+    assert edited is not first and edited.container("ct201").spec.vmid == 202
+    path.write_text(GOOD.replace("vmid: 201", "vmid: 200"))  # a duplicate: refused on every load, as before
+    with pytest.raises(InventoryError):
+        load(path)
+    with pytest.raises(InventoryError):
+        load(path)
+
+
 def test_missing_key(tmp_path: Path) -> None:
     text = GOOD.replace("    address: 192.0.2.10\n", "")
     assert error_of(tmp_path, text) == "INV:2: hosts.kpro6.address: required key is missing"
