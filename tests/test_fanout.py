@@ -125,3 +125,9 @@ def test_side_by_side_keeps_the_order_and_ends_its_threads() -> None:
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert threading.active_count() == before  # no thread left waiting for work
+
+
+def test_no_container_is_no_work(inv: inventory.Inventory) -> None:
+    """What is left of a job's nodes but the one holding the checkpoint can be none (a job of one node)."""
+    with Pool(inv) as pool:
+        assert fanout(pool, [], lambda ct, t: ct.name) == []

@@ -442,7 +442,8 @@ def test_a_server_that_cannot_start_is_not_started_again_and_says_why(world: Wor
     lib = _own_copy(world)
     world.ctl = [str(world.tmp / "bin" / "ctl")]
     broken = lib / "controller" / "core" / "render.py"
-    broken.write_text(broken.read_text() + "\nraise RuntimeError('half an upgrade')\n")
+    whole = broken.read_text()
+    broken.write_text(whole + "\nraise RuntimeError('half an upgrade')\n")
     assert world("config", "path").returncode == 0
     deadline = time.time() + 20
     while time.time() < deadline and not list(world.sockets.glob("cmd-*.sock.failed")):
@@ -459,5 +460,9 @@ def test_a_server_that_cannot_start_is_not_started_again_and_says_why(world: Wor
     assert log.stat().st_size == size and not list(world.sockets.glob("cmd-*.sock"))
     status = world("mux", "status")
     assert "command server: could not start (RuntimeError: half an upgrade)" in status.stdout
+    broken.write_text(whole)  # mended: another key, whose server starts; the old key's failure is not this ctl's
+    assert world("config", "path").returncode == 0
+    world.up()
+    assert "could not start" not in world("mux", "status").stdout and marker.exists()
     assert world("mux", "stop").returncode == 0
     assert not marker.exists()

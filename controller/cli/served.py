@@ -461,22 +461,26 @@ def servers(environ: Any = None) -> list[dict[str, Any]]:
     return found
 
 
-def failed_servers(environ: Any = None) -> list[dict[str, str]]:
-    """Command servers that could not start ({"key", "why", "log"}): their commands run in a process of their own."""
-    d = place(os.environ if environ is None else environ)
+def failed_servers(environ: Any = None, *, every: bool = False) -> list[dict[str, str]]:
+    """The command server of this ctl (its key) that could not start, or with `every` those of any key
+    ({"key", "why", "log"}): their commands run in a process of their own."""
+    env = os.environ if environ is None else environ
+    d = place(env)
     if d is None:
         return []
+    mine = None if every else key(env)
     found = []
     for name in sorted(os.listdir(d)):
         if name.startswith("cmd-") and name.endswith(".sock" + FAILED):
-            path = os.path.join(d, name)
+            k = name[len("cmd-"):-len(".sock" + FAILED)]
+            if mine is not None and k != mine:
+                continue  # another ctl's, or this one's before an upgrade or in another cgroup
             try:
-                with open(path, "rb") as f:
+                with open(os.path.join(d, name), "rb") as f:
                     why = f.read(4096).decode("utf-8", "replace").strip()
             except OSError:
                 continue
-            key = name[len("cmd-"):-len(".sock" + FAILED)]
-            found.append({"key": key, "why": why, "log": os.path.join(d, f"cmd-{key}.log")})
+            found.append({"key": k, "why": why, "log": os.path.join(d, f"cmd-{k}.log")})
     return found
 
 
@@ -492,7 +496,7 @@ def stop_servers() -> list[dict[str, Any]]:
     import contextlib
 
     d = place(os.environ)
-    for doc in failed_servers():
+    for doc in failed_servers(every=True):
         if d is not None:
             with contextlib.suppress(OSError):
                 os.unlink(socket_path(d, doc["key"]) + FAILED)

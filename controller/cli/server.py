@@ -114,7 +114,8 @@ def main() -> None:
     try:
         reads = _preload()
     except BaseException as e:  # a broken install: commands run in their own process, none starts us again
-        _failed(path, e)
+        if served.key(os.environ) == key:  # (not ctl changing under us: its next command starts a new key's)
+            _failed(path, e)
         return _leave(path, lock)
     if served.key(os.environ) != key:
         return _leave(path, lock)  # changed while it loaded: what it imported may be half old
@@ -211,9 +212,10 @@ def _failed(path: str, e: BaseException) -> None:
 
 def _leave(path: str, lock: int) -> None:
     """Remove this key's lock and an empty log, so that a key no ctl has any more (each upgrade or edit makes one)
-    leaves nothing behind. A server starting for the same key in this instant may hold a lock no longer named
-    here, and a third one then another: the second of two such servers takes the socket, the first sees that it
-    is no longer its own and exits."""
+    leaves nothing behind but, for a server that could not start, its log and why (until `ctl mux stop`). A
+    server starting for the same key in this instant may hold a lock no longer named here, and a third one then
+    another: the second of two such servers takes the socket, the first sees that it is no longer its own and
+    exits."""
     with contextlib.suppress(OSError):
         os.unlink(path + ".lock")
     log = path[:-len(".sock")] + ".log"

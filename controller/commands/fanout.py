@@ -68,8 +68,8 @@ def fanout(pool: Pool, cts: list[Container], fn: Callable[[Container, Transport]
         except CtlError as e:
             return Outcome(ct.name, None, str(e), int(e.exit_code))
 
-    if len(cts) == 1:
-        return [one(cts[0])]
+    if len(cts) <= 1:
+        return [one(ct) for ct in cts]
     pool.share_exec(cts)  # several containers of one host: one exec (and one login shell) for them all
     hosts = {_host_of(ct) for ct in cts}
     gates = {h: threading.BoundedSemaphore(per_host) for h in hosts}
@@ -87,6 +87,8 @@ def _side_by_side(work: Callable[[int], Outcome[T]], order: list[int], workers: 
     Ctrl-C): nothing more is begun, and what was begun ends first. A thread pool's own futures, queue and
     wake-ups at shutdown cost ~1 ms of CPU per container: workers here take the next index themselves and end
     when none is left."""
+    if not order:
+        return []
     done: dict[int, Outcome[T]] = {}
     todo = iter(order)
     lock = threading.Lock()

@@ -307,7 +307,7 @@ class HostRelay:
         """Start argv on the host (no shell) through the relay; a conversation like a direct exec's. With `agent`
         (only when `staying`), argv is a request of ctl's agent that a staying agent answers (A frame). With
         `max_output`, finish() stops it once its output passes that many bytes (OutputTooLarge). With `stdin`
-        (at most one frame's worth), that is all its input: it goes, and its stdin closes, with the start."""
+        (at most one frame's worth), that is all its input: it goes, and its stdin closes, in the start's write."""
         with self._cond:
             sid = self._free_sid()
             self._streams[sid] = _Stream(tuple(argv), max_output)
@@ -317,23 +317,29 @@ class HostRelay:
                                             "sha": agent.sha})
         else:
             kind, start = b"S", json.dumps(list(argv))
-        whole = stdin is not None and len(stdin) <= _CHUNK
+        if stdin is not None and len(stdin) > _CHUNK:
+            raise ValueError("open(stdin=...) takes at most one frame of input: send the rest with send()")
         sent = [(kind, sid, start.encode())]
-        if whole:
-            assert stdin is not None
+        if stdin is not None:
             sent += [(b"I", sid, stdin)] if stdin else []
             sent.append((b"C", sid, b""))
         try:
-            self._send_frames(sent)
+            self._send_frames(sent)  # one write: if it fails, no frame of it reached the relay whole
         except ConnectionFailed:
             with self._cond:
                 self._streams.pop(sid, None)
             raise
         d = _RelayDuplex(self, sid)
-        d.closed = whole
-        if stdin is not None and not whole:
-            d.send(stdin)
-            d.close_stdin()
+        d.closed = stdin is not None
+        return d
+
+    def _opened(self, argv: Sequence[str], agent: AgentStart | None, max_output: int | None,
+                stdin: bytes) -> _RelayDuplex:
+        """open() with all of `stdin` sent and closed: with the start when it fits one frame, else after it."""
+        if len(stdin) <= _CHUNK:
+            return self.open(argv, agent=agent, max_output=max_output, stdin=stdin)
+        d = self.open(argv, agent=agent, max_output=max_output)
+        d.send(stdin)
         return d
 
     def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
@@ -342,13 +348,13 @@ class HostRelay:
         An agent request whose source the relay has (sent before on this relay, or kept by a session this command
         did not start) travels without it; when the relay answers that it lacks it (U), it is sent again with it."""
         if agent is not None and agent.sha and stdin is not None and agent.n and self.has_source(agent.sha):
-            d = self.open(argv, agent=dataclasses.replace(agent, n=0), max_output=max_output, stdin=stdin[agent.n:])
+            d = self._opened(argv, dataclasses.replace(agent, n=0), max_output, stdin[agent.n:])
             res = d.finish(timeout)
             if not d.st.unknown_source:
                 return res
             with self._cond:
                 self.sources_missing.add(agent.sha)
-        d = self.open(argv, agent=agent, max_output=max_output, stdin=stdin or b"")
+        d = self._opened(argv, agent, max_output, stdin or b"")
         res = d.finish(timeout)
         if agent is not None and agent.sha:
             with self._cond:

@@ -58,6 +58,7 @@ class _Client:
         self.streams: dict[int, int] = {}  # client's stream id -> relay stream id
         self.eof = False  # it ended its input (or its connection)
         self.gone = False  # a send to it failed: its process is gone; its streams are abandoned
+        self.sending = 0  # batches of the relay's frames collected for it and not yet written (under map_lock)
 
     def send(self, kind: bytes, sid: int, data: bytes = b"") -> bool:
         return self.send_packed(pack([(kind, sid, data)]))
@@ -105,16 +106,19 @@ class _Mux(HostRelay):
                 if entry is None:
                     continue
                 client, csid = entry
-                if kind == b"X":
+                if kind == b"X":  # forgotten before the client reads X: it may reuse the id at once
                     del self.owner[sid]
                     client.streams.pop(csid, None)
                     self.last_busy = time.monotonic()
+                if client not in out:
+                    client.sending += 1  # its socket stays open until these frames are written (serve_client)
             out.setdefault(client, []).append((kind, csid, payload))
         for client, frames in out.items():
             if not client.send_packed(pack(frames)):
                 self._abandon(client)
             with self.map_lock:
-                close_now = client.eof and not client.streams
+                client.sending -= 1
+                close_now = client.eof and not client.streams and not client.sending
             if close_now:
                 with contextlib.suppress(OSError):
                     client.sock.close()
@@ -168,6 +172,7 @@ class _Mux(HostRelay):
             with self.map_lock:
                 client.eof = True
                 live = list(client.streams.values())
+                sending = client.sending  # the relay's reader closes the socket once those frames are out
                 self.clients.discard(client)
                 self.last_busy = time.monotonic()
             # Ended its input only (a command closing while its streams finish), or gone? A frame it ignores
@@ -178,7 +183,7 @@ class _Mux(HostRelay):
                 for gsid in live:  # its children see the end of their stdin, as over SSH
                     with contextlib.suppress(CtlError):
                         self._send(b"C", gsid)
-            if not live:
+            if not live and not sending:
                 with contextlib.suppress(OSError):
                     sock.close()
 
@@ -186,10 +191,19 @@ class _Mux(HostRelay):
         """A client's frames of one read to the relay, renumbered, in one write (a request's start, input and
         close: one SSH packet); False at its Q (stop the session)."""
         out: list[tuple[bytes, int, bytes]] = []
+        try:
+            return self._collect(client, batch, out)
+        finally:
+            if out:  # also what came before a failure (no free stream id): those streams are registered
+                self._send_frames(out)
+
+    def _collect(self, client: _Client, batch: list[tuple[bytes, int, bytes]], out: list[tuple[bytes, int, bytes]]
+                 ) -> bool:
         for kind, csid, data in batch:
             if kind == b"Q":
-                if out:
+                if out:  # what came before it goes first
                     self._send_frames(out)
+                    out.clear()
                 try:
                     grace = float(json.loads(data or b"{}").get("grace", STOP_GRACE))
                 except (ValueError, AttributeError):
@@ -213,8 +227,6 @@ class _Mux(HostRelay):
                 gsid = client.streams.get(csid)
                 if gsid is not None:
                     out.append((kind, gsid, data))
-        if out:
-            self._send_frames(out)
         return True
 
     def ask_stop(self, why: str, grace: float) -> None:
