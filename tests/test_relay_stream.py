@@ -92,3 +92,7 @@ def test_a_command_with_its_whole_input_goes_out_in_one_write(relay: HostRelay) 
     res = relay.run(["wc", "-c"], stdin=big)
     assert res.stdout.strip() == str(len(big)).encode()
     assert len(writes) > 1 and writes[0][:1] == b"S"
+    # open() sends input only with the start, in one write: a session that ends during a longer input would
+    # otherwise have MuxRelay.open send again a request the relay had begun
+    with pytest.raises(ValueError, match="one frame"):
+        relay.open(["cat"], stdin=big)
