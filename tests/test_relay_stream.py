@@ -96,3 +96,4 @@ def test_a_command_with_its_whole_input_goes_out_in_one_write(relay: HostRelay) 
     # otherwise have MuxRelay.open send again a request the relay had begun
     with pytest.raises(ValueError, match="one frame"):
         relay.open(["cat"], stdin=big)
+    assert not relay._streams  # no stream id taken by the refusal

@@ -308,6 +308,8 @@ class HostRelay:
         (only when `staying`), argv is a request of ctl's agent that a staying agent answers (A frame). With
         `max_output`, finish() stops it once its output passes that many bytes (OutputTooLarge). With `stdin`
         (at most one frame's worth), that is all its input: it goes, and its stdin closes, in the start's write."""
+        if stdin is not None and len(stdin) > _CHUNK:
+            raise ValueError("open(stdin=...) takes at most one frame of input: send the rest with send()")
         with self._cond:
             sid = self._free_sid()
             self._streams[sid] = _Stream(tuple(argv), max_output)
@@ -317,8 +319,6 @@ class HostRelay:
                                             "sha": agent.sha})
         else:
             kind, start = b"S", json.dumps(list(argv))
-        if stdin is not None and len(stdin) > _CHUNK:
-            raise ValueError("open(stdin=...) takes at most one frame of input: send the rest with send()")
         sent = [(kind, sid, start.encode())]
         if stdin is not None:
             sent += [(b"I", sid, stdin)] if stdin else []
