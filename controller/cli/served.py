@@ -461,27 +461,20 @@ def servers(environ: Any = None) -> list[dict[str, Any]]:
     return found
 
 
-def failed_servers(environ: Any = None, *, every: bool = False) -> list[dict[str, str]]:
-    """The command server of this ctl (its key) that could not start, or with `every` those of any key
-    ({"key", "why", "log"}): their commands run in a process of their own."""
+def failed_servers(environ: Any = None) -> list[dict[str, str]]:
+    """This ctl's command server (its key), when it could not start ({"key", "why", "log"}): its commands run
+    in a process of their own. Another key's (another ctl, this one before an upgrade) is not listed."""
     env = os.environ if environ is None else environ
     d = place(env)
     if d is None:
         return []
-    mine = None if every else key(env)
-    found = []
-    for name in sorted(os.listdir(d)):
-        if name.startswith("cmd-") and name.endswith(".sock" + FAILED):
-            k = name[len("cmd-"):-len(".sock" + FAILED)]
-            if mine is not None and k != mine:
-                continue  # another ctl's, or this one's before an upgrade or in another cgroup
-            try:
-                with open(os.path.join(d, name), "rb") as f:
-                    why = f.read(4096).decode("utf-8", "replace").strip()
-            except OSError:
-                continue
-            found.append({"key": k, "why": why, "log": os.path.join(d, f"cmd-{k}.log")})
-    return found
+    k = key(env)
+    try:
+        with open(socket_path(d, k) + FAILED, "rb") as f:
+            why = f.read(4096).decode("utf-8", "replace").strip()
+    except OSError:
+        return []
+    return [{"key": k, "why": why, "log": os.path.join(d, f"cmd-{k}.log")}]
 
 
 def stop_servers() -> list[dict[str, Any]]:
@@ -496,8 +489,8 @@ def stop_servers() -> list[dict[str, Any]]:
     import contextlib
 
     d = place(os.environ)
-    for doc in failed_servers(every=True):
-        if d is not None:
+    for name in os.listdir(d) if d is not None else ():
+        if name.startswith("cmd-") and name.endswith(".sock" + FAILED):  # every key's: any may be tried again
             with contextlib.suppress(OSError):
-                os.unlink(socket_path(d, doc["key"]) + FAILED)
+                os.unlink(os.path.join(d, name))  # type: ignore[arg-type]
     return stopped
