@@ -203,23 +203,33 @@ if sys.argv[2] != "serve":
 put(b"H", b"{}")
 if MODE == "deaf":  # said hello, then never reads again
     time.sleep(3600)
+pipe = None
+if MODE == "small-pipe":  # its stdin holds one page: a request of more reaches it in several writes
+    import fcntl
+    fcntl.fcntl(0, 1031, 4096)  # F_SETPIPE_SZ
+    pipe = fcntl.fcntl(0, 1032)  # F_GETPIPE_SZ
+count = 0
 while True:
     k, _, n = F.unpack(take(F.size))
-    take(n)
-    if MODE == "die":
+    body = take(n)
+    count += 1
+    mode = (MODE[6:] if count > 1 else "") if MODE.startswith("later-") else MODE  # later-M: M from the 2nd on
+    if mode == "die":
         os._exit(3)
-    if MODE == "hang":
+    if mode == "hang":
         time.sleep(3600)
-    if MODE == "slow":
+    if mode == "slow":
         time.sleep(1.5)
-    if MODE == "minus":  # an exit status that only looks like a number
+    if mode == "minus":  # an exit status that only looks like a number
         put(b"X", b"--5")
         continue
-    if MODE == "lie":
+    if mode == "lie":
         put(b"O", b'{"ok": tr')
         put(b"Z", b"?")
         continue
-    put(b"O", json.dumps({"ok": True, "via": "serve", "pid": os.getpid()}).encode())
+    if mode == "big":  # one frame of more than the relay reads at once
+        put(b"O", b"x" * 300000)
+    put(b"O", json.dumps({"ok": True, "via": "serve", "pid": os.getpid(), "got": len(body), "pipe": pipe}).encode())
     put(b"E")
     put(b"X", b"0")
 '''
@@ -445,3 +455,84 @@ def test_the_threads_that_answer_are_kept_and_a_hung_request_holds_back_no_other
     relay.send(b"K", hung)
     relay.wait(hung, lambda fs: any(k == b"X" for k, _ in fs), 10)
     assert relay.close() == 0
+
+
+# Requests that leave out a source the relay keeps, to a staying agent that is idle, are written and answered by
+# the relay's reading loop itself (hostrelay._Loop), not by a worker thread. Each failure mode again, there.
+
+
+def _kept(relay: Relay, mode: str) -> tuple[list[str], str]:
+    """A staying fake agent for `mode`, started by a request that carries its source (a worker answers that one);
+    the argv and sha256 of the requests that then leave the source out."""
+    sha = hashlib.sha256(FAKE).hexdigest()
+    argv = fake(mode)
+    out, _err, code = relay.request(argv, FAKE, n=len(FAKE), at=FAKE_AT, sha=sha)
+    assert code == 0 and json.loads(out)["via"] == "serve", out
+    return argv, sha
+
+
+def test_requests_to_idle_staying_agents_are_answered_without_a_thread(relay: Relay) -> None:
+    kept = [_kept(relay, f"later-slow {i}") for i in range(4)]  # 4 containers; one worker answered them in turn
+    threads = _tasks(relay.p.pid)
+    t0 = time.monotonic()
+    sids = [relay.start(argv, b"", n=0, at=FAKE_AT, sha=sha) for argv, sha in kept]
+    time.sleep(0.5)  # all 4 are being answered (1.5 s each): as workers, 3 more threads would run now
+    assert _tasks(relay.p.pid) == threads
+    assert [json.loads(relay.answer(s)[0])["via"] for s in sids] == ["serve"] * 4
+    assert time.monotonic() - t0 < 4  # side by side
+    assert relay.close() == 0
+
+
+def test_an_agent_that_ends_in_the_loop_is_replaced_for_a_read_and_reported_for_a_write(relay: Relay) -> None:
+    argv, sha = _kept(relay, "later-die")
+    (first,) = [a["pid"] for a in relay.agents()]
+    out, _err, code = relay.request(argv, b"", n=0, at=FAKE_AT, sha=sha, retry=True)
+    doc = json.loads(out)
+    assert code == 0 and doc["via"] == "serve" and doc["pid"] != first  # a new staying agent answered it
+    out, err, code = relay.request(argv, b"", n=0, at=FAKE_AT, sha=sha, retry=False)
+    assert (out, code) == (b"", 255) and b"ctl's agent ended before it answered" in err
+
+
+def test_an_agent_that_breaks_the_protocol_in_the_loop_is_ended(relay: Relay) -> None:
+    argv, sha = _kept(relay, "later-lie")
+    out, err, code = relay.request(argv, b"", n=0, at=FAKE_AT, sha=sha, retry=False)
+    assert (out, code) == (b'{"ok": tr', 255) and b"ended before it answered" in err
+    argv, sha = _kept(relay, "later-minus")
+    out, err, code = relay.request(argv, b"", n=0, at=FAKE_AT, sha=sha, retry=False)
+    assert (out, code) == (b"", 255) and b"ended before it answered" in err
+    assert relay.agents() == []
+
+
+def test_a_k_ends_an_agent_stuck_in_the_loop_and_the_relay_still_exits(relay: Relay) -> None:
+    argv, sha = _kept(relay, "later-hang")
+    sid = relay.start(argv, b"", n=0, at=FAKE_AT, sha=sha)
+    time.sleep(0.5)
+    assert [a["busy"] for a in relay.agents()] == [True]
+    relay.send(b"K", sid)
+    fs = relay.wait(sid, lambda fs: any(k == b"X" for k, _ in fs), 10)
+    assert fs[-1] == (b"X", b"255")
+    assert relay.agents() == []
+    t0 = time.monotonic()
+    assert relay.close() == 0
+    assert time.monotonic() - t0 < 5
+
+
+def test_an_answer_the_loop_reads_when_the_input_ends_still_comes(relay: Relay) -> None:
+    argv, sha = _kept(relay, "later-slow")
+    sid = relay.start(argv, b"", n=0, at=FAKE_AT, sha=sha)
+    time.sleep(0.3)
+    assert relay.p.stdin is not None
+    relay.p.stdin.close()  # ctl is done (or its connection dropped) while the agent answers
+    out, _err, code = relay.answer(sid, timeout=10)
+    assert code == 0 and json.loads(out)["via"] == "serve"
+    assert relay.p.wait(10) == 0
+
+
+def test_a_large_answer_and_a_request_its_agent_s_pipe_cannot_hold(relay: Relay) -> None:
+    argv, sha = _kept(relay, "later-big")
+    out, _err, code = relay.request(argv, b"", n=0, at=FAKE_AT, sha=sha)
+    assert code == 0 and out.startswith(b"x" * 300000) and json.loads(out[300000:])["via"] == "serve"
+    argv, sha = _kept(relay, "small-pipe")
+    out, _err, code = relay.request(argv, b"y" * 20000, n=0, at=FAKE_AT, sha=sha)  # more than its pipe holds
+    doc = json.loads(out)
+    assert (code, doc["via"], doc["pipe"]) == (0, "serve", 4096) and doc["got"] > 20000

@@ -1986,8 +1986,9 @@ def serve():
             return 0
         line, _, data = body.partition(b"\n")
         out, err, rc = _serve_one(json.loads(line.decode()), data)
-        for k, chunk in ((b"O", out), (b"E", err), (b"X", str(rc).encode())):
-            _write_all(wfd, _FRAME.pack(k, 0, len(chunk)) + chunk)
+        # One write: the relay, woken once, reads the whole answer (three writes could wake it three times).
+        _write_all(wfd, b"".join(_FRAME.pack(k, 0, len(chunk)) + chunk
+                                 for k, chunk in ((b"O", out), (b"E", err), (b"X", str(rc).encode()))))
 
 
 _STAYING = []  # set in a staying agent (serve)

@@ -269,16 +269,6 @@ def _emit_raw(frames):
             _broken.append(True)
 
 
-def _read_exact(stream, n):
-    buf = b""
-    while len(buf) < n:
-        b = stream.read(n - len(buf))
-        if not b:
-            return None
-        buf += b
-    return buf
-
-
 class Child:
     def __init__(self, sid, argv, replaces=None, env=None):
         self.sid = sid
@@ -528,11 +518,12 @@ class Resident:
             if stop():
                 return False
             try:
-                if not _ready(fd, select.POLLOUT, 0.5):
-                    continue
-                view = view[os.write(fd, view[:_CHUNK]):]
+                view = view[os.write(fd, view[:_CHUNK]):]  # a request fits the pipe: no poll before it
             except BlockingIOError:
-                continue
+                try:
+                    _ready(fd, select.POLLOUT, 0.5)
+                except (OSError, ValueError):
+                    return False
             except (OSError, ValueError):
                 return False
         return True
@@ -540,42 +531,45 @@ class Resident:
     def alive(self):
         return self.proc.poll() is None
 
+    def frame(self, argv, data):
+        """The R frame of one request (counted as sent to it)."""
+        body = dumps(argv).encode() + b"\n" + data
+        self.requests += 1
+        return HEADER.pack(b"R", 0, len(body)) + body
+
     def request(self, argv, data, emit, stop):
         """Send one request; its answer goes to emit(kind, data) as O/E frames of at most _CHUNK bytes.
         Returns (exit status, delivered, answered): status None when the agent ended, broke the protocol or
         stop() turned true before its X frame; delivered False when the request never reached it; answered
         True once any of its output went to emit."""
-        body = dumps(argv).encode() + b"\n" + data
-        self.requests += 1
         # The agent runs nothing before its whole request arrived: a write cut short delivered nothing.
-        if not self._write(HEADER.pack(b"R", 0, len(body)) + body, stop):
+        if not self._write(self.frame(argv, data), stop):
             self.kill()
             return None, False, False
-        answered = False
-        while True:
-            head = self._read(HEADER.size, stop)
-            if head is None:
-                self.kill()
-                return None, True, answered
-            kind, _sid, n = HEADER.unpack(head)
-            if kind == b"X":
-                code = self._read(n, stop) if n <= 16 else None
+        return self.answer(_Answer(emit), stop)
+
+    def answer(self, a, stop):
+        """Read the rest of answer `a` (request()'s result), waiting as _read does."""
+        fd = self.proc.stdout.fileno()
+        while not a.feed(self._out):
+            if stop():
+                break
+            try:
+                b = os.read(fd, _CHUNK)
+            except BlockingIOError:
                 try:
-                    return int(code), True, answered  # what the agent says: not trusted to be a number
-                except (TypeError, ValueError):
-                    self.kill()
-                    return None, True, answered
-            if kind not in (b"O", b"E") or n > RESIDENT_MAX_FRAME:
-                self.kill()
-                return None, True, answered
-            while n:
-                chunk = self._read(min(n, _CHUNK), stop)
-                if chunk is None:
-                    self.kill()
-                    return None, True, answered
-                n -= len(chunk)
-                answered = True
-                emit(kind, chunk)
+                    _ready(fd, select.POLLIN, 0.5)
+                except (OSError, ValueError):
+                    break
+                continue
+            except (OSError, ValueError):
+                break
+            if not b:
+                break
+            self._out += b
+        if a.code is None:
+            self.kill()
+        return a.code, True, a.answered
 
     def end(self):
         """Close its stdin: it exits at the end of its current request (at once when idle)."""
@@ -593,6 +587,55 @@ class Resident:
         self.proc.wait()
 
 
+class _Answer:
+    """A staying agent's answer read as it comes: its O and E frames go to emit in pieces of at most _CHUNK bytes,
+    its X ends it. feed() takes what arrived; True once it ended: `code` is then its exit status, or None when the
+    agent broke the protocol (a frame kind or size no agent sends, a status that is not a number)."""
+
+    def __init__(self, emit):
+        self.emit = emit
+        self.kind = None  # of the O or E frame being read
+        self.left = 0  # its bytes still to come
+        self.answered = False  # some of its output went to emit
+        self.code = None
+        self.done = False
+
+    def feed(self, buf):
+        while not self.done:
+            if self.left:
+                if not buf:
+                    return False
+                chunk = bytes(buf[:min(self.left, _CHUNK)])
+                del buf[:len(chunk)]
+                self.left -= len(chunk)
+                self.answered = True
+                self.emit(self.kind, chunk)
+                continue
+            if len(buf) < HEADER.size:
+                return False
+            kind, _sid, n = HEADER.unpack_from(buf)
+            if kind == b"X":
+                if n > 16:
+                    self.done = True
+                    break
+                if len(buf) < HEADER.size + n:
+                    return False
+                code = bytes(buf[HEADER.size:HEADER.size + n])
+                del buf[:HEADER.size + n]
+                self.done = True
+                try:
+                    self.code = int(code)  # what the agent says: not trusted to be a number
+                except ValueError:
+                    pass
+                break
+            if kind not in (b"O", b"E") or n > RESIDENT_MAX_FRAME:
+                self.done = True
+                break
+            del buf[:HEADER.size]
+            self.kind, self.left = kind, n
+        return True
+
+
 class _Residents:
     def __init__(self):
         self.lock = threading.Lock()
@@ -603,16 +646,27 @@ class _Residents:
         # Past this, requests run as execs: staying agents never take the descriptors an exec needs.
         self.cap = min(RESIDENT_TOTAL, _nofile() // 8)
 
+    def take_idle(self, key):
+        """An idle staying agent for key, marked busy; or None."""
+        with self.lock:
+            return self._idle(key)
+
+    def _idle(self, key):
+        pool = self.idle.get(key, [])
+        while pool:
+            r = pool.pop()
+            if r.alive():
+                r.busy = True
+                return r
+            self._forget(r)
+        return None
+
     def take(self, key):
         """An idle staying agent for key, marked busy; or None, and whether one may be started."""
         with self.lock:
-            pool = self.idle.get(key, [])
-            while pool:
-                r = pool.pop()
-                if r.alive():
-                    r.busy = True
-                    return r, False
-                self._forget(r)
+            r = self._idle(key)
+            if r is not None:
+                return r, False
             if self.count.get(key, 0) >= RESIDENT_PER_KEY or self.total >= self.cap:
                 return None, False
             self.count[key] = self.count.get(key, 0) + 1  # held for the one about to start
@@ -735,8 +789,11 @@ class AgentRequest:
         self.abandoned = False
         self.lost = False  # its source was left out and is not kept here: its input is dropped, U at C
         self.handoff = None  # the Child its exec runs in, once it took our id
+        self.waiting = None  # the _Loop reading its answer (see _Loop.take), while it does
         self._lock = threading.Lock()  # abandoned and handoff: a K never falls between them
-        self.answered = None  # an Event, set once the request was answered (from close_stdin on)
+        # Held from close_stdin until the request was answered: join() waits on it. A lock, not an Event: an Event
+        # is a Condition built in Python, ~5 us of the relay's reading loop per request.
+        self.answered = None
         self.pending = []  # frames of the answer not written yet (_emit)
         self.pending_n = 0
         with _children_lock:
@@ -753,12 +810,16 @@ class AgentRequest:
             else:
                 self.lost, self.buf = True, bytearray()
 
-    def close_stdin(self):
+    def close_stdin(self, loop=None):
+        """Its input is all here: answered by the relay's reading loop when `loop` can (_Loop.take), else by a
+        worker."""
         if self.closed:
             return
         self.closed = True
-        self.answered = threading.Event()
-        _workers.run(self._run)
+        self.answered = threading.Lock()
+        self.answered.acquire()
+        if loop is None or not loop.take(self):
+            _workers.run(self._run)
 
     def abandon(self):
         """K: the controller stopped reading. A request still gathering its input never runs; one being answered
@@ -769,6 +830,8 @@ class AgentRequest:
             child = self.handoff
         if child is not None:
             child.abandon()
+        elif self.waiting is not None:  # K and the loop are both the reading thread's: no race
+            self.waiting.cancel(self)
         elif not self.closed:
             self.close_stdin()
 
@@ -820,19 +883,40 @@ class AgentRequest:
         if close:
             child.close_stdin()
 
-    def _run(self):
+    def _run(self, work=None):
         try:
-            self._answer()
+            (work or self._answer)()
         except Exception as e:  # whatever went wrong, the stream gets its X (unless its exec has the id)
-            with self._lock:
-                handed = self.handoff is not None
-            if not handed:
-                self._emit(b"E", ("ctl relay: agent request failed: %r\n" % (e,)).encode())
-                self._done(255)
+            self._failed(e)
         finally:
-            self.answered.set()
+            self.answered.release()
 
-    def _answer(self):
+    def _failed(self, e):
+        with self._lock:
+            handed = self.handoff is not None
+        if not handed:
+            self._emit(b"E", ("ctl relay: agent request failed: %r\n" % (e,)).encode())
+            self._done(255)
+
+    def _ended(self, r, code, delivered, answered):
+        """After staying agent r's try: its X sent (True), or False when the request is to run again (the agent
+        had ended before it: a request that never reached it, or one for a verb that only reads)."""
+        _residents.give_back(r, code is not None)
+        if code is not None:
+            self._done(code)
+            return True
+        if self.abandoned:
+            self._done(255)
+            return True
+        if answered or (delivered and not self.retry):
+            said = r.why().strip()[-200:]
+            self._emit(b"E", b"ctl relay: ctl's agent ended before it answered" +
+                       (b" (" + said + b")" if said else b"") + b"\n")
+            self._done(255)
+            return True
+        return False
+
+    def _answer(self, attempts=2):
         if self.abandoned:
             return self._done(255)
         if self.lost or not self._with_source():
@@ -842,7 +926,7 @@ class AgentRequest:
             return self._exec()
         source, data = bytes(self.buf[:self.n]), bytes(self.buf[self.n:])
         key = (tuple(self.argv[:self.at]), _keep_source(source, self.sha if self.kept else None))
-        for _attempt in range(2):
+        for _attempt in range(attempts):
             r, may_start = _residents.take(key)
             if r is None and may_start:
                 try:
@@ -854,20 +938,27 @@ class AgentRequest:
                 _residents.add(r)
             if r is None:
                 return self._exec()
-            code, delivered, answered = r.request(self.argv[self.at:], data, self._emit, lambda: self.abandoned)
-            _residents.give_back(r, code is not None)
-            if code is not None:
-                return self._done(code)
-            if self.abandoned:
-                return self._done(255)
-            if answered or (delivered and not self.retry):
-                said = r.why().strip()[-200:]
-                self._emit(b"E", b"ctl relay: ctl's agent ended before it answered" +
-                           (b" (" + said + b")" if said else b"") + b"\n")
-                return self._done(255)
+            if self._ended(r, *r.request(self.argv[self.at:], data, self._emit, lambda: self.abandoned)):
+                return None
             # It had ended before this request (the container restarted): a request that never reached it, or
             # one for a verb that only reads, runs again.
         return self._exec()
+
+    def _rest(self, r, frame, sent):
+        """In a worker: the rest of a request the loop began (frame[sent:] still to write), then its answer."""
+        stop = lambda: self.abandoned  # noqa: E731
+        if not r._write(frame[sent:], stop):
+            r.kill()
+            done = self._ended(r, None, False, False)
+        else:
+            done = self._ended(r, *r.answer(_Answer(self._emit), stop))
+        if not done:
+            self._answer(attempts=1)
+
+    def _follow(self, r, a):
+        """In a worker: the rest of answer `a` the loop was reading when the relay's input ended."""
+        if not self._ended(r, *r.answer(a, lambda: self.abandoned)):
+            self._answer(attempts=1)
 
     def _done(self, code):
         with _children_lock:
@@ -879,7 +970,8 @@ class AgentRequest:
 
     def join(self):
         if self.answered is not None:
-            self.answered.wait()
+            with self.answered:
+                pass
 
 
 class _Workers:
@@ -950,25 +1042,65 @@ def keep_compiled(entry):
         pass
 
 
-def main():
-    _uncoerce_locale()
-    stdin = sys.stdin.buffer
-    _emit(b"H", 0, dumps({"relay": 3, "pid": os.getpid(), "python": sys.version.split()[0]}).encode())
-    keep_compiled(globals().pop("__ctl_compiled__", None))  # after the hello: ctl is not kept waiting
-    while True:
-        head = _read_exact(stdin, HEADER.size)
-        if head is None:
-            break
-        kind, sid, n = HEADER.unpack(head)
-        data = _read_exact(stdin, n) if n else b""
-        if data is None:
-            break
+class _Loop:
+    """The relay's reading thread: ctl's frames from stdin, and the answers of the staying agents it asked itself.
+
+    A request whose staying agent is idle, whose source is kept and whose frame fits a pipe is written to that
+    agent here, and its answer read here as poll() finds it: no thread is woken for it. Before this, a worker
+    thread took every request; a request then cost the relay ~8 thread switches, ~2 now. What needs waiting
+    (starting an agent, a write that does not fit, an exec) is a worker's, as before."""
+
+    INLINE_MAX = 1 << 15  # a request frame written here (an idle agent's pipe holds 64 KiB; some hosts give 4)
+
+    def __init__(self):
+        self.poll = select.poll()
+        self.poll.register(0, select.POLLIN)
+        self.buf = bytearray()
+        self.waiting = {}  # fd of a staying agent's stdout -> (request, that agent, its _Answer)
+
+    def run(self, stdin):
+        """Until the end of stdin; then every answer still being read goes to a worker."""
+        os.set_blocking(0, False)
+        # ctl sends no frame before our hello, so nothing is left in sys.stdin's buffer from BOOT's read of our
+        # source; were anything, it comes first.
+        try:
+            self.buf += stdin.read1(_CHUNK) or b""
+        except (BlockingIOError, OSError, ValueError):
+            pass
+        self.frames()
+        while True:
+            for fd, _ev in self.poll.poll():
+                if fd == 0:
+                    try:
+                        data = os.read(0, _CHUNK)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:
+                        return self.hand_over()
+                    self.buf += data
+                    self.frames()
+                elif fd in self.waiting:
+                    self.read_answer(fd)
+
+    def frames(self):
+        buf = self.buf
+        while len(buf) >= HEADER.size:
+            kind, sid, n = HEADER.unpack_from(buf)
+            if len(buf) < HEADER.size + n:
+                return
+            data = bytes(buf[HEADER.size:HEADER.size + n])
+            del buf[:HEADER.size + n]
+            self.dispatch(kind, sid, data)
+
+    def dispatch(self, kind, sid, data):
         with _children_lock:
             child = _children.get(sid)
         if kind == b"S":
             if child is not None:
                 _emit(b"E", sid, b"ctl relay: stream id reused\n")
-                continue
+                return
             argv, env = _direct([str(a) for a in loads(data.decode())])
             Child(sid, argv, env=env)
         elif kind == b"T" and sid == 0:
@@ -976,7 +1108,7 @@ def main():
         elif kind == b"A":
             if child is not None:
                 _emit(b"E", sid, b"ctl relay: stream id reused\n")
-                continue
+                return
             try:
                 AgentRequest(sid, loads(data.decode()))
             except (ValueError, KeyError, TypeError, AttributeError):
@@ -985,9 +1117,114 @@ def main():
         elif kind == b"I" and child is not None:
             child.send(data)
         elif kind == b"C" and child is not None:
-            child.close_stdin()
+            if isinstance(child, AgentRequest):
+                child.close_stdin(self)
+            else:
+                child.close_stdin()
         elif kind == b"K" and child is not None:
             child.abandon()
+
+    def take(self, req):
+        """Begin req here (True), or leave it to a worker (False: nothing of it was sent)."""
+        if req.abandoned or req.lost or req.n != 0 or not req.sha or len(req.buf) > self.INLINE_MAX:
+            return False
+        with _sources_lock:
+            kept = _sources.get(req.sha)
+        if kept is None:
+            return False
+        r = _residents.take_idle((tuple(req.argv[:req.at]), req.sha))
+        if r is None:
+            return False
+        _keep_source(kept, req.sha)  # the newest again, as a worker's request would make it
+        frame = r.frame(req.argv[req.at:], bytes(req.buf))
+        try:
+            sent = os.write(r.proc.stdin.fileno(), frame)
+        except BlockingIOError:
+            sent = 0
+        except (OSError, ValueError):  # it ended before this request: a worker asks another
+            r.kill()
+            _residents.give_back(r, False)
+            return False
+        if sent < len(frame):  # a pipe that does not hold it: a worker writes the rest and waits for the answer
+            _workers.run(lambda: req._run(lambda: req._rest(r, frame, sent)))
+            return True
+        fd = r.proc.stdout.fileno()
+        a = _Answer(req._emit)
+        req.waiting = self
+        self.waiting[fd] = (req, r, a)
+        self.poll.register(fd, select.POLLIN)
+        if r._out:  # what an earlier read brought past that answer's X
+            self.read_answer(fd, fresh=False)
+        return True
+
+    def _drop(self, fd):
+        req, r, a = self.waiting.pop(fd)
+        self.poll.unregister(fd)
+        req.waiting = None
+        return req, r, a
+
+    def read_answer(self, fd, fresh=True):
+        """What the agent at fd wrote (fresh: read it now; else what is in its buffer already)."""
+        req, r, a = self.waiting[fd]
+        try:
+            b = True
+            if fresh:
+                try:
+                    b = os.read(fd, _CHUNK)
+                except BlockingIOError:
+                    return
+                except (OSError, ValueError):
+                    b = b""
+                r._out += b
+            if not a.feed(r._out) and b:
+                return
+        except Exception as e:  # as in a worker's _run: whatever went wrong, the stream gets its X
+            self._drop(fd)
+            r.kill()
+            _residents.give_back(r, False)
+            self._finish(req, e)
+            return
+        self._drop(fd)
+        if a.code is None:
+            r.kill()
+        try:
+            done = req._ended(r, a.code, True, a.answered)
+        except Exception as e:
+            return self._finish(req, e)
+        if done:
+            req.answered.release()
+        else:
+            _workers.run(lambda: req._run(lambda: req._answer(attempts=1)))
+
+    @staticmethod
+    def _finish(req, e):
+        try:
+            req._failed(e)
+        finally:
+            req.answered.release()
+
+    def cancel(self, req):
+        """K for a request answered here: its agent is ended (it may be stuck in it), its X goes out."""
+        for fd, (q, r, _a) in list(self.waiting.items()):
+            if q is req:
+                self._drop(fd)
+                r.kill()
+                _residents.give_back(r, False)
+                req._done(255)
+                req.answered.release()
+
+    def hand_over(self):
+        """The relay's input ended: answers still being read here are read to their end by workers."""
+        for fd in list(self.waiting):
+            req, r, a = self._drop(fd)
+            _workers.run(lambda req=req, r=r, a=a: req._run(lambda: req._follow(r, a)))
+
+
+def main():
+    _uncoerce_locale()
+    _emit(b"H", 0, dumps({"relay": 3, "pid": os.getpid(), "python": sys.version.split()[0]}).encode())
+    keep_compiled(globals().pop("__ctl_compiled__", None))  # after the hello: ctl is not kept waiting
+    _Loop().run(sys.stdin.buffer)
     _closing.append(True)
     with _children_lock:
         left = list(_live)
