@@ -12,7 +12,6 @@ connection is opened only when there is none (or the host cannot run it).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import re
@@ -127,7 +126,7 @@ class PctContainer(Transport):
         relay = self._relay()
         if relay is None or not relay.staying:
             return self.run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
-        shifted = dataclasses.replace(start, at=len(self.exec_argv([])) + start.at)
+        shifted = AgentStart(len(self.exec_argv(())) + start.at, start.n, start.retry, start.sha)
         res = relay.run(self.exec_argv(argv), stdin=stdin, timeout=timeout, agent=shifted, max_output=max_output)
         self._raise_pct(res)
         return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)

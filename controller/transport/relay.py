@@ -21,7 +21,7 @@ closed without waiting for it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import json
 import os
 import shlex
@@ -86,6 +86,19 @@ def pack(frames: Iterable[tuple[bytes, int, bytes]]) -> bytes:
     return b"".join(HEADER.pack(kind, sid, len(data)) + data for kind, sid, data in frames)
 
 
+@functools.lru_cache(maxsize=1024)
+def _json_head(words: tuple[str, ...]) -> str:
+    return json.dumps(list(words))[:-1]
+
+
+def argv_json(argv: Sequence[str]) -> str:
+    """json.dumps(list(argv)). A container's agent requests repeat all of it but the last word (`pct exec VMID --
+    python3 -I -S -c BOOT N VERB`): that part is encoded once (escaping BOOT was most of a request's encoding)."""
+    if len(argv) < 2:
+        return json.dumps(list(argv))
+    return _json_head(tuple(argv[:-1])) + ", " + json.dumps(argv[-1]) + "]"
+
+
 def relay_source() -> bytes:
     return source("hostrelay.py")
 
@@ -111,6 +124,17 @@ class _Stream:
         self.abandoned = False  # the caller stopped reading (K sent): its output is dropped, its id kept until X
         self.unknown_source = False  # U: an agent request sent without its source, which the relay does not have
         self.t0 = time.monotonic()
+        # Released once, when the stream ended (X, its channel's end) or passed its cap: finish() waits on it
+        # alone. On the relay's condition it would wake at every frame of every stream of the host.
+        self.ended = threading.Lock()
+        self.ended.acquire()
+        self.told = False
+
+    def tell(self) -> None:
+        """Wake its finish(); under the relay's condition."""
+        if not self.told:
+            self.told = True
+            self.ended.release()
 
 
 class HostRelay:
@@ -279,12 +303,14 @@ class HostRelay:
             return
         if kind in (b"O", b"E") and st.cap is not None and len(st.out) + len(st.err) + len(payload) > st.cap:
             st.over = True
+            st.tell()
         elif kind == b"O":
             st.out += payload
         elif kind == b"E":
             st.err += payload
         elif kind == b"X":
             st.code = int(payload.decode() or "-1")
+            st.tell()
         elif kind == b"U":
             st.unknown_source = True
 
@@ -296,6 +322,7 @@ class HostRelay:
             for st in self._streams.values():
                 if st.dead is None and st.code is None:
                     st.dead = self._dead
+                    st.tell()
             self._cond.notify_all()
         if isinstance(end, ConnectionDropped):
             self.host.close()
@@ -315,10 +342,10 @@ class HostRelay:
             self._streams[sid] = _Stream(tuple(argv), max_output)
         self.streams_opened += 1
         if agent is not None:
-            kind, start = b"A", json.dumps({"argv": list(argv), "at": agent.at, "n": agent.n, "retry": agent.retry,
-                                            "sha": agent.sha})
+            kind, start = b"A", (f'{{"argv": {argv_json(argv)}, "at": {int(agent.at)}, "n": {int(agent.n)}, '
+                                 f'"retry": {"true" if agent.retry else "false"}, "sha": {json.dumps(agent.sha)}}}')
         else:
-            kind, start = b"S", json.dumps(list(argv))
+            kind, start = b"S", argv_json(argv)
         sent = [(kind, sid, start.encode())]
         if stdin is not None:
             sent += [(b"I", sid, stdin)] if stdin else []
@@ -348,7 +375,7 @@ class HostRelay:
         An agent request whose source the relay has (sent before on this relay, or kept by a session this command
         did not start) travels without it; when the relay answers that it lacks it (U), it is sent again with it."""
         if agent is not None and agent.sha and stdin is not None and agent.n and self.has_source(agent.sha):
-            d = self._opened(argv, dataclasses.replace(agent, n=0), max_output, stdin[agent.n:])
+            d = self._opened(argv, AgentStart(agent.at, 0, agent.retry, agent.sha), max_output, stdin[agent.n:])
             res = d.finish(timeout)
             if not d.st.unknown_source:
                 return res
@@ -534,15 +561,18 @@ class _RelayDuplex(Duplex):
         timeout = limit(timeout, self.relay.host.request_timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         st = self.st
-        with self.relay._cond:
-            while st.code is None and not st.over:
+        while True:
+            with self.relay._cond:
+                if st.code is not None or st.over:
+                    break
                 if st.dead is not None:
                     raise self._lost(st.dead)
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    assert timeout is not None
-                    raise self._late("waiting for", timeout)
-                self.relay._cond.wait(left)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                assert timeout is not None
+                raise self._late("waiting for", timeout)
+            st.ended.acquire(timeout=-1 if left is None else left)
+        with self.relay._cond:
             if st.code is not None and not st.over:
                 self.relay._streams.pop(self.sid, None)
                 out, st.out = bytes(st.out), bytearray()
