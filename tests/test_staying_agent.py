@@ -536,3 +536,33 @@ def test_a_large_answer_and_a_request_its_agent_s_pipe_cannot_hold(relay: Relay)
     out, _err, code = relay.request(argv, b"y" * 20000, n=0, at=FAKE_AT, sha=sha)  # more than its pipe holds
     doc = json.loads(out)
     assert (code, doc["via"], doc["pipe"]) == (0, "serve", 4096) and doc["got"] > 20000
+
+
+def test_what_the_loop_emits_for_one_poll_goes_out_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames the reading loop emits while it handles one poll's events are held and written together (one SSH
+    packet for several answers); another thread's frames are written as they come."""
+    from controller.remote import hostrelay as hr
+
+    writes: list[bytes] = []
+
+    class Out:
+        def write(self, b: bytes) -> None:
+            writes.append(bytes(b))
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(hr.sys, "stdout", type("S", (), {"buffer": Out()})())
+    me = threading.get_ident()
+    hr._held[me] = []
+    hr._emit(b"O", 7, b"seven")
+    hr._emit(b"X", 7, b"0")
+    other = threading.Thread(target=hr._emit, args=(b"X", 8, b"1"))
+    other.start()
+    other.join()
+    assert writes == [HEADER.pack(b"X", 8, 1) + b"1"]  # a worker's frame: at once
+    hr._Loop.release()
+    assert writes[1:] == [HEADER.pack(b"O", 7, 5) + b"seven" + HEADER.pack(b"X", 7, 1) + b"0"]
+    assert me not in hr._held
+    hr._emit(b"X", 9, b"2")  # no longer held
+    assert len(writes) == 3

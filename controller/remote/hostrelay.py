@@ -220,6 +220,9 @@ _broken = []  # set once our stdout is gone: keep draining children, stop writin
 _children = {}  # stream id -> Child, while its process runs (until just before its X frame)
 _live = set()  # every Child whose X frame is not out yet: the relay waits for them before it exits
 _children_lock = threading.Lock()
+# Frames a thread holds back until it is done with what woke it (the reading loop: the answers of one poll() go
+# out in one write, so sshd sends them as one packet and ctl's session decrypts and routes one, not one each).
+_held = {}
 
 RESIDENT_MAX_INPUT = 8 << 20  # a request with more input (an apply's tar) runs as its own exec
 RESIDENT_PER_KEY = 4  # staying agents per container and source; when all are busy a request runs as an exec
@@ -258,6 +261,10 @@ def _emit(kind, sid, data=b""):
 def _emit_raw(frames):
     """Frames already packed, in one write: an answer's O, E and X leave together (sshd does not set TCP_NODELAY
     on a session without a terminal: frames written apart could each wait for the controller's delayed ACK)."""
+    held = _held.get(threading.get_ident()) if _held else None
+    if held is not None:
+        held.append(frames)
+        return
     if _broken:
         return
     with _out_lock:
@@ -1068,21 +1075,36 @@ class _Loop:
         except (BlockingIOError, OSError, ValueError):
             pass
         self.frames()
+        me = threading.get_ident()
         while True:
-            for fd, _ev in self.poll.poll():
-                if fd == 0:
-                    try:
-                        data = os.read(0, _CHUNK)
-                    except BlockingIOError:
-                        continue
-                    except OSError:
-                        data = b""
-                    if not data:
-                        return self.hand_over()
-                    self.buf += data
-                    self.frames()
-                elif fd in self.waiting:
-                    self.read_answer(fd)
+            events = self.poll.poll()
+            _held[me] = []
+            try:
+                for fd, _ev in events:
+                    if fd == 0:
+                        try:
+                            data = os.read(0, _CHUNK)
+                        except BlockingIOError:
+                            continue
+                        except OSError:
+                            data = b""
+                        if not data:
+                            self.release()
+                            return self.hand_over()
+                        self.buf += data
+                        self.frames()
+                    elif fd in self.waiting:
+                        self.read_answer(fd)
+            finally:
+                self.release()
+
+    @staticmethod
+    def release():
+        """What this thread held back, written now (before a stream it wrote for goes to a worker, which writes
+        as it goes: that stream's frames stay in order)."""
+        held = _held.pop(threading.get_ident(), None)
+        if held:
+            _emit_raw(b"".join(held))
 
     def frames(self):
         buf = self.buf
