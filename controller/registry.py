@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.errors import BusyError, InputError
-from controller.lifecycle import Lifecycle
+from controller.lifecycle import LIVE, Lifecycle
 from controller.settings import private_dir, private_file, state_dir
 
 SCHEMA = [
@@ -153,6 +153,10 @@ SCHEMA = [
     # version 6: a run's points in step order, covering tok/s: judging a long run reads a window of them
     """
     CREATE INDEX metrics_step ON metrics(run_id, step, seq, tok_s);
+    """,
+    # version 7: a container's runs newest first (`ctl status` reads its newest rows, not its whole history)
+    """
+    CREATE INDEX runs_ct_created ON runs(ct, created);
     """,
 ]
 
@@ -418,6 +422,40 @@ class Registry:
             rows = self._db.execute(f"SELECT * FROM runs WHERE 1{only} ORDER BY created DESC LIMIT ?",  # noqa: S608
                                     (limit,))
         return [_run(r) for r in rows]
+
+    def live_runs(self, ct: str | None = None) -> list[RunRecord]:
+        """Runs in a live state (starting, running), newest first: of one container (its nodes' rows of runs
+        across several containers included), or of everything (one row per run). Only those rows are read: a
+        registry's history costs nothing here."""
+        live = tuple(s.value for s in LIVE)
+        if ct:
+            rows = self._db.execute("SELECT * FROM runs WHERE state IN (?, ?) AND ct=? ORDER BY created DESC",
+                                    (*live, ct))
+        else:
+            rows = self._db.execute("SELECT * FROM runs WHERE state IN (?, ?) AND member_of IS NULL "
+                                    "ORDER BY created DESC", live)
+        return [_run(r) for r in rows]
+
+    def latest_whole(self, ct: str, limit: int) -> list[tuple[int, Lifecycle]]:
+        """(id, state) of the runs the container's newest `limit` rows belong to (a node's row: its run across
+        several containers), newest first, each once; read without decoding a record."""
+        rows = self._db.execute(
+            "SELECT w.id, w.state, w.created FROM (SELECT COALESCE(member_of, id) AS whole FROM runs WHERE ct=? "
+            "ORDER BY created DESC LIMIT ?) r JOIN runs w ON w.id = r.whole", (ct, limit)).fetchall()
+        seen: dict[int, tuple[float, Lifecycle]] = {}
+        for rid, state, created in rows:
+            seen.setdefault(rid, (created, Lifecycle(state)))
+        return [(rid, st) for rid, (_c, st) in sorted(seen.items(), key=lambda kv: kv[1][0], reverse=True)]
+
+    def unsettled_runs(self, terminal: frozenset[str]) -> list[tuple[int, str]]:
+        """(id, container or job) of the runs that are not live and whose last verdict is set and not in
+        `terminal` (one row per run): a supervisor saw them go and has not yet seen them end."""
+        live = tuple(s.value for s in LIVE)
+        rows = self._db.execute(
+            "SELECT id, ct, (SELECT to_verdict FROM events e WHERE e.run_id = runs.id AND e.kind='verdict' "
+            "ORDER BY e.id DESC LIMIT 1) AS v FROM runs WHERE member_of IS NULL AND state NOT IN (?, ?) "
+            "AND v IS NOT NULL AND v != ''", live).fetchall()
+        return [(rid, ct) for rid, ct, v in rows if v not in terminal]
 
     def whole(self, rec: RunRecord) -> RunRecord:
         """The run a record is part of: a node's row gives its run across several containers, any other itself."""

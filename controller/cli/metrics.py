@@ -244,13 +244,12 @@ def status_cmd(
     glob = checkpoint_glob(checkpoints)
     inv = _inv()
     reg = _registry()
-    from controller.commands.runs import whole_runs
-
     recs: list[Any] = []
     for ct in inv.select(containers or []):
-        mine = whole_runs(reg, reg.runs(ct.name, limit=50))  # a node's part of a run stands for the whole run
-        live = [r for r in mine if r.state.live]
-        recs.extend(r for r in (live or mine[:1]) if r.id not in {x.id for x in recs})
+        mine = reg.latest_whole(ct.name, 50)  # a node's part of a run stands for the whole run
+        live = [rid for rid, state in mine if state.live]
+        recs.extend(reg.run_by_id(rid) for rid in (live or [rid for rid, _ in mine[:1]])
+                    if rid not in {x.id for x in recs})
     if not recs:
         if OPTS.json:
             _out([])

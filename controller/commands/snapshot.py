@@ -225,7 +225,7 @@ def live_runs(inv: Inventory, ct: Container, t: Target, pool: Pool, reg: Registr
     """Runs the registry believes live on this CT, confirmed by asking the container (runs.refresh)."""
     from controller.commands import runs
 
-    believed = [r for r in reg.runs(ct.name, limit=10_000) if r.state.live]
+    believed = reg.live_runs(ct.name)
     if not believed:
         return []
     try:
