@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -449,6 +450,23 @@ def test_agent_requests_leave_out_the_source_a_session_already_keeps(persist: En
         assert Agent(t).call("hello", {})["staying"] is True
         assert t.relay is not None and t.relay.started_session
         assert t.relay.sources_missing == set() and t.relay.sources_sent == {agent_sha()}
+
+
+def test_a_closed_pool_leaves_no_connection_to_the_session(persist: Env) -> None:
+    """A process that goes on after its Pool closed (the dashboard, supervise's loop) is no longer a client of
+    the session: the relay's reader thread ends. Closing the socket under that thread's blocked recv() left the
+    socket open (no FIN): the session counted the process as a client, never went idle, and `ctl mux stop`
+    waited out its 30 s grace for it."""
+    inv = load(persist.inventory)
+    with Pool(inv) as pool:
+        t = pool.container(inv.container("ct200"))
+        assert isinstance(t, PctContainer) and t.status() == "running"
+        readers = [th for th in threading.enumerate() if th.name == "mux-pve1"]
+    assert len(readers) == 1
+    readers[0].join(10)
+    assert not readers[0].is_alive()
+    stopped = persist.ctl("mux", "stop", check=True)  # the default grace: nothing of ours left for it to wait for
+    assert "pve1: stopped session" in stopped.stdout
 
 
 def test_a_request_past_its_deadline_ends_its_staying_agent_at_once(persist: Env) -> None:

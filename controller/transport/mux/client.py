@@ -101,6 +101,10 @@ class _SockChan:
         self.sock.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
+        """Shut down first: our reader thread blocked in recv() holds the socket past close() (no FIN goes out),
+        and the session would count a process that keeps running (the dashboard, a test) as a client for ever."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
     def exit_status_ready(self) -> bool:
