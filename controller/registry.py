@@ -429,10 +429,10 @@ class Registry:
         registry's history costs nothing here."""
         live = tuple(s.value for s in LIVE)
         if ct:
-            rows = self._db.execute("SELECT * FROM runs WHERE state IN (?, ?) AND ct=? ORDER BY created DESC",
-                                    (*live, ct))
+            rows = self._db.execute(f"SELECT * FROM runs WHERE state IN ({_marks(live)}) AND ct=? "  # noqa: S608
+                                    "ORDER BY created DESC", (*live, ct))
         else:
-            rows = self._db.execute("SELECT * FROM runs WHERE state IN (?, ?) AND member_of IS NULL "
+            rows = self._db.execute(f"SELECT * FROM runs WHERE state IN ({_marks(live)}) AND member_of IS NULL "  # noqa: S608
                                     "ORDER BY created DESC", live)
         return [_run(r) for r in rows]
 
@@ -451,10 +451,9 @@ class Registry:
         """(id, container or job) of the runs that are not live and whose last verdict is set and not in
         `terminal` (one row per run): a supervisor saw them go and has not yet seen them end."""
         live = tuple(s.value for s in LIVE)
-        rows = self._db.execute(
-            "SELECT id, ct, (SELECT to_verdict FROM events e WHERE e.run_id = runs.id AND e.kind='verdict' "
-            "ORDER BY e.id DESC LIMIT 1) AS v FROM runs WHERE member_of IS NULL AND state NOT IN (?, ?) "
-            "AND v IS NOT NULL AND v != ''", live).fetchall()
+        last = "SELECT to_verdict FROM events e WHERE e.run_id=runs.id AND e.kind='verdict' ORDER BY e.id DESC LIMIT 1"
+        query = f"SELECT id, ct, ({last}) AS v FROM runs WHERE member_of IS NULL AND state NOT IN ({_marks(live)})"  # noqa: S608
+        rows = self._db.execute(query + " AND v IS NOT NULL AND v != ''", live).fetchall()
         return [(rid, ct) for rid, ct, v in rows if v not in terminal]
 
     def whole(self, rec: RunRecord) -> RunRecord:
@@ -780,6 +779,11 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
         else:
             out[k] = v
     return out
+
+
+def _marks(values: tuple[Any, ...]) -> str:
+    """SQL placeholders for values (one ? each)."""
+    return ", ".join("?" * len(values))
 
 
 def _run(row: sqlite3.Row | None) -> RunRecord:

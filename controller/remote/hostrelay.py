@@ -962,6 +962,12 @@ class AgentRequest:
         if not done:
             self._answer(attempts=1)
 
+    def _broke(self, r, a):
+        """In a worker: staying agent r ended, or broke the protocol, before it finished answer `a`."""
+        r.kill()
+        if not self._ended(r, None, True, a.answered):
+            self._answer(attempts=1)
+
     def _follow(self, r, a):
         """In a worker: the rest of answer `a` the loop was reading when the relay's input ended."""
         if not self._ended(r, *r.answer(a, lambda: self.abandoned)):
@@ -1207,8 +1213,10 @@ class _Loop:
             self._finish(req, e)
             return
         self._drop(fd)
-        if a.code is None:
-            r.kill()
+        if a.code is None:  # it ended or broke the protocol: ending it and reading why may wait, so a worker does
+            self.release()  # what this loop wrote of the answer goes first
+            _workers.run(lambda: req._run(lambda: req._broke(r, a)))
+            return
         try:
             done = req._ended(r, a.code, True, a.answered)
         except Exception as e:

@@ -314,8 +314,9 @@ class HostRelay:
         elif kind == b"U":
             st.unknown_source = True
 
-    def _fail(self, end: ConnectionFailed) -> None:
-        """The channel ended (end.message: why, without the host's name): fail every open stream with it."""
+    def _fail(self, end: ConnectionFailed, *, close_host: bool = True) -> None:
+        """The channel ended (end.message: why, without the host's name): fail every open stream with it. A
+        dropped connection closes the host's endpoint too, unless `close_host` is false (we ended the channel)."""
         with self._cond:
             if self._dead is None:
                 self._dead = end
@@ -324,7 +325,7 @@ class HostRelay:
                     st.dead = self._dead
                     st.tell()
             self._cond.notify_all()
-        if isinstance(end, ConnectionDropped):
+        if close_host and isinstance(end, ConnectionDropped):
             self.host.close()
 
     # --- streams ----------------------------------------------------------------------------------
@@ -345,7 +346,7 @@ class HostRelay:
             kind, start = b"A", (f'{{"argv": {argv_json(argv)}, "at": {int(agent.at)}, "n": {int(agent.n)}, '
                                  f'"retry": {"true" if agent.retry else "false"}, "sha": {json.dumps(agent.sha)}}}')
         else:
-            kind, start = b"S", argv_json(argv)
+            kind, start = b"S", json.dumps(list(argv))
         sent = [(kind, sid, start.encode())]
         if stdin is not None:
             sent += [(b"I", sid, stdin)] if stdin else []

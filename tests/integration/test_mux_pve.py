@@ -469,6 +469,26 @@ def test_a_closed_pool_leaves_no_connection_to_the_session(persist: Env) -> None
     assert "pve1: stopped session" in stopped.stdout
 
 
+def test_a_session_relay_the_command_closes_leaves_its_host_connection_open(persist: Env) -> None:
+    """A relay the command itself closes (an early start it did not use, a Pool's end) is no dropped connection:
+    its reader, woken by the shutdown, must not close the host endpoint the command may still be using."""
+    inv = load(persist.inventory)
+    with Pool(inv) as pool:
+        t = pool.container(inv.container("ct200"))
+        assert isinstance(t, PctContainer) and t.status() == "running"
+        relay = t.relay
+        assert relay is not None and relay.staying is not None
+        own = pool.host("pve1").connection()  # the endpoint's own SSH connection, opened by the command
+        reader = relay._reader
+        relay.close()
+        assert reader is not None
+        reader.join(10)
+        assert not reader.is_alive()
+        transport = own.get_transport()
+        assert transport is not None and transport.is_active()
+        assert pool.host("pve1").run(["true"], timeout=30).returncode == 0
+
+
 def test_a_request_past_its_deadline_ends_its_staying_agent_at_once(persist: Env) -> None:
     """ctl gives up on an agent request at its deadline and tells the relay (K): the staying agent stuck in it
     is ended while the command goes on (not only when it exits), and the stream's id is freed by the relay's X."""

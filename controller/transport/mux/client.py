@@ -135,6 +135,7 @@ class MuxRelay(HostRelay):
                  warn: Callable[[str], None] | None = None) -> None:
         super().__init__(host, note=note)
         self.idle = idle
+        self.closing = False  # we end its socket: the reader's end of it is no dropped connection of the host
         self.warn = warn
         self.hello: dict[str, Any] = {}
         self.started_session = False  # this command started the session process (a cold session)
@@ -387,11 +388,14 @@ class MuxRelay(HostRelay):
                 return
         super()._dispatch_batch(batch)
 
-    def _fail(self, end: ConnectionFailed) -> None:
+    def _fail(self, end: ConnectionFailed, *, close_host: bool = True) -> None:
+        if self.closing:  # the reader woke at our own shutdown: the Pool's endpoint goes on being used
+            super()._fail(end, close_host=False)
+            return
         if isinstance(end, ConnectionDropped) and "ctl's session" not in end.message:
             end = ConnectionDropped(f"{end.message} (ctl's session process, pid {self.hello.get('pid')}, ended; "
                                     "the next ctl command starts a new one)")
-        super()._fail(end)
+        super()._fail(end, close_host=close_host)
 
     def may_keep_sources(self) -> bool:
         return self.staying and not self.started_session  # a session earlier commands used
@@ -405,11 +409,13 @@ class MuxRelay(HostRelay):
             if not ended:
                 return
             old, self._chan = self._chan, None
+            self.closing = True
             if old is not None:
                 with contextlib.suppress(OSError):
                     old.close()
             if self._reader is not None:
                 self._reader.join(timeout=5)
+            self.closing = False
             with self._cond:
                 self._dead = None
             self._state = "new"
@@ -444,6 +450,7 @@ class MuxRelay(HostRelay):
         chan = self._chan
         if chan is None:
             return
+        self.closing = True
         with self._cond:
             live = any(not st.abandoned and st.code is None and st.dead is None for st in self._streams.values())
         if live:  # like a direct exec: end our input and let the children finish
