@@ -144,6 +144,7 @@ class HostRelay:
                  hello_timeout: float | None = None) -> None:
         self.host = host
         self.note = note
+        self.closing = False  # we end its channel: the reader's end of it is no dropped connection of the host
         self.hello_timeout = limit(hello_timeout, host.request_timeout) or 30.0
         self._lock = threading.Lock()  # start-up
         self._send_lock = threading.Lock()
@@ -314,9 +315,10 @@ class HostRelay:
         elif kind == b"U":
             st.unknown_source = True
 
-    def _fail(self, end: ConnectionFailed, *, close_host: bool = True) -> None:
+    def _fail(self, end: ConnectionFailed) -> None:
         """The channel ended (end.message: why, without the host's name): fail every open stream with it. A
-        dropped connection closes the host's endpoint too, unless `close_host` is false (we ended the channel)."""
+        dropped connection closes the host's endpoint too, unless we were `closing` the channel ourselves (the
+        reader then wakes at our shutdown, while the command may still use the endpoint)."""
         with self._cond:
             if self._dead is None:
                 self._dead = end
@@ -325,7 +327,7 @@ class HostRelay:
                     st.dead = self._dead
                     st.tell()
             self._cond.notify_all()
-        if close_host and isinstance(end, ConnectionDropped):
+        if isinstance(end, ConnectionDropped) and not self.closing:
             self.host.close()
 
     # --- streams ----------------------------------------------------------------------------------

@@ -135,7 +135,6 @@ class MuxRelay(HostRelay):
                  warn: Callable[[str], None] | None = None) -> None:
         super().__init__(host, note=note)
         self.idle = idle
-        self.closing = False  # we end its socket: the reader's end of it is no dropped connection of the host
         self.warn = warn
         self.hello: dict[str, Any] = {}
         self.started_session = False  # this command started the session process (a cold session)
@@ -388,14 +387,11 @@ class MuxRelay(HostRelay):
                 return
         super()._dispatch_batch(batch)
 
-    def _fail(self, end: ConnectionFailed, *, close_host: bool = True) -> None:
-        if self.closing:  # the reader woke at our own shutdown: the Pool's endpoint goes on being used
-            super()._fail(end, close_host=False)
-            return
+    def _fail(self, end: ConnectionFailed) -> None:
         if isinstance(end, ConnectionDropped) and "ctl's session" not in end.message:
             end = ConnectionDropped(f"{end.message} (ctl's session process, pid {self.hello.get('pid')}, ended; "
                                     "the next ctl command starts a new one)")
-        super()._fail(end, close_host=close_host)
+        super()._fail(end)
 
     def may_keep_sources(self) -> bool:
         return self.staying and not self.started_session  # a session earlier commands used

@@ -131,8 +131,8 @@ class _Mux(HostRelay):
             with contextlib.suppress(CtlError):
                 self._send(b"K", gsid)
 
-    def _fail(self, end: ConnectionFailed, *, close_host: bool = True) -> None:
-        super()._fail(end, close_host=close_host)
+    def _fail(self, end: ConnectionFailed) -> None:
+        super()._fail(end)
         self.end_reason = end
         self.ended.set()
 
