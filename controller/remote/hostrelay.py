@@ -492,29 +492,35 @@ class Resident:
         return self.err
 
     def _read(self, n, stop):
-        """n bytes of its stdout; None at its end, or once stop() is true (checked every half second). Reads what
-        is there (an answer's frames come in one write), waiting only when nothing is."""
-        fd = self.proc.stdout.fileno()
+        """n bytes of its stdout; None at its end, or once stop() is true (checked every half second)."""
         buf = self._out
         while len(buf) < n:
-            if stop():
+            if not self._more(stop):
                 return None
+        got = bytes(buf[:n])
+        del buf[:n]
+        return got
+
+    def _more(self, stop):
+        """What its stdout has, added to self._out, waiting only when nothing is (an answer's frames come in one
+        write); False at its end, on an error, or once stop() is true (checked every half second)."""
+        fd = self.proc.stdout.fileno()
+        while not stop():
             try:
                 b = os.read(fd, _CHUNK)
             except BlockingIOError:
                 try:
                     _ready(fd, select.POLLIN, 0.5)
                 except (OSError, ValueError):
-                    return None
+                    return False
                 continue
             except (OSError, ValueError):
-                return None
+                return False
             if not b:
-                return None
-            buf += b
-        got = bytes(buf[:n])
-        del buf[:n]
-        return got
+                return False
+            self._out += b
+            return True
+        return False
 
     def _write(self, data, stop):
         """All of data to its stdin (non-blocking); False once it ended or stop() is true (checked every half
@@ -557,23 +563,8 @@ class Resident:
 
     def answer(self, a, stop):
         """Read the rest of answer `a` (request()'s result), waiting as _read does."""
-        fd = self.proc.stdout.fileno()
-        while not a.feed(self._out):
-            if stop():
-                break
-            try:
-                b = os.read(fd, _CHUNK)
-            except BlockingIOError:
-                try:
-                    _ready(fd, select.POLLIN, 0.5)
-                except (OSError, ValueError):
-                    break
-                continue
-            except (OSError, ValueError):
-                break
-            if not b:
-                break
-            self._out += b
+        while not a.feed(self._out) and self._more(stop):
+            pass
         if a.code is None:
             self.kill()
         return a.code, True, a.answered
