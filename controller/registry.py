@@ -427,13 +427,12 @@ class Registry:
         """Runs in a live state (starting, running), newest first: of one container (its nodes' rows of runs
         across several containers included), or of everything (one row per run). Only those rows are read: a
         registry's history costs nothing here."""
-        live = tuple(s.value for s in LIVE)
         if ct:
-            rows = self._db.execute(f"SELECT * FROM runs WHERE state IN ({_marks(live)}) AND ct=? "  # noqa: S608
-                                    "ORDER BY created DESC", (*live, ct))
+            rows = self._db.execute(f"SELECT * FROM runs WHERE state IN ({_LIVE_MARKS}) AND ct=? "  # noqa: S608
+                                    "ORDER BY created DESC", (*_LIVE, ct))
         else:
-            rows = self._db.execute(f"SELECT * FROM runs WHERE state IN ({_marks(live)}) AND member_of IS NULL "  # noqa: S608
-                                    "ORDER BY created DESC", live)
+            rows = self._db.execute(f"SELECT * FROM runs WHERE state IN ({_LIVE_MARKS}) AND member_of IS NULL "  # noqa: S608
+                                    "ORDER BY created DESC", _LIVE)
         return [_run(r) for r in rows]
 
     def latest_whole(self, ct: str, limit: int) -> list[tuple[int, Lifecycle]]:
@@ -450,10 +449,9 @@ class Registry:
     def unsettled_runs(self, terminal: frozenset[str]) -> list[tuple[int, str]]:
         """(id, container or job) of the runs that are not live and whose last verdict is set and not in
         `terminal` (one row per run): a supervisor saw them go and has not yet seen them end."""
-        live = tuple(s.value for s in LIVE)
         last = "SELECT to_verdict FROM events e WHERE e.run_id=runs.id AND e.kind='verdict' ORDER BY e.id DESC LIMIT 1"
-        query = f"SELECT id, ct, ({last}) AS v FROM runs WHERE member_of IS NULL AND state NOT IN ({_marks(live)})"  # noqa: S608
-        rows = self._db.execute(query + " AND v IS NOT NULL AND v != ''", live).fetchall()
+        query = f"SELECT id, ct, ({last}) AS v FROM runs WHERE member_of IS NULL AND state NOT IN ({_LIVE_MARKS})"  # noqa: S608
+        rows = self._db.execute(query + " AND v IS NOT NULL AND v != ''", _LIVE).fetchall()
         return [(rid, ct) for rid, ct, v in rows if v not in terminal]
 
     def whole(self, rec: RunRecord) -> RunRecord:
@@ -766,6 +764,9 @@ class RunbookRun:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+_LIVE = tuple(sorted(s.value for s in LIVE))  # the live states, as SQL parameters
+_LIVE_MARKS = ", ".join("?" * len(_LIVE))
+
 _JSON_FIELDS = {"files", "vars", "rendered", "env"}
 
 
@@ -779,11 +780,6 @@ def _encode(fields: dict[str, Any]) -> dict[str, Any]:
         else:
             out[k] = v
     return out
-
-
-def _marks(values: tuple[Any, ...]) -> str:
-    """SQL placeholders for values (one ? each)."""
-    return ", ".join("?" * len(values))
 
 
 def _run(row: sqlite3.Row | None) -> RunRecord:
