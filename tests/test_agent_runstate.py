@@ -127,3 +127,35 @@ def test_a_launch_as_the_tmux_server_exits_is_asked_again(tmp_path: Path, monkey
         assert flag.exists()  # the first ask did fail
     finally:
         subprocess.run([real_tmux, "kill-server"], capture_output=True)
+
+
+def test_tmux_is_asked_only_where_its_answer_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A poll of a live training (what `ctl status` and each tick of `ctl supervise` send) starts no tmux: a
+    client process per run, ~3 ms of CPU in the container. A training gone without an exit status, and a run
+    still starting, are asked about as before."""
+    monkeypatch.setenv("TMUX_TMPDIR", str(tmp_path))
+    real_tmux = shutil.which("tmux")
+    asked = tmp_path / "asked"
+    shim = tmp_path / "bin" / "tmux"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\necho "$1" >> {asked}\nexec {real_tmux} "$@"\n')
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim.parent}:{os.environ['PATH']}")
+    log = tmp_path / "train_r7.log"
+    log.write_text("step=1\n")
+    training = subprocess.Popen(["sleep", "30"], env={**os.environ, "CTL_RUN": "r7"})
+    try:
+        (tmp_path / "train_r7.log.pid").write_text(f"{training.pid}\n")
+        run = {"name": "r7", "log": str(log), "session": "rs-r7"}
+        st = agent_mod.runstate({"runs": [run]})["runs"][0]
+        assert (st["alive"], st["exit"], "session" in st) == (True, None, False), st
+        assert not asked.exists()
+        st = agent_mod.runstate({"runs": [{**run, "record": True}]})["runs"][0]  # a starting run's reconciling
+        assert (st["alive"], st["session"]) == (True, False), st
+        assert asked.read_text().split() == ["has-session"]
+    finally:
+        training.kill()
+        training.wait()
+    st = agent_mod.runstate({"runs": [run]})["runs"][0]
+    assert (st["alive"], st["exit"], st["session"]) == (False, None, False), st
+    assert asked.read_text().split() == ["has-session", "has-session"]

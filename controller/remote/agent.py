@@ -932,15 +932,16 @@ def _not_the_run(pid, run, log):
 def runstate(args):
     """State of runs: exit status if written, whether the training's process group lives, log size. A pid
     that is alive but not the run's training (see _not_the_run) is not the run being alive: "alive" is false
-    and "impostor" says what it is. With "record", the run record beside the log (LOG.ctl.json) too."""
+    and "impostor" says what it is. With "record", the run record beside the log (LOG.ctl.json) too.
+    "session" (whether tmux has the run's session; null without tmux) only for a run asked with "record" or
+    one neither alive nor ended with a status."""
     root = args.get("root", "/")
     out = []
     for r in args["runs"]:
         log = _under(root, r["log"])
         pid = _read_int(log + ".pid")
         alive = _pid_alive(pid) if pid else False
-        st = {"name": r["name"], "exit": _read_int(log + ".exit"), "pid": pid, "alive": alive,
-              "session": _tmux_has(r["session"])}
+        st = {"name": r["name"], "exit": _read_int(log + ".exit"), "pid": pid, "alive": alive}
         if alive:
             why = _not_the_run(pid, r["name"], log)
             if why is not None and not _pid_alive(pid):  # it ended while we looked (a zombie's environ is empty)
@@ -949,6 +950,11 @@ def runstate(args):
             if why is not None:
                 st["alive"] = False
                 st["impostor"] = "pid %d (%s): %s" % (pid, _proc_cmd(pid), why)
+        # tmux is asked (a process started, ~3 ms of CPU) only where its answer is read: a starting run's
+        # reconciling, and a training gone without an exit status (is its launcher still there to write it?).
+        # A poll of live runs, what `ctl status` and every tick of `ctl supervise` send, starts none.
+        if r.get("record") or (not st["alive"] and st["exit"] is None):
+            st["session"] = _tmux_has(r["session"])
         try:
             s = os.stat(log)
             st["log_size"] = s.st_size
