@@ -119,6 +119,28 @@ def test_a_log_longer_than_the_budget_reads_on_and_the_others_are_not_starved(li
     assert calls == 1 + (first.calls - 1)
 
 
+
+def test_a_poll_whose_run_states_are_malformed_fails_its_container_and_stores_nothing(
+        live3: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The container's answer is checked before anything of it is recorded: states that are not the agent's make
+    the container's call a failure (one line, each run's pull says it), and no state, point or cursor moves."""
+    env = live3
+    inv = load(str(env.inventory))
+    reg = Registry()
+    recs = [r for r in reg.runs("loc", limit=10) if r.state.live]
+    _wait_steps(env, reg, [r.name for r in recs])
+    entry = b'{"state": {"exit": "zero", "pid": null, "log_size": 5}, "read": {"ok": true, "length": 0}}'
+    _agent_in(env.root, monkeypatch, b'{"ok": true, "runs": [%s], "length": 0}\n' % b", ".join([entry] * len(recs)))
+    with Pool(inv) as pool:
+        polled = monitor.poll_many(inv, reg, pool, recs, None)
+    assert polled.failed == {"loc"} and not polled.unreachable
+    assert len(polled.warnings) == 1 and polled.warnings[0].startswith("loc: state not refreshed: loc: agent "
+                                                                        "runstate answered"), polled.warnings
+    assert all(polled.pulls[r.id] == polled.warnings[0].split(": ", 2)[2] for r in recs), polled.pulls
+    for r in recs:
+        assert reg.run_by_id(r.id).state == r.state and reg.point_count(r.id) == 0 and reg.cursor(r.id)[0] == 0
+
+
 def _agent_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reply: bytes) -> Agent:
     """The agent of a container whose python3 answers `reply` whatever it is asked (a foreign python3)."""
     bin_dir = tmp_path / "bin"
