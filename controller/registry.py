@@ -435,6 +435,13 @@ class Registry:
                                     "ORDER BY created DESC", _LIVE)
         return [_run(r) for r in rows]
 
+    def live_ids(self) -> list[tuple[int, str]]:
+        """(id, container or job) of the live runs, one row per run, newest first: live_runs without decoding a
+        record (a supervisor asks at each poll which runs to watch)."""
+        rows = self._db.execute(f"SELECT id, ct FROM runs WHERE state IN ({_LIVE_MARKS}) AND member_of IS NULL "  # noqa: S608
+                                "ORDER BY created DESC", _LIVE)
+        return [(rid, ct) for rid, ct in rows]
+
     def latest_whole(self, ct: str, limit: int) -> list[tuple[int, Lifecycle]]:
         """(id, state) of the runs the container's newest `limit` rows belong to (a node's row: its run across
         several containers), newest first, each once; read without decoding a record."""

@@ -45,6 +45,7 @@ def test_selections_match_reading_every_record(tmp_path: Path, seed: int) -> Non
     reg = Registry(tmp_path / "r.sqlite3")
     _history(reg, rng, 120)
     assert [r.id for r in reg.live_runs()] == [r.id for r in reg.runs(None, limit=10_000) if r.state.live]
+    assert reg.live_ids() == [(r.id, r.ct) for r in reg.live_runs()]
     for ct in CTS:
         everything = reg.runs(ct, limit=10_000)
         assert [r.id for r in reg.live_runs(ct)] == [r.id for r in everything if r.state.live]
@@ -68,4 +69,5 @@ def test_live_runs_read_no_record_of_the_history(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(registry, "_run", lambda row: decoded.append(1) or real(row))
     assert [r.id for r in reg.live_runs("ct200")] == [r.id for r in reg.live_runs()] == [live.id]
     assert reg.latest_whole("ct200", 50)[0] == (live.id, Lifecycle.STARTING)
-    assert len(decoded) == 2  # the live run, once for each call; none of the 300 finished ones
+    assert reg.live_ids() == [(live.id, "ct200")]
+    assert len(decoded) == 2  # the live run, once for each call of live_runs; none of the 300 finished ones

@@ -83,7 +83,7 @@ class Supervisor:
         self.on_event = on_event
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.deliverer = Deliverer(list(settings.sinks), settings.secret, self._delivery_failed)
-        self.watching: set[int] = {r.id for r in reg.live_runs() if r.ct in self.targets}
+        self.watching: set[int] = {rid for rid, ct in reg.live_ids() if ct in self.targets}
         self.watching |= {rid for rid, ct in reg.unsettled_runs(TERMINAL) if ct in self.targets}
 
     # --- the lease -------------------------------------------------------------------------------------
@@ -119,9 +119,7 @@ class Supervisor:
         if not held:
             raise BusyError(f"lost the supervisor lease to {row and row['holder']}: stopping")
         out = Poll()
-        for r in self.reg.live_runs():
-            if r.ct in self.targets:
-                self.watching.add(r.id)
+        self.watching |= {rid for rid, ct in self.reg.live_ids() if ct in self.targets}
         recs = [self.reg.run_by_id(i) for i in sorted(self.watching)]
         recs = [r for r in recs if r.ct in self.inv.model.containers or (r.multi and r.ct in self.inv.model.jobs)]
         with self.open_pool() as pool:
