@@ -322,6 +322,44 @@ def test_many_commands_at_once(world: World) -> None:
 
 
 
+def test_a_client_that_trickles_its_request_holds_back_no_other_and_is_dropped(world: World) -> None:
+    """A process of the same user that connects and sends its request a byte at a time (or nothing: hung,
+    stopped with Ctrl-Z) is read as its bytes come, beside every other client, and dropped once REQUEST_WAIT
+    has passed without the whole request."""
+    import threading
+
+    world("config", "path")
+    before = world.up()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(next(world.sockets.glob("cmd-*.sock"))))
+    ended = threading.Event()
+    head = served.MAGIC + (1000).to_bytes(4, "big")  # a request of 1000 bytes, that never comes whole
+
+    def trickle() -> None:
+        deadline = time.time() + 30
+        try:
+            for b in head + b"x" * 1000:
+                sock.sendall(bytes([b]))
+                if time.time() > deadline:
+                    return
+                time.sleep(0.3)
+        except OSError:  # the server closed it
+            ended.set()
+
+    trickler = threading.Thread(target=trickle, daemon=True)
+    trickler.start()
+    try:
+        r = world("--json", "config", "show")
+        assert r.returncode == 0, r.stderr
+        assert trickler.is_alive() and not ended.is_set()  # served while the trickle went on (it held the server)
+        assert world.servers()[0]["served"] == int(before["served"]) + 2  # type: ignore[call-overload]
+        assert ended.wait(20), "the trickling connection was never dropped"
+    finally:
+        sock.close()
+    logs = "".join(p.read_text() for p in world.sockets.glob("cmd-*.log"))
+    assert "a request dropped: not all of it came within 5 s" in logs, logs
+
+
 def test_a_signal_ignored_by_the_client_is_ignored_by_its_command(world: World) -> None:
     """`nohup ctl dashboard`: SIGHUP is ignored by the client and by the command the server forked for it."""
     world("config", "path")

@@ -43,6 +43,8 @@ PRELOAD = ("controller.commands.deploy", "controller.commands.runs", "controller
            "controller.cli.coerce", "controller.cli.compspec", "controller.core.envlock", "controller.core.render",
            "controller.commands.supervise", "controller.commands.notify", "jinja2", "yaml", "sqlite3",
            "platformdirs", "rich.console", "rich.table")
+#: Seconds a client has to send its whole request once connected (it sends it in one write), and to take an answer.
+REQUEST_WAIT = 5.0
 
 
 def _dispositions(ignored: set[int]) -> None:
@@ -234,6 +236,22 @@ class Command:
         self.buf = b""
 
 
+class Pending:
+    """A connection accepted whose request has not all arrived: read as poll() finds its bytes, so that a client
+    that connects and then says nothing (stopped with Ctrl-Z, hung) holds back no other command."""
+
+    def __init__(self, conn: socket.socket, deadline: float) -> None:
+        self.conn, self.deadline = conn, deadline
+        self.msg = b""
+        self.fds: list[int] = []
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        self.conn.close()
+
+
 class Request:
     """In the forked child: the command line to run and what the client passed."""
 
@@ -285,6 +303,7 @@ class Server:
         self.listener, self.path, self.key, self.idle, self.lock = listener, path, key, idle, lock
         self.reads, self.with_env = reads, with_env
         self.commands: dict[int, Command] = {}
+        self.pending: dict[int, Pending] = {}  # by file descriptor
         self.started = self.last = time.time()
         self.served = 0
         self.cpu = 0.0  # CPU seconds of the commands that ended (and of their children that they waited for)
@@ -304,13 +323,16 @@ class Server:
         self.wake = (wake_r, wake_w)
         while True:
             now = time.time()
-            if not self.commands and (self.stopping or now - self.last >= self.idle or not self._ours()):
+            if not self.commands and (self.stopping or (not self.pending and now - self.last >= self.idle)
+                                      or not self._ours()):
                 break
             # idle time counts only without commands (each one's end wakes the loop through its pidfd)
             timeout = 30.0 if self.commands else min(self.idle - (now - self.last), 30.0)
+            if self.pending:
+                timeout = min(timeout, min(p.deadline for p in self.pending.values()) - now)
             poll = select.poll()  # not select(): any number of commands, whatever their descriptors' numbers
             fds = [wake_r, *(c.conn.fileno() for c in self.commands.values()),
-                   *(c.pidfd for c in self.commands.values())]
+                   *(c.pidfd for c in self.commands.values()), *self.pending]
             for fd in fds if self.stopping else [*fds, self.listener.fileno()]:
                 poll.register(fd, select.POLLIN)
             ready = {fd for fd, _ in poll.poll(max(0.0, timeout) * 1000)}
@@ -328,10 +350,21 @@ class Server:
                         self._from_client(c)
                 except OSError as e:  # one command's trouble (its client gone mid-write) is never the server's end
                     sys.stderr.write(f"ctl server: command {c.pid}: {e}\n")
-            if not self.stopping and self.listener.fileno() in ready:
-                req = self._accept()
+            for fd in [fd for fd in self.pending if fd in ready]:
+                req = self._read_request(self.pending[fd])
                 if req is not None:
                     return req
+            now = time.time()
+            for fd, p in list(self.pending.items()):
+                if self.stopping or now >= p.deadline:
+                    del self.pending[fd]
+                    p.close()
+                    sys.stderr.write("ctl server: a request dropped: " + ("stopping\n" if self.stopping else
+                                     f"not all of it came within {REQUEST_WAIT:.0f} s\n"))
+            if not self.stopping and self.listener.fileno() in ready:
+                self._accept()
+        for p in self.pending.values():
+            p.close()
         self._close()
         return None
 
@@ -354,41 +387,60 @@ class Server:
         self.listener.close()
         _leave(self.path, self.lock)
 
-    def _accept(self) -> Request | None:
-        import json
+    def _accept(self) -> None:
         import socket
         import struct
-
-        from controller.cli import served
+        import time
 
         try:
             conn, _ = self.listener.accept()
         except OSError:
-            return None
-        fds: list[int] = []
+            return
         try:
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            if struct.unpack("3i", creds)[1] != os.getuid():
-                conn.close()
-                return None
-            conn.settimeout(5.0)
-            msg, fds, _, _ = socket.recv_fds(conn, 65536, 4)
-            while len(msg) < 8 or len(msg) < 8 + int.from_bytes(msg[4:8], "big"):
-                if len(msg) >= 8 and int.from_bytes(msg[4:8], "big") > served.MAX_MESSAGE:
-                    raise ValueError("request too large")
-                more = conn.recv(1 << 20)
-                if not more:
-                    raise ValueError("request cut short")
-                msg += more
+        except OSError:
+            conn.close()
+            return
+        if struct.unpack("3i", creds)[1] != os.getuid():
+            conn.close()
+            return
+        conn.setblocking(False)
+        self.pending[conn.fileno()] = Pending(conn, time.time() + REQUEST_WAIT)
+
+    def _read_request(self, p: Pending) -> Request | None:
+        """What poll() found of a pending request; once it is whole, the request answered (or, in the forked
+        child, returned)."""
+        import json
+        import socket
+
+        from controller.cli import served
+
+        conn = p.conn
+        try:
+            more, fds, _, _ = socket.recv_fds(conn, 1 << 20, 4)  # the client's descriptors come with its first bytes
+            p.fds += fds
+            if not more:
+                raise ValueError("request cut short")
+            p.msg += more
+            msg = p.msg
+            if len(msg) >= 8 and int.from_bytes(msg[4:8], "big") > served.MAX_MESSAGE:
+                raise ValueError("request too large")
+            if len(msg) < 8 or len(msg) < 8 + int.from_bytes(msg[4:8], "big"):
+                return None  # more to come
+            del self.pending[conn.fileno()]
             if msg[:4] != served.MAGIC:
                 raise ValueError("not a ctl request")
             doc = json.loads(msg[8:8 + int.from_bytes(msg[4:8], "big")])
-        except (OSError, ValueError) as e:
-            for fd in fds:
-                os.close(fd)
-            sys.stderr.write(f"ctl server: a request dropped: {e}\n")
-            conn.close()
+        except BlockingIOError:
             return None
+        except (OSError, ValueError) as e:
+            self.pending.pop(conn.fileno(), None)
+            p.close()
+            sys.stderr.write(f"ctl server: a request dropped: {e}\n")
+            return None
+        fds, p.fds = p.fds, []
+        conn.setblocking(True)
+        conn.settimeout(REQUEST_WAIT)  # its answer: a client that stopped reading holds the server no longer
         op = doc.get("op")
         if op != "run":
             for fd in fds:
@@ -469,6 +521,8 @@ class Server:
             os.close(c.pidfd)
             if c.go >= 0:
                 os.close(c.go)
+        for p in self.pending.values():
+            p.close()
 
     @staticmethod
     def _send(conn: socket.socket, text: str) -> bool:
