@@ -212,6 +212,60 @@ def test_a_killed_client_takes_its_command_along(world: World) -> None:
     assert world.servers()[0]["running"] == 1
 
 
+def _limits(pid: int, what: str) -> tuple[str, str]:
+    with open(f"/proc/{pid}/limits") as f:
+        row = next(line for line in f if line.startswith(what))
+    soft, hard = row[len(what):].split()[:2]
+    return soft, hard
+
+
+def test_a_served_command_has_the_clients_resource_limits(world: World) -> None:
+    """`ulimit -n N; ctl ...` holds for the command the server forks, not the limits of whichever command started
+    the server."""
+    import resource
+
+    world("config", "path")
+    server = int(world.up()["pid"])  # type: ignore[call-overload]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = (min(soft, 300), min(hard, 3000))
+    p, port = _dashboard(world, world.env, preexec=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, want))
+    try:
+        assert world.servers()[0]["running"] == 2  # served: the dashboard, and the `mux status` asking
+        kids = []
+        for name in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if name.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == server:
+                        kids.append(int(name))
+            except (OSError, ValueError):
+                continue
+        assert len(kids) == 1, kids
+        assert _limits(kids[0], "Max open files") == (str(want[0]), str(want[1]))
+        assert _limits(server, "Max open files") == (str(soft), str(hard))  # the server's own are its own
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=30)
+
+
+@pytest.mark.parametrize("root", [False, True])
+def test_a_hard_limit_above_the_servers_is_refused_unless_root(root: bool) -> None:
+    import resource
+
+    from controller.cli.server import limits_refusal
+
+    mine = {n: list(resource.getrlimit(getattr(resource, n))) for n in dir(resource) if n.startswith("RLIMIT_")}
+    assert limits_refusal(mine, root) == ""
+    lower = {**mine, "RLIMIT_CORE": [0, 0]}
+    assert limits_refusal(lower, root) == ""
+    soft, hard = mine["RLIMIT_NOFILE"]
+    above = {**mine, "RLIMIT_NOFILE": [soft, resource.RLIM_INFINITY if hard != resource.RLIM_INFINITY else hard]}
+    if hard != resource.RLIM_INFINITY:
+        assert limits_refusal(above, root) == ("" if root else "RLIMIT_NOFILE: a hard limit above the server's")
+    for bad in (None, [], {**mine, "RLIMIT_NOFILE": [1]}, {**mine, "RLIMIT_NOFILE": [1, "2"]},
+                {k: v for k, v in mine.items() if k != "RLIMIT_AS"}):
+        assert limits_refusal(bad, root) == "a request without its resource limits"
+
+
 def test_a_killed_server_is_replaced_and_a_stopped_one_is_gone(world: World) -> None:
     world("config", "path")
     first = world.up()

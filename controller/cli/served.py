@@ -22,16 +22,18 @@ runs for days, under whatever service manager, scope or limits its user gave it,
 nothing), and `python -m controller` (whose sys.path starts with the working directory) run here, as before.
 A signal the client was started with ignored (nohup's SIGHUP) stays ignored, in the client and in the command.
 
-What differs in a served command: its parent process is the server (in a session of its own, with the
-resource limits of the command that started the server), and it has no controlling terminal, only the client's
-descriptors; so it never opens /dev/tty. `ctl mux status` lists the user's command servers; `ctl mux stop` stops them.
+What differs in a served command: its parent process is the server (in a session of its own), and it has no
+controlling terminal, only the client's descriptors; so it never opens /dev/tty. Its resource limits are the
+client's (`ulimit -n` before a command holds for it); a client whose hard limit is above the server's, which only
+root may raise, runs its command itself. `ctl mux status` lists the user's command servers; `ctl mux stop` stops them.
 
 Only os and sys are imported here, and the interpreter's own C modules (_socket, _signal, _sha256/_sha2,
-_json): `socket` and `signal` would load enum and selectors, ~16 ms of every command's start.
+_json, resource): `socket` and `signal` would load enum and selectors, ~16 ms of every command's start.
 
 Wire (one Unix stream connection per command, in the user's 0700 socket directory, spare.socket_place):
   client -> server  "CTL1" + 4-byte big-endian length + JSON {"op": "run", "key", "argv", "env", "umask",
-                    "ignored": signals the client was started ignoring}, with descriptors 0, 1, 2 and the working
+                    "ignored": signals the client was started ignoring, "rlimits": {"RLIMIT_NOFILE": [soft, hard],
+                    ...}}, with descriptors 0, 1, 2 and the working
                     directory (O_PATH) in its first message; then the line "go" (the command may start)
                     ({"op": "info"} and {"op": "stop"}, with no descriptors: `ctl mux status` and `stop`)
   server -> client  lines: "pid N" (forked, waiting for go) or "refuse WHY", then "exit N" or "signal N"
@@ -281,7 +283,11 @@ def _served(s: Any, server: int, k: str, argv: list[str], environ: Any) -> int |
     umask = os.umask(0o022)
     os.umask(umask)
     ignored = [n for n in (getattr(_signal, name) for name in FORWARDED) if _signal.getsignal(n) == _signal.SIG_IGN]
-    msg = request({"op": "run", "key": k, "argv": argv, "env": dict(environ), "umask": umask, "ignored": ignored})
+    import resource
+
+    limits = {n: list(resource.getrlimit(getattr(resource, n))) for n in dir(resource) if n.startswith("RLIMIT_")}
+    msg = request({"op": "run", "key": k, "argv": argv, "env": dict(environ), "umask": umask, "ignored": ignored,
+                   "rlimits": limits})
     cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fds = b"".join(fd.to_bytes(4, sys.byteorder, signed=True) for fd in (0, 1, 2, cwd))

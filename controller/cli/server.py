@@ -227,6 +227,22 @@ def _leave(path: str, lock: int) -> None:
     os.close(lock)
 
 
+def limits_refusal(limits: object, root: bool) -> str:
+    """Why a client's resource limits ({"RLIMIT_NOFILE": [soft, hard], ...}) cannot be a forked command's, else
+    "". A hard limit may only be lowered, unless by root."""
+    import resource
+
+    names = {n for n in dir(resource) if n.startswith("RLIMIT_")}
+    if not isinstance(limits, dict) or set(limits) != names or not all(
+            isinstance(x, list) and len(x) == 2 and all(type(v) is int for v in x) for x in limits.values()):
+        return "a request without its resource limits"
+    for name in sorted(names):
+        hard, mine = limits[name][1], resource.getrlimit(getattr(resource, name))[1]
+        if mine != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > mine) and not root:
+            return f"{name}: a hard limit above the server's"
+    return ""
+
+
 class Command:
     """A command this server forked: its pid, a pidfd to learn when it ends, the client's connection."""
 
@@ -268,6 +284,12 @@ class Request:
             if fd > 2:
                 os.close(fd)
         os.umask(int(self.doc["umask"]))
+        import resource
+
+        for name, (soft, hard) in self.doc["rlimits"].items():  # the client's (settable: limits_refusal)
+            r = getattr(resource, name)
+            if resource.getrlimit(r) != (soft, hard):
+                resource.setrlimit(r, (soft, hard))
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in self.doc["env"].items()})
         import time
@@ -481,7 +503,7 @@ class Server:
         for name, value in self.with_env.items():
             if env.get(name) != value:
                 return f"{name} differs from the server's"
-        return ""
+        return limits_refusal(doc.get("rlimits"), os.geteuid() == 0)
 
     def _fork(self, conn: socket.socket, doc: dict[str, Any], fds: list[int]) -> Request | None:
         import time
