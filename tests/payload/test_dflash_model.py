@@ -73,6 +73,7 @@ def test_block_is_bidirectional_and_blocks_are_isolated():
 
 
 def test_flex_attention_equals_dense_sdpa(target):
+    torch.manual_seed(1)  # the drafter's own weights: else whatever the tests before it left the generator at
     d = drafter_for(target)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(2, 1000, (2, 96), generator=g)
@@ -83,7 +84,7 @@ def test_flex_attention_equals_dense_sdpa(target):
         a = d(hs, ids, anchors)
         d.attn_backend = "sdpa"
         b = d(hs, ids, anchors)
-    assert (a - b).abs().max() < 1e-4
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-6, ((a - b).abs().max(), b.abs().max())
 
 
 def test_loss_weights_decay_with_gamma():
