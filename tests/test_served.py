@@ -221,49 +221,64 @@ def _limits(pid: int, what: str) -> tuple[str, str]:
 
 def test_a_served_command_has_the_clients_resource_limits(world: World) -> None:
     """`ulimit -n N; ctl ...` holds for the command the server forks, not the limits of whichever command started
-    the server."""
+    the server: a soft limit is set in the forked command; other hard limits (which only CAP_SYS_RESOURCE may
+    raise) get a server of their own."""
     import resource
 
     world("config", "path")
     server = int(world.up()["pid"])  # type: ignore[call-overload]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = (min(soft, 300), min(hard, 3000))
-    p, port = _dashboard(world, world.env, preexec=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, want))
+    low = min(soft, 300)
+    p, _ = _dashboard(world, world.env, preexec=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)))
     try:
         assert world.servers()[0]["running"] == 2  # served: the dashboard, and the `mux status` asking
-        kids = []
-        for name in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    if name.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == server:
-                        kids.append(int(name))
-            except (OSError, ValueError):
-                continue
+        kids = [pid for pid in _pids() if _ppid(pid) == server]
         assert len(kids) == 1, kids
-        assert _limits(kids[0], "Max open files") == (str(want[0]), str(want[1]))
+        assert _limits(kids[0], "Max open files") == (str(low), str(hard))
         assert _limits(server, "Max open files") == (str(soft), str(hard))  # the server's own are its own
     finally:
         p.send_signal(signal.SIGINT)
         p.wait(timeout=30)
+    lower = min(hard, 3000)
+    r = world("config", "path",
+              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, lower), lower)))
+    assert r.returncode == 0, r.stderr
+    deadline = time.time() + 20
+    while len(found := world.servers()) < 2 and time.time() < deadline:  # it ran itself, and started its own
+        time.sleep(0.05)
+    assert len(found) == 2, found
+    other = next(int(d["pid"]) for d in found if d["pid"] != server)  # type: ignore[call-overload]
+    assert _limits(other, "Max open files")[1] == str(lower)
 
 
-@pytest.mark.parametrize("root", [False, True])
-def test_a_hard_limit_above_the_servers_is_refused_unless_root(root: bool) -> None:
+def _pids() -> list[int]:
+    return [int(n) for n in os.listdir("/proc") if n.isdigit()]
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def test_limits_a_server_cannot_give_are_refused() -> None:
     import resource
 
     from controller.cli.server import limits_refusal
 
     mine = {n: list(resource.getrlimit(getattr(resource, n))) for n in dir(resource) if n.startswith("RLIMIT_")}
-    assert limits_refusal(mine, root) == ""
-    lower = {**mine, "RLIMIT_CORE": [0, 0]}
-    assert limits_refusal(lower, root) == ""
+    assert limits_refusal(mine) == ""
+    assert limits_refusal({**mine, "RLIMIT_CORE": [0, 0]}) == ""  # lower: what setrlimit allows anyone
     soft, hard = mine["RLIMIT_NOFILE"]
-    above = {**mine, "RLIMIT_NOFILE": [soft, resource.RLIM_INFINITY if hard != resource.RLIM_INFINITY else hard]}
     if hard != resource.RLIM_INFINITY:
-        assert limits_refusal(above, root) == ("" if root else "RLIMIT_NOFILE: a hard limit above the server's")
+        for above in (hard + 1, resource.RLIM_INFINITY):
+            assert limits_refusal({**mine, "RLIMIT_NOFILE": [soft, above]}) == (
+                "RLIMIT_NOFILE: a hard limit above the server's")
     for bad in (None, [], {**mine, "RLIMIT_NOFILE": [1]}, {**mine, "RLIMIT_NOFILE": [1, "2"]},
                 {k: v for k, v in mine.items() if k != "RLIMIT_AS"}):
-        assert limits_refusal(bad, root) == "a request without its resource limits"
+        assert limits_refusal(bad) == "a request without its resource limits"
 
 
 def test_a_killed_server_is_replaced_and_a_stopped_one_is_gone(world: World) -> None:
@@ -492,6 +507,40 @@ def test_a_server_idles_while_a_long_command_runs_and_a_dead_one_leaves_it_stopp
     assert p.wait(timeout=30) == 1  # its exit status went with the server: said, and 1
     assert p.stderr is not None and "ended without the command's exit status" in p.stderr.read()
     assert not _listening(port)
+
+
+def test_a_request_still_coming_when_the_idle_time_ends_is_waited_for_not_spun_on(world: World) -> None:
+    world.env["CTL_PERSIST"] = "1"  # the server's idle time ends while the request below is still pending
+    world("config", "path")
+    server = int(world.up()["pid"])  # type: ignore[call-overload]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(next(world.sockets.glob("cmd-*.sock"))))  # and says nothing
+    try:
+        before = _cpu(server)
+        time.sleep(3)
+        assert _cpu(server) - before < 0.5  # waiting, not spinning
+        assert sock.recv(1) == b""  # dropped at its deadline, and the idle server gone with it
+    finally:
+        sock.close()
+    deadline = time.time() + 10
+    while os.path.exists(f"/proc/{server}") and time.time() < deadline:
+        time.sleep(0.05)
+    assert not world.servers()
+
+
+@pytest.mark.parametrize("body", [b"[1]", b'"run"', b"{", b"\xff"])
+def test_a_request_that_is_not_a_json_object_is_dropped_and_the_server_goes_on(world: World, body: bytes) -> None:
+    world("config", "path")
+    before = world.up()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(next(world.sockets.glob("cmd-*.sock"))))
+        sock.sendall(served.MAGIC + len(body).to_bytes(4, "big") + body)
+        assert sock.recv(1) == b""  # dropped
+    r = world("config", "path")
+    assert r.returncode == 0, r.stderr
+    after = world.servers()
+    assert [d["pid"] for d in after] == [before["pid"]]
+    assert after[0]["served"] == int(before["served"]) + 2  # type: ignore[call-overload]
 
 
 def test_times_are_shown_in_the_clients_time_zone(world: World) -> None:

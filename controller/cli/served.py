@@ -24,8 +24,8 @@ A signal the client was started with ignored (nohup's SIGHUP) stays ignored, in 
 
 What differs in a served command: its parent process is the server (in a session of its own), and it has no
 controlling terminal, only the client's descriptors; so it never opens /dev/tty. Its resource limits are the
-client's (`ulimit -n` before a command holds for it); a client whose hard limit is above the server's, which only
-root may raise, runs its command itself. `ctl mux status` lists the user's command servers; `ctl mux stop` stops them.
+client's (`ulimit -n` before a command holds for it): hard limits are part of the server's key, soft ones are set
+in the forked command. `ctl mux status` lists the user's command servers; `ctl mux stop` stops them.
 
 Only os and sys are imported here, and the interpreter's own C modules (_socket, _signal, _sha256/_sha2,
 _json, resource): `socket` and `signal` would load enum and selectors, ~16 ms of every command's start.
@@ -105,9 +105,14 @@ def key(environ: Any, path: list[str] | None = None) -> str:
 def _context() -> bytes:
     """What a forked command inherits from the server rather than from its client, and a client could differ in:
     groups, namespaces (a toolbox, a sandbox), cgroup (a systemd unit or scope: stopping it stops the server and
-    the commands it runs), capabilities, no_new_privs, seccomp and niceness. A client that differs gets a server
+    the commands it runs), capabilities, no_new_privs, seccomp, niceness and hard resource limits (which only
+    CAP_SYS_RESOURCE may raise: a forked command sets the client's soft ones). A client that differs gets a server
     of its own."""
-    parts = [repr((os.getgid(), os.getegid(), sorted(os.getgroups()), os.getpriority(os.PRIO_PROCESS, 0)))]
+    import resource
+
+    parts = [repr((os.getgid(), os.getegid(), sorted(os.getgroups()), os.getpriority(os.PRIO_PROCESS, 0))),
+             repr(sorted((n, resource.getrlimit(getattr(resource, n))[1]) for n in dir(resource)
+                         if n.startswith("RLIMIT_")))]
     for ns in ("mnt", "net", "pid", "user", "ipc", "uts", "cgroup"):
         try:
             parts.append(os.readlink(f"/proc/self/ns/{ns}"))

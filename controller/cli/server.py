@@ -227,9 +227,10 @@ def _leave(path: str, lock: int) -> None:
     os.close(lock)
 
 
-def limits_refusal(limits: object, root: bool) -> str:
+def limits_refusal(limits: object) -> str:
     """Why a client's resource limits ({"RLIMIT_NOFILE": [soft, hard], ...}) cannot be a forked command's, else
-    "". A hard limit may only be lowered, unless by root."""
+    "". Hard limits are part of the server's key (served._context): a hard limit above the server's, which only
+    a process with CAP_SYS_RESOURCE could raise, is refused all the same."""
     import resource
 
     names = {n for n in dir(resource) if n.startswith("RLIMIT_")}
@@ -238,7 +239,7 @@ def limits_refusal(limits: object, root: bool) -> str:
         return "a request without its resource limits"
     for name in sorted(names):
         hard, mine = limits[name][1], resource.getrlimit(getattr(resource, name))[1]
-        if mine != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > mine) and not root:
+        if mine != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > mine):
             return f"{name}: a hard limit above the server's"
     return ""
 
@@ -349,7 +350,7 @@ class Server:
                                       or not self._ours()):
                 break
             # idle time counts only without commands (each one's end wakes the loop through its pidfd)
-            timeout = 30.0 if self.commands else min(self.idle - (now - self.last), 30.0)
+            timeout = 30.0 if self.commands or self.pending else min(self.idle - (now - self.last), 30.0)
             if self.pending:
                 timeout = min(timeout, min(p.deadline for p in self.pending.values()) - now)
             poll = select.poll()  # not select(): any number of commands, whatever their descriptors' numbers
@@ -453,6 +454,8 @@ class Server:
             if msg[:4] != served.MAGIC:
                 raise ValueError("not a ctl request")
             doc = json.loads(msg[8:8 + int.from_bytes(msg[4:8], "big")])
+            if not isinstance(doc, dict):
+                raise ValueError("not a ctl request")
         except BlockingIOError:
             return None
         except (OSError, ValueError) as e:
@@ -503,7 +506,7 @@ class Server:
         for name, value in self.with_env.items():
             if env.get(name) != value:
                 return f"{name} differs from the server's"
-        return limits_refusal(doc.get("rlimits"), os.geteuid() == 0)
+        return limits_refusal(doc.get("rlimits"))
 
     def _fork(self, conn: socket.socket, doc: dict[str, Any], fds: list[int]) -> Request | None:
         import time
