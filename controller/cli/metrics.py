@@ -245,11 +245,13 @@ def status_cmd(
     inv = _inv()
     reg = _registry()
     recs: list[Any] = []
+    seen: set[int] = set()  # a run across several containers is shown once, whichever of them named it
     for ct in inv.select(containers or []):
         mine = reg.latest_whole(ct.name, 50)  # a node's part of a run stands for the whole run
-        live = [rid for rid, state in mine if state.live]
-        recs.extend(reg.run_by_id(rid) for rid in (live or [rid for rid, _ in mine[:1]])
-                    if rid not in {x.id for x in recs})
+        for rid in [rid for rid, state in mine if state.live] or [rid for rid, _ in mine[:1]]:
+            if rid not in seen:
+                seen.add(rid)
+                recs.append(reg.run_by_id(rid))
     if not recs:
         if OPTS.json:
             _out([])

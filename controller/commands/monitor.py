@@ -407,7 +407,8 @@ def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], 
 
     # The registry is read and written here, in the calling thread; the fan-out's threads only talk to the
     # containers. A thread's first registry access opens its own SQLite connection (a schema parse: ~0.3 ms of
-    # CPU, while a poll's own work is about as much), and a fan-out starts a thread per container.
+    # CPU, while a poll's own work is about as much), and a fan-out starts a thread per container. Only a pull
+    # with more log than one call's budget (a first pull of a long log) reads on, and stores, in a fan-out thread.
     asked: dict[str, list[dict[str, Any]]] = {}
     pulling: dict[int, _Pull] = {}
     for name, mine in by_ct.items():
