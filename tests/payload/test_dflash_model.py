@@ -84,7 +84,9 @@ def test_flex_attention_equals_dense_sdpa(target):
         a = d(hs, ids, anchors)
         d.attn_backend = "sdpa"
         b = d(hs, ids, anchors)
-    assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-6, ((a - b).abs().max(), b.abs().max())
+    # Two CPU kernels, two summation orders: here they differ by ~6e-7 of the output's scale, on CI's machine by up
+    # to 2e-4 of it (outputs ~2.5, 5e-4 apart). A position masked wrongly moves outputs by tenths.
+    assert (a - b).abs().max() <= 1e-3 * b.abs().max(), ((a - b).abs().max(), b.abs().max())
 
 
 def test_loss_weights_decay_with_gamma():
