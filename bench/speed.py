@@ -516,6 +516,19 @@ def say(text: str) -> None:
     print(f"bench: {text}", file=sys.stderr, flush=True)
 
 
+def bring_up(name: str) -> tuple[PveHost, Path] | None:
+    """The local Proxmox test host with PER_NODE containers on each of its two nodes, in a new directory; None
+    (said why) when this machine cannot run it."""
+    why = missing_prerequisites()
+    if why:
+        print(f"bench: needs the local Proxmox host: {why}", file=sys.stderr)
+        return None
+    base = Path(tempfile.mkdtemp(prefix=f"ctl-bench-{name}-"))
+    port = find_free_port(["127.0.0.2", "127.0.0.3"])
+    say(f"bringing up the test host at {base} ({2 * PER_NODE} containers) ...")
+    return PveHost(base=base, port=port, ct_ssh_vmid=None, small_tmpfs={}, extra_cts=PER_NODE - 2).up(), base
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
@@ -528,14 +541,10 @@ def main() -> int:
         ap.error("--repeat >= 1, --big-mb >= 2 and --log-mb >= 4")
     if not CTL.exists():
         raise SystemExit(f"bench: no installed ctl at {CTL} (pip install -e . into this interpreter's venv)")
-    why = missing_prerequisites()
-    if why:
-        print(f"bench: needs the local Proxmox host: {why}", file=sys.stderr)
+    up = bring_up("speed")
+    if up is None:
         return 2
-    base = Path(tempfile.mkdtemp(prefix="ctl-bench-speed-"))
-    port = find_free_port(["127.0.0.2", "127.0.0.3"])
-    say(f"bringing up the test host at {base} (40 containers) ...")
-    host = PveHost(base=base, port=port, ct_ssh_vmid=None, small_tmpfs={}, extra_cts=PER_NODE - 2).up()
+    host, base = up
     env = dict(os.environ, CTL_STATE_DIR=str(base / "state"), PYTHONPATH=str(REPO))
     try:
         return Bench(host, base, args).run()

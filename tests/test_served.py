@@ -317,8 +317,11 @@ def _forked_deploy(world: World) -> socket.socket:
     world("config", "path")
     world.up()
     path = next(world.sockets.glob("cmd-*.sock"))
+    import resource
+
+    limits = {n: list(resource.getrlimit(getattr(resource, n))) for n in dir(resource) if n.startswith("RLIMIT_")}
     msg = served.request({"op": "run", "key": path.name[4:-5], "argv": [str(CTL), "deploy", "loc", "--allow-dirty"],
-                          "env": world.env, "umask": 0o022})
+                          "env": world.env, "umask": 0o022, "rlimits": limits})
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(str(path))
     cwd = os.open(world.tmp, os.O_PATH | os.O_DIRECTORY)
