@@ -268,7 +268,7 @@ def test_limits_a_server_cannot_give_are_refused() -> None:
 
     from controller.cli.server import limits_refusal
 
-    mine = {n: list(resource.getrlimit(getattr(resource, n))) for n in dir(resource) if n.startswith("RLIMIT_")}
+    mine = served.rlimits()
     assert limits_refusal(mine) == ""
     assert limits_refusal({**mine, "RLIMIT_CORE": [0, 0]}) == ""  # lower: what setrlimit allows anyone
     soft, hard = mine["RLIMIT_NOFILE"]
@@ -317,11 +317,8 @@ def _forked_deploy(world: World) -> socket.socket:
     world("config", "path")
     world.up()
     path = next(world.sockets.glob("cmd-*.sock"))
-    import resource
-
-    limits = {n: list(resource.getrlimit(getattr(resource, n))) for n in dir(resource) if n.startswith("RLIMIT_")}
     msg = served.request({"op": "run", "key": path.name[4:-5], "argv": [str(CTL), "deploy", "loc", "--allow-dirty"],
-                          "env": world.env, "umask": 0o022, "rlimits": limits})
+                          "env": world.env, "umask": 0o022, "rlimits": served.rlimits()})
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(str(path))
     cwd = os.open(world.tmp, os.O_PATH | os.O_DIRECTORY)

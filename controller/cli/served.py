@@ -102,17 +102,22 @@ def key(environ: Any, path: list[str] | None = None) -> str:
     return str(h.hexdigest()[:20])
 
 
+def rlimits() -> dict[str, list[int]]:
+    """This process's resource limits, {"RLIMIT_NOFILE": [soft, hard], ...}: what a request carries, the hard
+    ones in its key, and what the server compares them with."""
+    import resource
+
+    return {n: list(resource.getrlimit(getattr(resource, n))) for n in dir(resource) if n.startswith("RLIMIT_")}
+
+
 def _context() -> bytes:
     """What a forked command inherits from the server rather than from its client, and a client could differ in:
     groups, namespaces (a toolbox, a sandbox), cgroup (a systemd unit or scope: stopping it stops the server and
     the commands it runs), capabilities, no_new_privs, seccomp, niceness and hard resource limits (which only
     CAP_SYS_RESOURCE may raise: a forked command sets the client's soft ones). A client that differs gets a server
     of its own."""
-    import resource
-
     parts = [repr((os.getgid(), os.getegid(), sorted(os.getgroups()), os.getpriority(os.PRIO_PROCESS, 0))),
-             repr(sorted((n, resource.getrlimit(getattr(resource, n))[1]) for n in dir(resource)
-                         if n.startswith("RLIMIT_")))]
+             repr(sorted((n, hard) for n, (_, hard) in rlimits().items()))]
     for ns in ("mnt", "net", "pid", "user", "ipc", "uts", "cgroup"):
         try:
             parts.append(os.readlink(f"/proc/self/ns/{ns}"))
@@ -288,11 +293,8 @@ def _served(s: Any, server: int, k: str, argv: list[str], environ: Any) -> int |
     umask = os.umask(0o022)
     os.umask(umask)
     ignored = [n for n in (getattr(_signal, name) for name in FORWARDED) if _signal.getsignal(n) == _signal.SIG_IGN]
-    import resource
-
-    limits = {n: list(resource.getrlimit(getattr(resource, n))) for n in dir(resource) if n.startswith("RLIMIT_")}
     msg = request({"op": "run", "key": k, "argv": argv, "env": dict(environ), "umask": umask, "ignored": ignored,
-                   "rlimits": limits})
+                   "rlimits": rlimits()})
     cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fds = b"".join(fd.to_bytes(4, sys.byteorder, signed=True) for fd in (0, 1, 2, cwd))

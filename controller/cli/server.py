@@ -233,13 +233,15 @@ def limits_refusal(limits: object) -> str:
     a process with CAP_SYS_RESOURCE could raise, is refused all the same."""
     import resource
 
-    names = {n for n in dir(resource) if n.startswith("RLIMIT_")}
-    if not isinstance(limits, dict) or set(limits) != names or not all(
+    from controller.cli.served import rlimits
+
+    mine = rlimits()
+    if not isinstance(limits, dict) or set(limits) != set(mine) or not all(
             isinstance(x, list) and len(x) == 2 and all(type(v) is int for v in x) for x in limits.values()):
         return "a request without its resource limits"
-    for name in sorted(names):
-        hard, mine = limits[name][1], resource.getrlimit(getattr(resource, name))[1]
-        if mine != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > mine):
+    for name, (_, hard) in sorted(mine.items()):
+        theirs = limits[name][1]
+        if hard != resource.RLIM_INFINITY and (theirs == resource.RLIM_INFINITY or theirs > hard):
             return f"{name}: a hard limit above the server's"
     return ""
 
