@@ -431,16 +431,13 @@ class Registry:
             rows = self._db.execute(f"SELECT * FROM runs WHERE state IN ({_LIVE_MARKS}) AND ct=? "  # noqa: S608
                                     "ORDER BY created DESC", (*_LIVE, ct))
         else:
-            rows = self._db.execute(f"SELECT * FROM runs WHERE state IN ({_LIVE_MARKS}) AND member_of IS NULL "  # noqa: S608
-                                    "ORDER BY created DESC", _LIVE)
+            rows = self._db.execute(f"SELECT * FROM runs WHERE {_LIVE_WHOLE}", _LIVE)  # noqa: S608
         return [_run(r) for r in rows]
 
     def live_ids(self) -> list[tuple[int, str]]:
         """(id, container or job) of the live runs, one row per run, newest first: live_runs without decoding a
         record (a supervisor asks at each poll which runs to watch)."""
-        rows = self._db.execute(f"SELECT id, ct FROM runs WHERE state IN ({_LIVE_MARKS}) AND member_of IS NULL "  # noqa: S608
-                                "ORDER BY created DESC", _LIVE)
-        return [(rid, ct) for rid, ct in rows]
+        return [(rid, ct) for rid, ct in self._db.execute(f"SELECT id, ct FROM runs WHERE {_LIVE_WHOLE}", _LIVE)]  # noqa: S608
 
     def latest_whole(self, ct: str, limit: int) -> list[tuple[int, Lifecycle]]:
         """(id, state) of the runs the container's newest `limit` rows belong to (a node's row: its run across
@@ -773,6 +770,7 @@ class RunbookRun:
 
 _LIVE = tuple(sorted(s.value for s in LIVE))  # the live states, as SQL parameters
 _LIVE_MARKS = ", ".join("?" * len(_LIVE))
+_LIVE_WHOLE = f"state IN ({_LIVE_MARKS}) AND member_of IS NULL ORDER BY created DESC"  # live runs, one row per run
 
 _JSON_FIELDS = {"files", "vars", "rendered", "env"}
 

@@ -451,10 +451,11 @@ def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], 
         return more
 
     def read_on(ct: Container, t: Transport) -> dict[int, PullResult | str]:
+        agent = Agent(t)
         got: dict[int, PullResult | str] = {}
         for p in going[ct.name]:
             try:
-                got[p.run.id] = p.finish(Agent(t))
+                got[p.run.id] = p.finish(agent)
             except CtlError as e:
                 got[p.run.id] = str(e)
         return got
