@@ -128,13 +128,14 @@ def driver(tree: str, n: int, argv: list[str]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=20, help="runs of each case per tree (default 20)")
+    ap.add_argument("--repeat", type=int, default=20, help=f"runs of each case per tree, a multiple of {ROUNDS} "
+                    "(default 20)")
     ap.add_argument("--against", default=None, help="another checkout to measure in turn with this one")
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="only these cases (repeatable)")
     ap.add_argument("--out", default=str(HERE / "bench" / "results" / "process_cpu.json"))
     args = ap.parse_args()
-    if args.repeat < ROUNDS:
-        ap.error(f"--repeat must be at least {ROUNDS}")
+    if args.repeat < ROUNDS or args.repeat % ROUNDS:
+        ap.error(f"--repeat {args.repeat}: give a multiple of {ROUNDS} (each tree's runs come in {ROUNDS} turns)")
     trees = {"this": HERE}
     if args.against:
         other = Path(args.against).resolve()
@@ -161,7 +162,7 @@ def main() -> int:
             envs["against"] = dict(b.env_warm, PYTHONPATH=str(trees["against"]), CTL_STATE_DIR=str(state),
                                    XDG_RUNTIME_DIR=str(run_dir))
         cases = args.case or list(CASES)
-        per_round = max(1, args.repeat // ROUNDS)
+        per_round = args.repeat // ROUNDS
         got: dict[str, dict[str, list[Any]]] = {}
         for case in cases:
             speed.say(f"{case}: ctl {' '.join(CASES[case])}")
