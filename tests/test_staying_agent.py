@@ -158,6 +158,16 @@ def test_a_staying_agent_answers_as_its_exec_would_and_stays(relay: Relay, tmp_p
     assert relay.close() == 0  # end of input: the staying agent ends, and so does the relay
 
 
+def test_a_staying_agent_says_how_many_requests_it_took_and_an_exec_says_nothing(relay: Relay) -> None:
+    """`ctl ping` counts a first answer as a round trip only when its agent was up before: the hello says so."""
+    src = agent_source()
+    argv = real("hello", json.dumps({"root": "/"}))
+    served = [json.loads(relay.request(argv, src)[0])["served"] for _ in range(3)]
+    assert served == [1, 2, 3]
+    alone = json.loads(exec_answer(argv, src)[0])
+    assert alone["staying"] is False and "served" not in alone
+
+
 def test_another_agent_source_gets_its_own_staying_agent(relay: Relay) -> None:
     src = agent_source()
     other = src + b"\n# another ctl build\n"

@@ -1971,7 +1971,7 @@ def serve():
     touch a frame. A request is R: a JSON argv line, then the verb's whole input. Its answer is O (what
     the verb wrote on stdout), E (stderr, with the traceback of an exception) and X (its exit status,
     ASCII), exactly what one `python3 -c BOOT N VERB ...` exec would have given. End of stdin: exit."""
-    _STAYING.append(True)
+    _STAYING.append(0)
     rfd, wfd = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -1991,17 +1991,23 @@ def serve():
         if body is None:
             return 0
         line, _, data = body.partition(b"\n")
+        _STAYING[0] += 1
         out, err, rc = _serve_one(json.loads(line.decode()), data)
         # One write: the relay, woken once, reads the whole answer (three writes could wake it three times).
         _write_all(wfd, b"".join(_FRAME.pack(k, 0, len(chunk)) + chunk
                                  for k, chunk in ((b"O", out), (b"E", err), (b"X", str(rc).encode()))))
 
 
-_STAYING = []  # set in a staying agent (serve)
+_STAYING = []  # in a staying agent (serve): [requests it took, this one included]
 
 
 def hello(args):
-    return {"ok": True, "pid": os.getpid(), "python": sys.version.split()[0], "staying": bool(_STAYING)}
+    """Who answers. A staying agent also says how many requests it took: more than this one means it was up
+    before (`ctl ping` counts this answer as one of its round trips)."""
+    out = {"ok": True, "pid": os.getpid(), "python": sys.version.split()[0], "staying": bool(_STAYING)}
+    if _STAYING:
+        out["served"] = _STAYING[0]
+    return out
 
 
 def _serve_one(argv, data):

@@ -517,6 +517,22 @@ def test_a_request_past_its_deadline_ends_its_staying_agent_at_once(persist: Env
         assert t.relay is not None and t.relay._streams == {}  # the relay's X came: the id is free again
 
 
+def test_ping_counts_the_first_answer_of_an_agent_that_was_up_as_a_round_trip(persist: Env) -> None:
+    """Best of three round trips to the staying agent: a first ping starts it (its first answer has the start in
+    it: three more requests); a second finds it up (its first answer is one of the three: two more)."""
+
+    def requests() -> list[int]:
+        docs = json.loads(persist.ctl("--json", "mux", "status", check=True).stdout)
+        return [a["requests"] for d in docs if d["host"] == "pve1" for a in d["agents"] or []]
+
+    rows = json.loads(persist.ctl("--json", "ping", "ct200", check=True).stdout)
+    assert rows[0]["staying"] is True and rows[0]["rtt_ms"] <= rows[0]["first_ms"]
+    assert requests() == [4]
+    rows = json.loads(persist.ctl("--json", "ping", "ct200", check=True).stdout)
+    assert rows[0]["staying"] is True and rows[0]["rtt_ms"] <= rows[0]["first_ms"]
+    assert requests() == [7]
+
+
 def test_staying_agents_start_by_lxc_attach_with_the_environment_pct_gives(persist: Env) -> None:
     """pct exec is `lxc-attach -n VMID --keep-env -- ...` once pct (a Perl program, several hundred ms a start on
     a real host) has found the container running. The relay starts a staying agent that way itself: the node's
