@@ -301,6 +301,19 @@ def test_a_killed_server_is_replaced_and_a_stopped_one_is_gone(world: World) -> 
     assert not [p.name for p in world.sockets.glob("cmd-*")]  # nor is its lock or (empty) log left behind
 
 
+def test_json_mux_status_and_stop_name_the_command_server(world: World) -> None:
+    """`ctl --json mux status` says what the text says of the command server; `ctl --json mux stop` which it
+    stopped. No host was used here: no session."""
+    world("config", "path")
+    pid = world.up()["pid"]
+    doc = json.loads(world("--json", "mux", "status").stdout)
+    assert doc["sessions"] == [] and doc["servers_failed"] == []
+    assert [(d["pid"], d["running"]) for d in doc["servers"]] == [(pid, 1)]  # that status, served by it
+    assert [d["pid"] for d in world.servers()] == [pid]
+    stop = json.loads(world("--json", "mux", "stop").stdout)
+    assert stop == {"sessions": [], "servers": [{"pid": pid, "running": 0}]}
+
+
 def test_a_variable_its_imports_read_must_match(world: World) -> None:
     world("config", "path")
     before = world.up()
@@ -601,6 +614,9 @@ def test_a_server_that_cannot_start_is_not_started_again_and_says_why(world: Wor
     assert log.stat().st_size == size and not list(world.sockets.glob("cmd-*.sock"))
     status = world("mux", "status")
     assert "command server: could not start (RuntimeError: half an upgrade)" in status.stdout
+    doc = json.loads(world("--json", "mux", "status").stdout)
+    assert doc["servers"] == [] and [(d["why"], d["log"]) for d in doc["servers_failed"]] == [
+        ("RuntimeError: half an upgrade", str(log))]
     broken.write_text(whole)  # mended: another key, whose server starts; the old key's failure is not this ctl's
     assert world("config", "path").returncode == 0
     world.up()

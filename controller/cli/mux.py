@@ -26,12 +26,14 @@ app.add_typer(mux_app, name="mux")
 @mux_app.command("status")
 def status_cmd() -> None:
     """List this user's sessions: host, address, pid, idle timeout, age, whether it answers, and the agents it
-    keeps in containers (requests they answered)."""
+    keeps in containers (requests they answered); then the command server. With --json: {"sessions": [...],
+    "servers": [...], "servers_failed": [...]}."""
+    from controller.cli import served
     from controller.transport import mux
 
     docs = mux.sessions()
     if OPTS.json:
-        _cli._out(docs)
+        _cli._out({"sessions": docs, "servers": served.servers(), "servers_failed": served.failed_servers()})
         return
     now = time.time()
     _cli._table(f"persistent host sessions ({mux.mux_dir()})",
@@ -39,8 +41,6 @@ def status_cmd() -> None:
                 [[d.get("host"), f"{d.get('user')}@{d.get('address')}:{d.get('port')}", d.get("pid"),
                   f"{d.get('idle')}s", f"{now - float(d.get('started', now)):.0f}s",
                   "live" if d["live"] else "gone", _agents_cell(d.get("agents")), d.get("socket")] for d in docs])
-    from controller.cli import served
-
     con = _cli._console()
     for d in served.servers():
         con.print(f"command server: pid {d['pid']}, {d['served']} commands served, {d['running']} running, "
@@ -74,7 +74,8 @@ def stop_cmd(host: str = typer.Argument(None, autocompletion=_c.hosts,
 
         servers = served.stop_servers()  # the next command runs in a process of its own, as the first did
     if OPTS.json:
-        _cli._out([{"host": d.get("host"), "pid": d.get("pid")} for d in stopped])
+        _cli._out({"sessions": [{"host": d.get("host"), "pid": d.get("pid")} for d in stopped],
+                   "servers": [{"pid": d["pid"], "running": d["running"]} for d in servers]})
         return
     con = _cli._console()
     for d in stopped:

@@ -385,7 +385,7 @@ def test_session_killed_9_leaves_a_stale_socket_that_the_next_command_replaces(e
     how, new = _session(env.ctl("--debug", "ping", "ct200", check=True))
     assert how == "started" and new != pid  # (not the socket's inode: a filesystem may give the new one the same)
     st = env.ctl("mux", "status", "--json", check=True)
-    assert [(d["pid"], d["live"]) for d in json.loads(st.stdout)] == [(new, True)]
+    assert [(d["pid"], d["live"]) for d in json.loads(st.stdout)["sessions"]] == [(new, True)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -160,7 +160,7 @@ def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env)
         assert sha(env.host.rootfs(vmid) / "root" / env.tag / "emit_metrics.py") == sha(env.dir / "emit_metrics.py")
     assert not sshd_sessions(env, "pve1") - sessions and mine <= sshd_sessions(env, "pve1")
     st = env.ctl("mux", "status", "--json", check=True)
-    assert [(d["host"], d["pid"], d["live"]) for d in json.loads(st.stdout)] == [("pve1", pid, True)]
+    assert [(d["host"], d["pid"], d["live"]) for d in json.loads(st.stdout)["sessions"]] == [("pve1", pid, True)]
     stop = env.ctl("mux", "stop", check=True)
     assert f"pve1: stopped session (pid {pid})" in stop.stdout
     assert _wait_gone(pid)
@@ -178,7 +178,7 @@ def test_a_cold_command_starts_each_hosts_session_while_it_loads_and_uses_it(per
     for m in re.finditer(r"started ctl's persistent session \(pid (\d+)", r.stderr):
         _pids_seen.append(int(m.group(1)))
     assert [ln.split()[:2] for ln in r.stdout.splitlines()] == [["ct200", "ok"], ["ct201", "ok"], ["ct300", "ok"]]
-    assert sorted(d["host"] for d in json.loads(env.ctl("mux", "status", "--json", check=True).stdout)) == [
+    assert sorted(d["host"] for d in json.loads(env.ctl("mux", "status", "--json", check=True).stdout)["sessions"]) == [
         "pve1", "pve2"]
     again = env.ctl("--debug", "ping", "ct200", check=True)
     assert "while ctl loads" not in again.stderr  # a session runs: nothing begun early, it is reused
@@ -522,7 +522,7 @@ def test_ping_counts_the_first_answer_of_an_agent_that_was_up_as_a_round_trip(pe
     it: three more requests); a second finds it up (its first answer is one of the three: two more)."""
 
     def requests() -> list[int]:
-        docs = json.loads(persist.ctl("--json", "mux", "status", check=True).stdout)
+        docs = json.loads(persist.ctl("--json", "mux", "status", check=True).stdout)["sessions"]
         return [a["requests"] for d in docs if d["host"] == "pve1" for a in d["agents"] or []]
 
     rows = json.loads(persist.ctl("--json", "ping", "ct200", check=True).stdout)
@@ -544,7 +544,7 @@ def test_staying_agents_start_by_lxc_attach_with_the_environment_pct_gives(persi
     persist.ctl("ping", "ct200", check=True)
     calls = host.pct_calls("pve1")[before:]
     assert [(c["cmd"], c["args"][0], c["argv"][6]) for c in calls] == [("attach", "200", "serve")], calls
-    docs = json.loads(persist.ctl("--json", "mux", "status", check=True).stdout)
+    docs = json.loads(persist.ctl("--json", "mux", "status", check=True).stdout)["sessions"]
     agents = [a for d in docs if d["host"] == "pve1" for a in d["agents"]]
     assert [(a["via"], a["argv"][:4]) for a in agents] == [("lxc-attach", ["pct", "exec", "200", "--"])], agents
     (agent,) = children(agents[0]["pid"])  # lxc-attach's child: the agent, in the container

@@ -354,7 +354,7 @@ def test_status_and_supervise_of_many_runs_cost_one_connection_per_host_and_one_
         """{vmid: requests its staying agents answered}, from `ctl mux status` (the sessions' relays)."""
         r = pve_env.ctl("--json", "mux", "status", check=True)
         out: dict[str, int] = {}
-        for doc in json.loads(r.stdout):
+        for doc in json.loads(r.stdout)["sessions"]:
             for agent in doc["agents"] or []:
                 vmid = agent["argv"][2]  # pct exec VMID -- python3 ...
                 out[vmid] = out.get(vmid, 0) + agent["requests"]
