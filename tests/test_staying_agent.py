@@ -168,6 +168,32 @@ def test_a_staying_agent_says_how_many_requests_it_took_and_an_exec_says_nothing
     assert alone["staying"] is False and "served" not in alone
 
 
+def test_a_staying_agent_no_request_took_for_its_idle_time_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After an upgrade, agents of the old source would stay as long as the session (a supervisor keeps it up):
+    one that no request took for CTL_AGENT_IDLE_S ends when a later request comes, and is reaped; one still in
+    use stays."""
+    monkeypatch.setenv("CTL_AGENT_IDLE_S", "1.0")
+    r = Relay()
+    try:
+        src, other = agent_source(), agent_source() + b"\n# the ctl before an upgrade\n"
+        hello = real("hello", json.dumps({"root": "/"}))
+        old_pid = json.loads(r.request(real("hello", json.dumps({"root": "/"}), src=other), other)[0])["pid"]
+        new_pid = json.loads(r.request(hello, src)[0])["pid"]
+        assert len(r.agents()) == 2
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:  # the new source's agent is used every 0.2 s; the old one is not
+            assert json.loads(r.request(hello, src)[0])["pid"] == new_pid
+            time.sleep(0.2)
+        assert [a["pid"] for a in r.agents()] == [new_pid]
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{old_pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{old_pid}").exists()  # it exited and the relay reaped it: no zombie left
+    finally:
+        r.p.kill()
+        r.p.wait()
+
+
 def test_another_agent_source_gets_its_own_staying_agent(relay: Relay) -> None:
     src = agent_source()
     other = src + b"\n# another ctl build\n"

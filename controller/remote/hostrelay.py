@@ -230,6 +230,11 @@ RESIDENT_TOTAL = 512  # staying agents per relay, and at most one per 8 descript
 RESIDENT_HELLO_S = 30.0  # a staying agent that has not said hello by then is given up (the request runs as an exec)
 RESIDENT_EXIT_S = 2.0  # a start whose stdout ended is waited for this long to exit (then: a refusal, not a hang)
 RESIDENT_MAX_FRAME = 1 << 30  # a reply frame claiming more is not the agent: that agent is ended
+# A staying agent no request took for this long ends: one of another ctl build's source (after an upgrade, under a
+# supervisor that keeps the session up), one of a container nobody asks any more. Looked at when a request takes
+# an agent, at most every RESIDENT_SWEEP_S; CTL_AGENT_IDLE_S in the relay's environment sets it (tests).
+RESIDENT_IDLE_S = 600.0
+RESIDENT_SWEEP_S = 30.0
 PVE_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"  # the PATH pct sets before it runs lxc-attach
 PVE_PCTS = ("/usr/sbin/pct", "/sbin/pct")  # where Proxmox installs pct (a bare `pct` must resolve to one of them)
 _no_lxc_attach = []  # set once lxc-attach is not on PVE_PATH: every staying agent starts through pct
@@ -448,6 +453,7 @@ class Resident:
         self.via = argv[0]
         self.requests = 0
         self.busy = True
+        self.idle_since = time.monotonic()  # when it was last given back (set then)
         self.proc = Proc(argv, env)
         # Its own stderr is /dev/null after the hello; what pct or lxc-attach say (a refusal before it starts)
         # is kept, last 4 KiB, and drained so that they never block on a full pipe.
@@ -643,11 +649,38 @@ class _Residents:
         self.kept = set()  # every started Resident not yet forgotten (for T)
         # Past this, requests run as execs: staying agents never take the descriptors an exec needs.
         self.cap = min(RESIDENT_TOTAL, _nofile() // 8)
+        try:
+            self.idle_s = max(0.0, float(os.environ.get("CTL_AGENT_IDLE_S", RESIDENT_IDLE_S)))
+        except ValueError:
+            self.idle_s = RESIDENT_IDLE_S
+        self.swept = time.monotonic()
 
     def take_idle(self, key):
         """An idle staying agent for key, marked busy; or None."""
         with self.lock:
-            return self._idle(key)
+            r, old = self._idle(key), self._sweep()
+        _retire(old)
+        return r
+
+    def _sweep(self):
+        """The idle staying agents no request took for idle_s, forgotten (under the lock): the caller ends them
+        (_retire) once it has let the lock go. Busy ones are never in an idle pool."""
+        now = time.monotonic()
+        if now - self.swept < min(RESIDENT_SWEEP_S, self.idle_s):
+            return []
+        self.swept = now
+        old = []
+        for key, pool in list(self.idle.items()):
+            stale = [r for r in pool if now - r.idle_since >= self.idle_s]
+            if not stale:
+                continue
+            pool[:] = [r for r in pool if now - r.idle_since < self.idle_s]
+            if not pool:
+                del self.idle[key]
+            for r in stale:
+                self._forget(r)
+            old += stale
+        return old
 
     def _idle(self, key):
         pool = self.idle.get(key, [])
@@ -662,14 +695,14 @@ class _Residents:
     def take(self, key):
         """An idle staying agent for key, marked busy; or None, and whether one may be started."""
         with self.lock:
-            r = self._idle(key)
-            if r is not None:
-                return r, False
-            if self.count.get(key, 0) >= RESIDENT_PER_KEY or self.total >= self.cap:
-                return None, False
-            self.count[key] = self.count.get(key, 0) + 1  # held for the one about to start
-            self.total += 1
-            return None, True
+            old = self._sweep()
+            r, may_start = self._idle(key), False
+            if r is None and self.count.get(key, 0) < RESIDENT_PER_KEY and self.total < self.cap:
+                self.count[key] = self.count.get(key, 0) + 1  # held for the one about to start
+                self.total += 1
+                may_start = True
+        _retire(old)
+        return r, may_start
 
     def add(self, r):
         with self.lock:
@@ -696,6 +729,7 @@ class _Residents:
         with self.lock:
             r.busy = False
             if healthy and r.alive() and not _closing:
+                r.idle_since = time.monotonic()
                 self.idle.setdefault(r.key, []).append(r)
                 return
             self._forget(r)
@@ -749,6 +783,28 @@ def _start_resident(key, argv, source, stop):
 
 
 _residents = _Residents()
+
+
+def _retire(old):
+    """End staying agents swept as idle: their stdin closes (an idle agent exits at once) and a worker reaps them,
+    killing one that has not exited within RESIDENT_EXIT_S."""
+    if not old:
+        return
+    for r in old:
+        r.end()
+
+    def reap():
+        deadline = time.monotonic() + RESIDENT_EXIT_S
+        for r in old:
+            try:
+                while r.proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                if r.proc.poll() is None:
+                    r.kill()
+            except OSError:
+                pass  # gone already
+
+    _workers.run(reap)
 _sources = {}  # sha256 -> agent source, the newest SOURCES_KEPT (requests may omit a source kept here)
 _sources_lock = threading.Lock()
 SOURCES_KEPT = 8
