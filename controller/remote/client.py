@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from controller.errors import (
@@ -34,7 +34,7 @@ from controller.errors import (
     VerifyError,
 )
 from controller.remote import boot, source
-from controller.transport.base import AgentStart, Duplex, Result, Transport
+from controller.transport.base import AgentStart, Duplex, Result, Submitted, Transport
 
 BOOT = boot("agent")  # controller/remote/__init__.py says what it does
 
@@ -113,6 +113,32 @@ class Agent:
         if check and not doc.get("ok"):
             raise self.error(doc)
         return doc
+
+    def submit(self, verb: str, args: Mapping[str, Any] | Sequence[str],
+               on_done: Callable[[dict[str, Any] | CtlError], None]) -> Submitted | None:
+        """call(verb, args) without waiting, where the transport's host session keeps a staying agent: on_done
+        gets the answer, or the error call() would have raised, from the session's reader thread (so it must
+        neither raise nor wait). None where the transport cannot: use call(). The deadline is the caller's to
+        keep (the handle's expire())."""
+
+        def done(got: Result | CtlError) -> None:
+            if isinstance(got, OutputTooLarge):
+                got = self.too_large(f"agent {verb}", MAX_REPLY)
+            if isinstance(got, CtlError):
+                on_done(got)
+                return
+            try:
+                doc = self.parse(verb, got)
+                if not doc.get("ok"):
+                    raise self.error(doc)
+            except CtlError as e:
+                on_done(e)
+                return
+            on_done(doc)
+
+        src = agent_source()
+        start = AgentStart(VERB_AT, len(src), verb in READ_ONLY, agent_sha())
+        return self.t.submit_agent(self.argv(verb, args), start, stdin=src, on_done=done, max_output=MAX_REPLY)
 
     def exec(self, verb: str, argv: list[str], stdin: bytes, timeout: float | None, *,
              reads_only: bool | None = None, limit: int = MAX_REPLY) -> Result:

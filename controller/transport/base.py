@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 import shlex
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from controller.errors import OutputTooLarge, RemoteCommandError
+from controller.errors import CtlError, OutputTooLarge, RemoteCommandError
 
 #: A timeout that means "no deadline": for work that is legitimately long (a cache save, a venv build). A
 #: timeout of None means the endpoint's default deadline (`Transport.request_timeout`, CTL_TIMEOUT).
@@ -27,6 +28,15 @@ def limit(timeout: float | None, default: float | None) -> float | None:
     if timeout is None or math.isinf(timeout) or timeout <= 0:
         return None
     return timeout
+
+
+class Submitted(Protocol):
+    """A request started without waiting for it (Transport.submit_agent)."""
+
+    t0: float  # when it was started (time.monotonic)
+
+    def expire(self, timeout: float) -> None:
+        """Past its deadline: dropped, and its callback told DeadlineExceeded (nothing, if it ended first)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,14 @@ class Transport(ABC):
         """run(argv) for a request of ctl's agent; a transport whose host relay keeps staying agents has one of
         them answer it (the same Result, without an exec, a python3 start or a compile)."""
         return self.run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
+
+    def submit_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
+                     on_done: Callable[[Result | CtlError], None],
+                     max_output: int | None = None) -> Submitted | None:
+        """run_agent without waiting, where a staying agent of a host session answers: on_done gets the Result
+        (or the error) from the session's reader thread; the handle's expire() ends it past its deadline. None
+        where this transport cannot (the caller runs run_agent in a thread of its own)."""
+        return None
 
     def stream(
         self, argv: Sequence[str], *, timeout: float | None = None, idle: float | None = None

@@ -16,11 +16,18 @@ import hashlib
 import os
 import re
 import shlex
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Literal
 
-from controller.errors import ConnectionFailed, DeadlineExceeded, NotRunning, RemoteCommandError, VerifyError
-from controller.transport.base import AgentStart, Duplex, Result, Transport
+from controller.errors import (
+    ConnectionFailed,
+    CtlError,
+    DeadlineExceeded,
+    NotRunning,
+    RemoteCommandError,
+    VerifyError,
+)
+from controller.transport.base import AgentStart, Duplex, Result, Submitted, Transport
 from controller.transport.ssh import SshEndpoint
 
 if TYPE_CHECKING:
@@ -130,6 +137,28 @@ class PctContainer(Transport):
         res = relay.run(self.exec_argv(argv), stdin=stdin, timeout=timeout, agent=shifted, max_output=max_output)
         self._raise_pct(res)
         return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)
+
+    def submit_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
+                     on_done: Callable[[Result | CtlError], None],
+                     max_output: int | None = None) -> Submitted | None:
+        """run_agent without waiting, through the host session's staying agent; pct's refusals reach on_done
+        as NotRunning, as run_agent raises them."""
+        relay = self._relay()
+        if relay is None or not relay.staying:
+            return None
+
+        def done(got: Result | CtlError) -> None:
+            if isinstance(got, Result):
+                try:
+                    self._raise_pct(got)
+                except CtlError as e:
+                    got = e
+                else:
+                    got = Result(tuple(argv), got.returncode, got.stdout, got.stderr, got.seconds)
+            on_done(got)
+
+        shifted = AgentStart(len(self.exec_argv(())) + start.at, start.n, start.retry, start.sha)
+        return relay.submit(self.exec_argv(argv), agent=shifted, stdin=stdin, on_done=done, max_output=max_output)
 
     def stream(
         self, argv: Sequence[str], *, timeout: float | None = None, idle: float | None = None

@@ -32,7 +32,14 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from controller.errors import ConnectionDropped, ConnectionFailed, DeadlineExceeded, RelayExited, RemoteCommandError
+from controller.errors import (
+    ConnectionDropped,
+    ConnectionFailed,
+    CtlError,
+    DeadlineExceeded,
+    RelayExited,
+    RemoteCommandError,
+)
 from controller.remote import boot, source
 from controller.transport.base import AgentStart, Duplex, Result, Transport, limit, too_large
 from controller.transport.ssh import SshEndpoint
@@ -107,14 +114,19 @@ def relay_argv() -> list[str]:
     return ["sh", "-c", _START, BOOT, str(len(relay_source()))]
 
 
+#: What a submitted request comes to (HostRelay.submit): its Result, or the error it met.
+Answered = Callable[[Result | CtlError], None]
+
+
 def speaks_agent(hello: dict[str, Any]) -> bool:
     version = hello.get("relay")
     return isinstance(version, int) and not isinstance(version, bool) and version >= 3
 
 
 class _Stream:
-    def __init__(self, argv: tuple[str, ...], cap: int | None = None) -> None:
+    def __init__(self, argv: tuple[str, ...], cap: int | None = None, sid: int = 0) -> None:
         self.argv = argv
+        self.sid = sid
         self.out = bytearray()  # grown in place: a reply of n frames costs n appends, not n copies of it
         self.err = bytearray()
         self.cap = cap  # bytes of stdout + stderr this stream may hold (None: no limit)
@@ -129,6 +141,9 @@ class _Stream:
         self.ended = threading.Lock()
         self.ended.acquire()
         self.told = False
+        # A submitted request's (submit): called once with what it came to, by the thread that saw its end,
+        # after the relay's condition is let go. None for the others, and once called.
+        self.on_done: Callable[[_Stream, Result | CtlError], None] | None = None
 
     def tell(self) -> None:
         """Wake its finish(); under the relay's condition."""
@@ -162,6 +177,7 @@ class HostRelay:
         self.sources_missing: set[str] = set()  # ... and of those it said it lacks (U)
         self.why_unavailable: str | None = None  # why the host cannot run the relay
         self.stuck = False  # a stream passed its deadline: close() does not wait for the relay
+        self._due: list[tuple[Callable[[_Stream, Result | CtlError], None], _Stream, Result | CtlError]] = []
         self._telling: list[threading.Thread] = []  # K frames of streams past their deadline, on their way
 
     # --- start-up ---------------------------------------------------------------------------------
@@ -287,11 +303,27 @@ class HostRelay:
                    else RelayExited(f"ctl's relay exited with status {status}"))
 
     def _dispatch_batch(self, batch: list[tuple[bytes, int, bytes]]) -> None:
-        """The frames one read brought, under one lock, its waiters woken once."""
+        """The frames one read brought, under one lock, its waiters woken once; then the callbacks of the
+        submitted requests they ended."""
         with self._cond:
             for kind, sid, payload in batch:
                 self._take(kind, sid, payload)
             self._cond.notify_all()
+        self._call_due()
+
+    def _end_due(self, st: _Stream, got: Result | CtlError) -> None:
+        """A submitted request ended (under self._cond): its callback taken from it, to be called by _call_due
+        once the condition is let go. Taken here, so that nothing else (an expiry) can call it again."""
+        done, st.on_done = st.on_done, None
+        if done is not None:
+            self._due.append((done, st, got))
+
+    def _call_due(self) -> None:
+        """The callbacks of submitted requests that ended, outside the condition (they may submit the next)."""
+        with self._cond:
+            due, self._due = self._due, []
+        for done, st, got in due:
+            done(st, got)
 
     def _take(self, kind: bytes, sid: int, payload: bytes) -> None:
         """One frame of the relay into its stream; under self._cond."""
@@ -305,6 +337,11 @@ class HostRelay:
         if kind in (b"O", b"E") and st.cap is not None and len(st.out) + len(st.err) + len(payload) > st.cap:
             st.over = True
             st.tell()
+            if st.on_done is not None:  # stopped here (K), its id kept until X, as finish() does
+                st.abandoned = True
+                st.out, st.err = bytearray(), bytearray()
+                self._telling_k(sid)
+                self._end_due(st, too_large(self.host.name, st.argv, st.cap))
         elif kind == b"O":
             st.out += payload
         elif kind == b"E":
@@ -312,8 +349,23 @@ class HostRelay:
         elif kind == b"X":
             st.code = int(payload.decode() or "-1")
             st.tell()
+            if st.on_done is not None:
+                del self._streams[sid]
+                out, st.out = bytes(st.out), bytearray()
+                self._end_due(st, Result(st.argv, st.code, out, bytes(st.err), time.monotonic() - st.t0))
         elif kind == b"U":
             st.unknown_source = True
+
+    def _telling_k(self, sid: int) -> None:
+        """K for a stream, from a thread of its own: whoever saw the reason may hold the condition, or be the
+        reader a relay that stopped reading would hold up."""
+        t = threading.Thread(target=self._tell_k, args=(sid,), name=f"k-{self.host.name}", daemon=True)
+        t.start()
+        self._telling.append(t)
+
+    def _tell_k(self, sid: int) -> None:
+        with contextlib.suppress(ConnectionFailed):
+            self._send(b"K", sid)
 
     def _fail(self, end: ConnectionFailed) -> None:
         """The channel ended (end.message: why, without the host's name): fail every open stream with it. A
@@ -326,14 +378,18 @@ class HostRelay:
                 if st.dead is None and st.code is None:
                     st.dead = self._dead
                     st.tell()
+                    if st.on_done is not None:
+                        self._end_due(st, _retold(st.dead, _lost_message(self, st, st.dead)))
             self._cond.notify_all()
+        self._call_due()
         if isinstance(end, ConnectionDropped) and not self.closing:
             self.host.close()
 
     # --- streams ----------------------------------------------------------------------------------
 
     def open(self, argv: Sequence[str], *, agent: AgentStart | None = None,
-             max_output: int | None = None, stdin: bytes | None = None) -> _RelayDuplex:
+             max_output: int | None = None, stdin: bytes | None = None,
+             on_done: Callable[[_Stream, Result | CtlError], None] | None = None) -> _RelayDuplex:
         """Start argv on the host (no shell) through the relay; a conversation like a direct exec's. With `agent`
         (only when `staying`), argv is a request of ctl's agent that a staying agent answers (A frame). With
         `max_output`, finish() stops it once its output passes that many bytes (OutputTooLarge). With `stdin`
@@ -342,7 +398,7 @@ class HostRelay:
             raise ValueError("open(stdin=...) takes at most one frame of input: send the rest with send()")
         with self._cond:
             sid = self._free_sid()
-            self._streams[sid] = _Stream(tuple(argv), max_output)
+            self._streams[sid] = _Stream(tuple(argv), max_output, sid)
         self.streams_opened += 1
         if agent is not None:
             kind, start = b"A", (f'{{"argv": {argv_json(argv)}, "at": {int(agent.at)}, "n": {int(agent.n)}, '
@@ -361,16 +417,98 @@ class HostRelay:
             raise
         d = _RelayDuplex(self, sid)
         d.closed = stdin is not None
+        if on_done is not None:
+            self._arm(d.st, on_done)
         return d
 
+    def _arm(self, st: _Stream, on_done: Callable[[_Stream, Result | CtlError], None]) -> None:
+        """Give a started stream its callback: from now on its end calls it. Armed only once its start went out
+        (a start that could not be sent raises to the caller instead); one that ended already (its answer came
+        first) is called here."""
+        with self._cond:
+            over = st.over
+            if st.code is not None and not over:
+                self._streams.pop(st.sid, None)
+                out, st.out = bytes(st.out), bytearray()
+                got: Result | CtlError = Result(st.argv, st.code, out, bytes(st.err), time.monotonic() - st.t0)
+            elif over:
+                st.abandoned = True
+                st.out, st.err = bytearray(), bytearray()
+                assert st.cap is not None
+                got = too_large(self.host.name, st.argv, st.cap)
+            elif st.dead is not None:
+                got = _retold(st.dead, _lost_message(self, st, st.dead))
+            else:
+                st.on_done = on_done
+                return
+        if over:
+            self._telling_k(st.sid)
+        on_done(st, got)
+
     def _opened(self, argv: Sequence[str], agent: AgentStart | None, max_output: int | None,
-                stdin: bytes) -> _RelayDuplex:
+                stdin: bytes, on_done: Callable[[_Stream, Result | CtlError], None] | None = None) -> _RelayDuplex:
         """open() with all of `stdin` sent and closed: with the start when it fits one frame, else after it."""
         if len(stdin) <= _CHUNK:
-            return self.open(argv, agent=agent, max_output=max_output, stdin=stdin)
+            return self.open(argv, agent=agent, max_output=max_output, stdin=stdin, on_done=on_done)
         d = self.open(argv, agent=agent, max_output=max_output)
         d.send(stdin)
+        if on_done is not None:  # all of it sent: from here, its end is the callback's
+            d.close_stdin()
+            self._arm(d.st, on_done)
         return d
+
+    def submit(self, argv: Sequence[str], *, agent: AgentStart, stdin: bytes, on_done: Answered,
+               max_output: int | None = None) -> Submission:
+        """run(argv, agent=..., stdin=...) without waiting for it: several requests in flight need no thread
+        each. on_done gets, once, its Result or the error it met (the channel's end, OutputTooLarge, or
+        DeadlineExceeded when the caller expire()s it), from the thread that read its end: the relay's reader.
+        So it must neither raise nor wait; it may submit the next request. A ConnectionFailed raised here means
+        the request never started (on_done is not called)."""
+        handle = Submission(self)
+        skip = bool(agent.sha and agent.n and self.has_source(agent.sha))
+
+        def ended(st: _Stream, got: Result | CtlError) -> None:
+            if skip and isinstance(got, Result) and st.unknown_source:
+                with self._cond:
+                    self.sources_missing.add(agent.sha)
+                try:  # the relay lacks the source: once more, with it
+                    handle.st = self._opened(argv, agent, max_output, stdin, full).st
+                except CtlError as e:
+                    on_done(e)
+                return
+            full(st, got)
+
+        def full(st: _Stream, got: Result | CtlError) -> None:
+            if isinstance(got, Result) and agent.sha:
+                with self._cond:
+                    self.sources_sent.add(agent.sha)
+            on_done(got)
+
+        if skip:
+            handle.st = self._opened(argv, AgentStart(agent.at, 0, agent.retry, agent.sha), max_output,
+                                     stdin[agent.n:], ended).st
+        else:
+            handle.st = self._opened(argv, agent, max_output, stdin, full).st
+        return handle
+
+    def _expire(self, st: _Stream, timeout: float) -> None:
+        """A submitted request past its deadline, if it has not ended: dropped (K; its id stays taken until X)
+        and its callback told DeadlineExceeded, as finish() would have raised."""
+        with self._cond:
+            done, st.on_done = st.on_done, None
+            if done is None:
+                return  # it ended first
+            st.abandoned = True
+            st.out, st.err = bytearray(), bytearray()
+            self.stuck = True
+        self._telling_k(st.sid)
+        done(st, self._late_error("waiting for", st, timeout))
+
+    def _late_error(self, doing: str, st: _Stream, timeout: float) -> DeadlineExceeded:
+        return DeadlineExceeded(f"{self.host.name}: {doing} `{shlex.join(st.argv[:3])} ...` through {self.what()}: "
+                                f"no answer in {timeout:g}s",
+                                hint="the host, its relay, pct or the command stopped answering "
+                                     "(CTL_TIMEOUT, hosts.H.timeout)")
 
     def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
             agent: AgentStart | None = None, max_output: int | None = None) -> Result:
@@ -476,6 +614,23 @@ class HostRelay:
         self._chan = None
 
 
+class Submission:
+    """A request submit() started (base.Submitted): expire() it once its deadline has passed."""
+
+    def __init__(self, relay: HostRelay) -> None:
+        self.relay = relay
+        self.st: _Stream | None = None
+        self.t0 = time.monotonic()
+
+    def expire(self, timeout: float) -> None:
+        if self.st is not None:
+            self.relay._expire(self.st, timeout)
+
+
+def _lost_message(relay: HostRelay, st: _Stream, end: ConnectionFailed) -> str:
+    return f"{relay.host.name}: {end.message} while running `{st.argv[0]}` ({shlex.join(st.argv[:3])} ...)"
+
+
 def _retold(end: ConnectionFailed, message: str) -> ConnectionFailed:
     """The same kind of end, told where the caller is (host, command)."""
     return type(end)(message, hint=end.hint)
@@ -488,8 +643,7 @@ class _RelayDuplex(Duplex):
         self.closed = False
 
     def _lost(self, end: ConnectionFailed) -> ConnectionFailed:
-        return _retold(end, f"{self.relay.host.name}: {end.message} while running `{self.st.argv[0]}` "
-                            f"({shlex.join(self.st.argv[:3])} ...)")
+        return _retold(end, _lost_message(self.relay, self.st, end))
 
     def send(self, data: bytes) -> None:
         view = memoryview(data)
@@ -526,17 +680,8 @@ class _RelayDuplex(Duplex):
                 st.abandoned = True
                 st.out, st.err = bytearray(), bytearray()
             self.relay.stuck = True
-        telling = threading.Thread(target=self._tell_late, name=f"late-{self.relay.host.name}", daemon=True)
-        telling.start()
-        self.relay._telling.append(telling)
-        return DeadlineExceeded(f"{self.relay.host.name}: {doing} `{shlex.join(self.st.argv[:3])} ...` "
-                                f"through {self.relay.what()}: no answer in {timeout:g}s",
-                                hint="the host, its relay, pct or the command stopped answering "
-                                     "(CTL_TIMEOUT, hosts.H.timeout)")
-
-    def _tell_late(self) -> None:
-        with contextlib.suppress(ConnectionFailed):
-            self.relay._send(b"K", self.sid)
+        self.relay._telling_k(self.sid)
+        return self.relay._late_error(doing, self.st, timeout)
 
     def readline(self, timeout: float | None = None) -> bytes:
         timeout = limit(timeout, self.relay.host.request_timeout)
@@ -616,6 +761,14 @@ class RelayEndpoint(Transport):
         if relay is None or not relay.staying:
             return self.run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
         return relay.run(argv, stdin=stdin, timeout=timeout, agent=start, max_output=max_output)
+
+    def submit_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
+                     on_done: Callable[[Result | CtlError], None],
+                     max_output: int | None = None) -> Submission | None:
+        relay = self._up()
+        if relay is None or not relay.staying:
+            return None
+        return relay.submit(argv, agent=start, stdin=stdin, on_done=on_done, max_output=max_output)
 
     def stream(self, argv: Sequence[str], *, timeout: float | None = None,
                idle: float | None = None) -> Iterator[tuple[str, bytes]]:

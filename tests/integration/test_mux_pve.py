@@ -533,6 +533,62 @@ def test_ping_counts_the_first_answer_of_an_agent_that_was_up_as_a_round_trip(pe
     assert requests() == [7]
 
 
+def test_a_fan_out_of_agent_requests_runs_in_the_sessions_readers_and_keeps_each_failure_its_own(
+        persist: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flows(): through a session's staying agents, every container's requests are in flight together and each
+    answer moves its container on in the session's reader thread, not in a thread per container. A stopped
+    container fails alone with pct's refusal; one whose agent stops answering fails alone at its deadline."""
+    from controller.commands.fanout import Flow, flows
+    from controller.errors import DeadlineExceeded
+    from controller.inventory import Container
+    from controller.remote.client import Agent
+
+    names = ["ct200", "ct201", "ct300", "ct301"]
+    persist.ctl("ping", *names, check=True)  # the sessions and their agents are up
+    seen: list[str] = []
+
+    def flow(ct: Container, agent: Agent) -> Flow[list[int]]:
+        pids = []
+        for _ in range(3):
+            doc = yield "hello", {}
+            seen.append(threading.current_thread().name)
+            pids.append(doc["pid"])
+        return pids
+
+    inv = load(persist.inventory)
+    cts = [inv.container(n) for n in names]
+    persist.host.stop(201)
+    try:
+        with Pool(inv) as pool:
+            out = {o.ct: o for o in flows(pool, cts, flow)}
+    finally:
+        persist.host.start(201)
+    assert "CT 201 on pve1 is stopped" in str(out["ct201"].error), out["ct201"]
+    for n in ("ct200", "ct300", "ct301"):
+        assert out[n].ok and len(set(out[n].value or [])) == 1, out[n]  # one staying agent answered all three
+    # the sessions of pve1, pve2 and ct301 (a container with its own sshd): their readers, no fan-out thread
+    assert set(seen) <= {"mux-pve1", "mux-pve2", "mux-ct301", "MainThread"} and len(seen) == 9, seen
+
+    # ct300's agent stops answering (SIGSTOP): its request fails at the deadline, the others are answered.
+    docs = json.loads(persist.ctl("--json", "mux", "status", check=True).stdout)["sessions"]
+    (attach,) = [a["pid"] for d in docs for a in d["agents"] or [] if a["argv"][:3] == ["pct", "exec", "300"]]
+    (agent_pid,) = children(attach)
+    monkeypatch.setenv("CTL_TIMEOUT", "2")
+    inv = load(persist.inventory)
+    os.kill(agent_pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with Pool(inv) as pool:
+            out = {o.ct: o for o in flows(pool, [inv.container(n) for n in ("ct200", "ct300", "ct301")], flow)}
+        took = time.monotonic() - t0
+    finally:
+        os.kill(agent_pid, signal.SIGKILL)
+    assert out["ct200"].ok and out["ct301"].ok, out
+    assert not out["ct300"].ok and "no answer in 2s" in str(out["ct300"].error), out["ct300"]
+    assert out["ct300"].exit_code == int(DeadlineExceeded.exit_code)
+    assert took < 15, took
+
+
 def test_staying_agents_start_by_lxc_attach_with_the_environment_pct_gives(persist: Env) -> None:
     """pct exec is `lxc-attach -n VMID --keep-env -- ...` once pct (a Perl program, several hundred ms a start on
     a real host) has found the container running. The relay starts a staying agent that way itself: the node's

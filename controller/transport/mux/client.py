@@ -424,14 +424,15 @@ class MuxRelay(HostRelay):
                 raise ConnectionFailed(f"{self.host.name}: ctl's session ended and no new one could start")
 
     def open(self, argv: Sequence[str], *, agent: AgentStart | None = None,
-             max_output: int | None = None, stdin: bytes | None = None) -> _RelayDuplex:
+             max_output: int | None = None, stdin: bytes | None = None,
+             on_done: Callable[[Any, Any], None] | None = None) -> _RelayDuplex:
         """Like HostRelay.open; after the session ended, connect to a new one first, as a direct SshEndpoint
         opens a new connection for the next exec after a drop (streams of the old one keep their error). A
         session that ends before this request reached it (its socket refused the start) is replaced and the
         request sent once more: nothing of it ran."""
         self._reconnect_if_ended()
         try:
-            return super().open(argv, agent=agent, max_output=max_output, stdin=stdin)
+            return super().open(argv, agent=agent, max_output=max_output, stdin=stdin, on_done=on_done)
         except ConnectionFailed as e:
             with self._cond:
                 gone = self._dead is not None
@@ -440,7 +441,7 @@ class MuxRelay(HostRelay):
             if self.note is not None:
                 self.note(f"{self.host.name}: {e.message}; the request did not reach it: sending it again")
         self._reconnect_if_ended()
-        return super().open(argv, agent=agent, max_output=max_output, stdin=stdin)
+        return super().open(argv, agent=agent, max_output=max_output, stdin=stdin, on_done=on_done)
 
     def close(self) -> None:
         chan = self._chan
