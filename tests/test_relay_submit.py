@@ -9,13 +9,16 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from controller.commands.fanout import _Flows
 from controller.errors import ConnectionFailed, CtlError, DeadlineExceeded, OutputTooLarge
-from controller.remote.client import VERB_AT, agent_argv, agent_sha, agent_source
+from controller.remote.client import VERB_AT, Agent, agent_argv, agent_sha, agent_source
 from controller.transport.base import AgentStart, Result
+from controller.transport.mux.client import MuxRelay
 from controller.transport.relay import HostRelay
 from tests.test_relay_ids import _LocalHost
 from tests.test_staying_agent import FAKE, FAKE_AT, fake
@@ -135,3 +138,74 @@ def test_every_request_in_flight_is_told_once_when_the_relay_ends(relay: tuple[H
     with pytest.raises(ConnectionFailed):  # a request after the end never starts: raised, no callback
         r.submit(HELLO, agent=hello_start(), stdin=SOURCE, on_done=calls.cb(9))
     assert 9 not in calls.got
+
+
+# --- flows() over a relay that ends: fanout._Flows driven as flows() drives it, each container's one request going
+# to the real relay (the fake agent hangs in it, so the relay's end is what answers).
+
+class _LocalMux(MuxRelay):
+    """MuxRelay (its open, reconnect and end handling) over a local relay process instead of a session socket."""
+
+    _start = HostRelay._start
+
+
+class _Hanging:
+    """What Agent needs of a Transport: its requests go to the relay, to an agent that never answers."""
+
+    name = "ct"
+    request_timeout = 60.0
+
+    def __init__(self, relay: HostRelay) -> None:
+        self.relay = relay
+
+    def path(self, p: str) -> str:
+        return p
+
+    def submit_agent(self, argv: Any, start: Any, *, stdin: bytes, on_done: Any, max_output: Any = None) -> Any:
+        return self.relay.submit(fake("hang"), agent=AgentStart(FAKE_AT, len(FAKE), True, ""), stdin=FAKE,
+                                 on_done=on_done, max_output=max_output)
+
+
+def _flows_over(relay: HostRelay, host: _LocalHost, n: int, per_host: int, *, end_first: bool) -> list[Any]:
+    cts = [SimpleNamespace(name=f"ct{i}", host_name="h", spec=SimpleNamespace(transport="pct")) for i in range(n)]
+
+    def flow(_ct: Any, _agent: Any) -> Any:
+        yield "hello", {}
+        return "answered"
+
+    driver: _Flows[str] = _Flows(cts, flow, per_host)  # type: ignore[arg-type]
+    for i in range(n):
+        driver.add(i, Agent(_Hanging(relay)))  # type: ignore[arg-type]
+    if end_first:
+        host.chans[0].proc.kill()
+        host.chans[0].proc.wait()
+        time.sleep(0.3)
+    driver.begin()
+    if not end_first:
+        time.sleep(0.5)
+        host.chans[0].proc.kill()  # the relay (or the session) ends under the requests in flight
+    driver.wait()
+    return driver.outcomes()
+
+
+@pytest.mark.parametrize("cls", [HostRelay, _LocalMux])
+def test_flows_under_a_relay_that_ends_fail_each_container_and_start_the_queued_ones(cls: type[HostRelay]) -> None:
+    """per_host 1: each failure starts the next queued container from the reader thread, whose request then
+    fails as it is asked; a session's reader must not try to replace its own session (it would wait for
+    itself)."""
+    host = _LocalHost()
+    r = cls(host, 60) if cls is _LocalMux else cls(host)  # type: ignore[call-arg]
+    assert r.available() and r.staying
+    try:
+        out = _flows_over(r, host, 3, 1, end_first=False)
+    finally:
+        r.closing = True
+    assert [o.ok for o in out] == [False, False, False]
+    assert all("SSH connection" in str(o.error) or "relay exited" in str(o.error) for o in out), out
+
+
+def test_a_long_queue_behind_an_ended_relay_does_not_deepen_the_stack(relay: tuple[HostRelay, _LocalHost]) -> None:
+    """Every request fails as it is asked: 400 containers at 16 a time settle in a loop, not in nested calls."""
+    r, host = relay
+    out = _flows_over(r, host, 400, 16, end_first=True)
+    assert len(out) == 400 and not any(o.ok for o in out)

@@ -170,8 +170,8 @@ def flows(pool: Pool, cts: list[Container], flow: Callable[[Container, Agent], F
                 driver.settle(i, Outcome(ct.name, None, str(e), int(e.exit_code)))
         else:
             rest.append(i)
-    driver.begin()
     try:
+        driver.begin()
         threaded = fanout(pool, [cts[i] for i in rest], alone, per_host) if rest else []
         for i, o in zip(rest, threaded, strict=True):
             driver.settle(i, o)
@@ -209,6 +209,7 @@ class _Flows(Generic[T]):
         self.out: dict[int, Outcome[T]] = {}
         self.queued: dict[str, list[tuple[int, Agent]]] = {}  # host -> flows not begun (per_host run at once)
         self.running: dict[str, int] = {}
+        self.pumping: set[str] = set()  # hosts whose queue a thread is starting flows from (_pump)
         self.asked: dict[int, tuple[Submitted, float | None, int]] = {}  # flow -> (its request, deadline s, step)
         self.steps: dict[int, int] = {}  # flow -> answers it got (a request's handle is kept for its own step)
         self.bug: BaseException | None = None  # an exception of a flow that is no CtlError: raised by wait()
@@ -218,20 +219,33 @@ class _Flows(Generic[T]):
         self.queued.setdefault(_host_of(self.cts[i]), []).append((i, agent))
 
     def begin(self) -> None:
-        for host, q in self.queued.items():
+        for q in self.queued.values():
             q.reverse()  # popped from the end: inventory order
-            for _ in range(min(self.per_host, len(q))):
-                self._next(host)
+        for host in list(self.queued):
+            self._pump(host)
 
-    def _next(self, host: str) -> None:
+    def _pump(self, host: str) -> None:
+        """Start the host's queued flows while fewer than per_host run. One thread at a time per host, in a loop:
+        a flow that ends at once (its host gone: every request fails as it is asked) frees its place to this
+        loop, not to a call of its own, so a long queue never deepens the stack."""
         with self.lock:
-            q = self.queued.get(host)
-            if not q or self.stopped:
-                return
-            i, agent = q.pop()
-            self.running[host] = self.running.get(host, 0) + 1
-        gen = self.flow(self.cts[i], agent)
-        self._step(i, agent, gen, lambda: next(gen))
+            if host in self.pumping:
+                return  # the thread pumping it sees the place this one's caller freed
+            self.pumping.add(host)
+        while True:
+            with self.lock:
+                q = self.queued.get(host)
+                if self.stopped or not q or self.running.get(host, 0) >= self.per_host:
+                    self.pumping.discard(host)
+                    return
+                i, agent = q.pop()
+                self.running[host] = self.running.get(host, 0) + 1
+            try:
+                gen = self.flow(self.cts[i], agent)
+            except CtlError as e:
+                self._done(i, Outcome(self.cts[i].name, None, str(e), int(e.exit_code)))
+                continue
+            self._step(i, agent, gen, functools.partial(next, gen))
 
     def _step(self, i: int, agent: Agent, gen: Flow[T], move: Callable[[], tuple[str, Mapping[str, Any]]]) -> None:
         """Move flow i on (move: its next(), send() or throw()) and ask its next request, or settle it."""
@@ -282,7 +296,7 @@ class _Flows(Generic[T]):
         host = _host_of(self.cts[i])
         with self.lock:
             self.running[host] -= 1
-        self._next(host)
+        self._pump(host)
 
     def settle(self, i: int, o: Outcome[T]) -> None:
         with self.lock:

@@ -183,7 +183,11 @@ class HostRelay:
     # --- start-up ---------------------------------------------------------------------------------
 
     def available(self) -> bool:
-        """Start the relay on first use; false when the host cannot run it (use one exec per container)."""
+        """Start the relay on first use; false when the host cannot run it (use one exec per container). The
+        reader thread (a submitted request's callback asking the next) never waits here: the lock may be held
+        by a thread replacing an ended session, which waits for that reader to end."""
+        if threading.current_thread() is self._reader:
+            return self._state == "up"
         with self._lock:
             if self._state == "new":
                 self._start()
@@ -276,9 +280,12 @@ class HostRelay:
             dead = self._dead
         if dead is not None:
             raise _retold(dead, f"{self.host.name}: {dead.message}")
+        chan = self._chan
+        if chan is None:  # closed, or an ended session being replaced: this request never started
+            raise ConnectionDropped(f"{self.host.name}: SSH connection closed")
         try:
             with self._send_lock:
-                self._send_raw(self._chan, pack(frames))
+                self._send_raw(chan, pack(frames))
         except (OSError, EOFError) as e:
             end = ConnectionDropped(f"SSH connection dropped: {e or type(e).__name__}")
             self._fail(end)
@@ -323,7 +330,10 @@ class HostRelay:
         with self._cond:
             due, self._due = self._due, []
         for done, st, got in due:
-            done(st, got)
+            try:
+                done(st, got)
+            except Exception:  # noqa: S112 - the caller's bug (callbacks must not raise) must not stop this reader
+                continue  # and with it every other request of the host
 
     def _take(self, kind: bytes, sid: int, payload: bytes) -> None:
         """One frame of the relay into its stream; under self._cond."""
@@ -389,7 +399,8 @@ class HostRelay:
 
     def open(self, argv: Sequence[str], *, agent: AgentStart | None = None,
              max_output: int | None = None, stdin: bytes | None = None,
-             on_done: Callable[[_Stream, Result | CtlError], None] | None = None) -> _RelayDuplex:
+             on_done: Callable[[_Stream, Result | CtlError], None] | None = None,
+             handle: Submission | None = None) -> _RelayDuplex:
         """Start argv on the host (no shell) through the relay; a conversation like a direct exec's. With `agent`
         (only when `staying`), argv is a request of ctl's agent that a staying agent answers (A frame). With
         `max_output`, finish() stops it once its output passes that many bytes (OutputTooLarge). With `stdin`
@@ -418,21 +429,27 @@ class HostRelay:
         d = _RelayDuplex(self, sid)
         d.closed = stdin is not None
         if on_done is not None:
-            self._arm(d.st, on_done)
+            self._arm(d.st, on_done, handle)
         return d
 
-    def _arm(self, st: _Stream, on_done: Callable[[_Stream, Result | CtlError], None]) -> None:
+    def _arm(self, st: _Stream, on_done: Callable[[_Stream, Result | CtlError], None],
+             handle: Submission | None) -> None:
         """Give a started stream its callback: from now on its end calls it. Armed only once its start went out
         (a start that could not be sent raises to the caller instead); one that ended already (its answer came
-        first) is called here."""
+        first) is called here. The handle (expire) points at it from here on, before any callback runs."""
+        tell_k = False
         with self._cond:
+            if handle is not None:
+                handle.st = st
             over = st.over
-            if st.code is not None and not over:
+            if st.code is not None:  # its X came: the relay forgot the id
                 self._streams.pop(st.sid, None)
+            if st.code is not None and not over:
                 out, st.out = bytes(st.out), bytearray()
                 got: Result | CtlError = Result(st.argv, st.code, out, bytes(st.err), time.monotonic() - st.t0)
             elif over:
-                st.abandoned = True
+                if st.code is None:  # stopped here (K), its id kept until X
+                    st.abandoned = tell_k = True
                 st.out, st.err = bytearray(), bytearray()
                 assert st.cap is not None
                 got = too_large(self.host.name, st.argv, st.cap)
@@ -441,20 +458,21 @@ class HostRelay:
             else:
                 st.on_done = on_done
                 return
-        if over:
+        if tell_k:
             self._telling_k(st.sid)
         on_done(st, got)
 
     def _opened(self, argv: Sequence[str], agent: AgentStart | None, max_output: int | None,
-                stdin: bytes, on_done: Callable[[_Stream, Result | CtlError], None] | None = None) -> _RelayDuplex:
+                stdin: bytes, on_done: Callable[[_Stream, Result | CtlError], None] | None = None,
+                handle: Submission | None = None) -> _RelayDuplex:
         """open() with all of `stdin` sent and closed: with the start when it fits one frame, else after it."""
         if len(stdin) <= _CHUNK:
-            return self.open(argv, agent=agent, max_output=max_output, stdin=stdin, on_done=on_done)
+            return self.open(argv, agent=agent, max_output=max_output, stdin=stdin, on_done=on_done, handle=handle)
         d = self.open(argv, agent=agent, max_output=max_output)
         d.send(stdin)
         if on_done is not None:  # all of it sent: from here, its end is the callback's
             d.close_stdin()
-            self._arm(d.st, on_done)
+            self._arm(d.st, on_done, handle)
         return d
 
     def submit(self, argv: Sequence[str], *, agent: AgentStart, stdin: bytes, on_done: Answered,
@@ -472,7 +490,7 @@ class HostRelay:
                 with self._cond:
                     self.sources_missing.add(agent.sha)
                 try:  # the relay lacks the source: once more, with it
-                    handle.st = self._opened(argv, agent, max_output, stdin, full).st
+                    self._opened(argv, agent, max_output, stdin, full, handle)
                 except CtlError as e:
                     on_done(e)
                 return
@@ -485,10 +503,10 @@ class HostRelay:
             on_done(got)
 
         if skip:
-            handle.st = self._opened(argv, AgentStart(agent.at, 0, agent.retry, agent.sha), max_output,
-                                     stdin[agent.n:], ended).st
+            self._opened(argv, AgentStart(agent.at, 0, agent.retry, agent.sha), max_output, stdin[agent.n:], ended,
+                         handle)
         else:
-            handle.st = self._opened(argv, agent, max_output, stdin, full).st
+            self._opened(argv, agent, max_output, stdin, full, handle)
         return handle
 
     def _expire(self, st: _Stream, timeout: float) -> None:

@@ -397,6 +397,10 @@ class MuxRelay(HostRelay):
         return self.staying and not self.started_session  # a session earlier commands used
 
     def _reconnect_if_ended(self) -> None:
+        """After the session ended, connect to a new one. Not from the reader thread of the ended one (a callback
+        asking the next request): replacing the session waits for that thread to end; its request fails."""
+        if threading.current_thread() is self._reader:
+            return
         with self._lock:
             with self._cond:
                 ended = self._dead is not None
@@ -425,14 +429,15 @@ class MuxRelay(HostRelay):
 
     def open(self, argv: Sequence[str], *, agent: AgentStart | None = None,
              max_output: int | None = None, stdin: bytes | None = None,
-             on_done: Callable[[Any, Any], None] | None = None) -> _RelayDuplex:
+             on_done: Callable[[Any, Any], None] | None = None, handle: Any = None) -> _RelayDuplex:
         """Like HostRelay.open; after the session ended, connect to a new one first, as a direct SshEndpoint
         opens a new connection for the next exec after a drop (streams of the old one keep their error). A
         session that ends before this request reached it (its socket refused the start) is replaced and the
         request sent once more: nothing of it ran."""
         self._reconnect_if_ended()
         try:
-            return super().open(argv, agent=agent, max_output=max_output, stdin=stdin, on_done=on_done)
+            return super().open(argv, agent=agent, max_output=max_output, stdin=stdin, on_done=on_done,
+                                handle=handle)
         except ConnectionFailed as e:
             with self._cond:
                 gone = self._dead is not None
@@ -441,7 +446,7 @@ class MuxRelay(HostRelay):
             if self.note is not None:
                 self.note(f"{self.host.name}: {e.message}; the request did not reach it: sending it again")
         self._reconnect_if_ended()
-        return super().open(argv, agent=agent, max_output=max_output, stdin=stdin, on_done=on_done)
+        return super().open(argv, agent=agent, max_output=max_output, stdin=stdin, on_done=on_done, handle=handle)
 
     def close(self) -> None:
         chan = self._chan
