@@ -210,8 +210,8 @@ class _Flows(Generic[T]):
         self.queued: dict[str, list[tuple[int, Agent]]] = {}  # host -> flows not begun (per_host run at once)
         self.running: dict[str, int] = {}
         self.pumping: set[str] = set()  # hosts whose queue a thread is starting flows from (_pump)
-        self.asked: dict[int, tuple[Submitted, float | None, int]] = {}  # flow -> (its request, deadline s, step)
-        self.steps: dict[int, int] = {}  # flow -> answers it got (a request's handle is kept for its own step)
+        self.asked: dict[int, tuple[Submitted, float | None]] = {}  # flow -> (its request in flight, its deadline s)
+        self.steps: dict[int, int] = {}  # flow -> answers it got (a late second telling of one is ignored)
         self.bug: BaseException | None = None  # an exception of a flow that is no CtlError: raised by wait()
         self.stopped = False
 
@@ -272,7 +272,7 @@ class _Flows(Generic[T]):
                 timeout = limit(None, agent.t.request_timeout)
                 with self.lock:
                     if self.steps.get(i, 0) == step:  # not answered already (it may be, before submit returned)
-                        self.asked[i] = (asked, timeout, step)
+                        self.asked[i] = (asked, timeout)
                 return None
         except BaseException as e:  # a bug in the flow, or in ctl: raised in the caller's thread by wait()
             with self.lock:
@@ -309,8 +309,8 @@ class _Flows(Generic[T]):
         while True:
             with self.lock:
                 now = time.monotonic()
-                late = [(a, t) for a, t, _ in self.asked.values() if t is not None and now - a.t0 >= t]
-                ends = [a.t0 + t - now for a, t, _ in self.asked.values() if t is not None]
+                late = [(a, t) for a, t in self.asked.values() if t is not None and now - a.t0 >= t]
+                ends = [a.t0 + t - now for a, t in self.asked.values() if t is not None]
             for asked, timeout in late:
                 asked.expire(timeout)  # its callback settles (or moves on) its flow
             if self.finished.wait(min([1.0, *(max(0.01, e) for e in ends)])):
@@ -323,7 +323,7 @@ class _Flows(Generic[T]):
         with self.lock:
             self.stopped = True
             asked = list(self.asked.values())
-        for a, _t, _s in asked:
+        for a, _t in asked:
             a.expire(0.0)
 
     def outcomes(self) -> list[Outcome[T]]:

@@ -108,7 +108,10 @@ class Agent:
     def call(self, verb: str, args: Mapping[str, Any] | Sequence[str] = (), *, payload: bytes = b"",
              timeout: float | None = None, check: bool = True) -> dict[str, Any]:
         """Run one verb; its answer. With `check`, a refusal ({"ok": false}) raises what its code names."""
-        res = self.exec(verb, self.argv(verb, args), agent_source() + payload, timeout)
+        return self.answer(verb, self.exec(verb, self.argv(verb, args), agent_source() + payload, timeout), check)
+
+    def answer(self, verb: str, res: Result, check: bool = True) -> dict[str, Any]:
+        """A verb's answer document; with `check`, its refusal raised."""
         doc = self.parse(verb, res)
         if check and not doc.get("ok"):
             raise self.error(doc)
@@ -125,20 +128,22 @@ class Agent:
             if isinstance(got, OutputTooLarge):
                 got = self.too_large(f"agent {verb}", MAX_REPLY)
             if isinstance(got, CtlError):
-                on_done(got)
-                return
+                return on_done(got)
             try:
-                doc = self.parse(verb, got)
-                if not doc.get("ok"):
-                    raise self.error(doc)
+                doc = self.answer(verb, got)
             except CtlError as e:
-                on_done(e)
-                return
-            on_done(doc)
+                return on_done(e)
+            return on_done(doc)
 
-        src = agent_source()
-        start = AgentStart(VERB_AT, len(src), verb in READ_ONLY, agent_sha())
-        return self.t.submit_agent(self.argv(verb, args), start, stdin=src, on_done=done, max_output=MAX_REPLY)
+        return self.t.submit_agent(self.argv(verb, args), self._start(verb), stdin=agent_source(), on_done=done,
+                                   max_output=MAX_REPLY)
+
+    @staticmethod
+    def _start(verb: str, reads_only: bool | None = None) -> AgentStart:
+        """Where a request's verb and the agent's source sit in its argv and stdin; `reads_only` (default: the verb
+        is in READ_ONLY) lets the relay send it again to a new agent."""
+        return AgentStart(VERB_AT, len(agent_source()), verb in READ_ONLY if reads_only is None else reads_only,
+                          agent_sha())
 
     def exec(self, verb: str, argv: list[str], stdin: bytes, timeout: float | None, *,
              reads_only: bool | None = None, limit: int = MAX_REPLY) -> Result:
@@ -152,8 +157,7 @@ class Agent:
             if len(stdin) - n > STAYING_MAX_INPUT:
                 return self.t.run(argv, stdin=stdin, timeout=timeout, max_output=limit)
             assert argv[VERB_AT] == verb
-            retry = verb in READ_ONLY if reads_only is None else reads_only
-            return self.t.run_agent(argv, AgentStart(VERB_AT, n, retry, agent_sha()), stdin=stdin, timeout=timeout,
+            return self.t.run_agent(argv, self._start(verb, reads_only), stdin=stdin, timeout=timeout,
                                     max_output=limit)
         except OutputTooLarge:
             raise self.too_large(f"agent {verb}", limit) from None

@@ -795,16 +795,15 @@ def _retire(old):
 
     def reap():
         deadline = time.monotonic() + RESIDENT_EXIT_S
-        for r in old:
+        for r in old:  # as close() ends the idle ones
             try:
-                while r.proc.poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                if r.proc.poll() is None:
-                    r.kill()
-            except OSError:
-                pass  # gone already
+                r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutExpired:
+                r.kill()
 
     _workers.run(reap)
+
+
 _sources = {}  # sha256 -> agent source, the newest SOURCES_KEPT (requests may omit a source kept here)
 _sources_lock = threading.Lock()
 SOURCES_KEPT = 8

@@ -30,6 +30,10 @@ def limit(timeout: float | None, default: float | None) -> float | None:
     return timeout
 
 
+#: What a request started without waiting comes to (Transport.submit_agent's callback): its Result or its error.
+Answered = Callable[["Result | CtlError"], None]
+
+
 class Submitted(Protocol):
     """A request started without waiting for it (Transport.submit_agent)."""
 
@@ -132,8 +136,7 @@ class Transport(ABC):
         return self.run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
 
     def submit_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
-                     on_done: Callable[[Result | CtlError], None],
-                     max_output: int | None = None) -> Submitted | None:
+                     on_done: Answered, max_output: int | None = None) -> Submitted | None:
         """run_agent without waiting, where a staying agent of a host session answers: on_done gets the Result
         (or the error) from the session's reader thread; the handle's expire() ends it past its deadline. None
         where this transport cannot (the caller runs run_agent in a thread of its own)."""

@@ -16,7 +16,7 @@ import hashlib
 import os
 import re
 import shlex
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Literal
 
 from controller.errors import (
@@ -27,7 +27,7 @@ from controller.errors import (
     RemoteCommandError,
     VerifyError,
 )
-from controller.transport.base import AgentStart, Duplex, Result, Submitted, Transport
+from controller.transport.base import AgentStart, Answered, Duplex, Result, Submitted, Transport
 from controller.transport.ssh import SshEndpoint
 
 if TYPE_CHECKING:
@@ -118,9 +118,17 @@ class PctContainer(Transport):
         self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
         max_output: int | None = None,
     ) -> Result:
-        res = self._host_run(self.exec_argv(argv), stdin=stdin, timeout=timeout, max_output=max_output)
+        return self._own(argv, self._host_run(self.exec_argv(argv), stdin=stdin, timeout=timeout,
+                                              max_output=max_output))
+
+    def _own(self, argv: Sequence[str], res: Result) -> Result:
+        """What `pct exec VMID -- argv` gave, as argv's own Result; pct's refusals raised (NotRunning)."""
         self._raise_pct(res)
         return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)
+
+    def _shifted(self, start: AgentStart) -> AgentStart:
+        """An agent request's AgentStart, counted in `pct exec VMID -- argv` rather than argv."""
+        return AgentStart(len(self.exec_argv(())) + start.at, start.n, start.retry, start.sha)
 
     def keeps_agents(self) -> bool:
         relay = self._relay()
@@ -133,14 +141,11 @@ class PctContainer(Transport):
         relay = self._relay()
         if relay is None or not relay.staying:
             return self.run(argv, stdin=stdin, timeout=timeout, max_output=max_output)
-        shifted = AgentStart(len(self.exec_argv(())) + start.at, start.n, start.retry, start.sha)
-        res = relay.run(self.exec_argv(argv), stdin=stdin, timeout=timeout, agent=shifted, max_output=max_output)
-        self._raise_pct(res)
-        return Result(tuple(argv), res.returncode, res.stdout, res.stderr, res.seconds)
+        return self._own(argv, relay.run(self.exec_argv(argv), stdin=stdin, timeout=timeout,
+                                         agent=self._shifted(start), max_output=max_output))
 
     def submit_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
-                     on_done: Callable[[Result | CtlError], None],
-                     max_output: int | None = None) -> Submitted | None:
+                     on_done: Answered, max_output: int | None = None) -> Submitted | None:
         """run_agent without waiting, through the host session's staying agent; pct's refusals reach on_done
         as NotRunning, as run_agent raises them."""
         relay = self._relay()
@@ -150,15 +155,13 @@ class PctContainer(Transport):
         def done(got: Result | CtlError) -> None:
             if isinstance(got, Result):
                 try:
-                    self._raise_pct(got)
+                    got = self._own(argv, got)
                 except CtlError as e:
                     got = e
-                else:
-                    got = Result(tuple(argv), got.returncode, got.stdout, got.stderr, got.seconds)
             on_done(got)
 
-        shifted = AgentStart(len(self.exec_argv(())) + start.at, start.n, start.retry, start.sha)
-        return relay.submit(self.exec_argv(argv), agent=shifted, stdin=stdin, on_done=done, max_output=max_output)
+        return relay.submit(self.exec_argv(argv), agent=self._shifted(start), stdin=stdin, on_done=done,
+                            max_output=max_output)
 
     def stream(
         self, argv: Sequence[str], *, timeout: float | None = None, idle: float | None = None
@@ -252,6 +255,4 @@ class _PctDuplex(Duplex):
         return self.inner.readline(timeout)
 
     def finish(self, timeout: float | None = None) -> Result:
-        res = self.inner.finish(timeout)
-        self.ct._raise_pct(res)
-        return Result(self.argv, res.returncode, res.stdout, res.stderr, res.seconds)
+        return self.ct._own(self.argv, self.inner.finish(timeout))

@@ -41,7 +41,7 @@ from controller.errors import (
     RemoteCommandError,
 )
 from controller.remote import boot, source
-from controller.transport.base import AgentStart, Duplex, Result, Transport, limit, too_large
+from controller.transport.base import AgentStart, Answered, Duplex, Result, Transport, limit, too_large
 from controller.transport.ssh import SshEndpoint
 
 HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/remote/hostrelay.py)
@@ -114,10 +114,6 @@ def relay_argv() -> list[str]:
     return ["sh", "-c", _START, BOOT, str(len(relay_source()))]
 
 
-#: What a submitted request comes to (HostRelay.submit): its Result, or the error it met.
-Answered = Callable[[Result | CtlError], None]
-
-
 def speaks_agent(hello: dict[str, Any]) -> bool:
     version = hello.get("relay")
     return isinstance(version, int) and not isinstance(version, bool) and version >= 3
@@ -143,13 +139,17 @@ class _Stream:
         self.told = False
         # A submitted request's (submit): called once with what it came to, by the thread that saw its end,
         # after the relay's condition is let go. None for the others, and once called.
-        self.on_done: Callable[[_Stream, Result | CtlError], None] | None = None
+        self.on_done: StreamEnded | None = None
 
     def tell(self) -> None:
         """Wake its finish(); under the relay's condition."""
         if not self.told:
             self.told = True
             self.ended.release()
+
+
+#: A submitted stream's callback (HostRelay.open's on_done): the stream and what it came to.
+StreamEnded = Callable[[_Stream, "Result | CtlError"], None]
 
 
 class HostRelay:
@@ -177,7 +177,7 @@ class HostRelay:
         self.sources_missing: set[str] = set()  # ... and of those it said it lacks (U)
         self.why_unavailable: str | None = None  # why the host cannot run the relay
         self.stuck = False  # a stream passed its deadline: close() does not wait for the relay
-        self._due: list[tuple[Callable[[_Stream, Result | CtlError], None], _Stream, Result | CtlError]] = []
+        self._due: list[tuple[StreamEnded, _Stream, Result | CtlError]] = []
         self._telling: list[threading.Thread] = []  # K frames of streams past their deadline, on their way
 
     # --- start-up ---------------------------------------------------------------------------------
@@ -399,7 +399,7 @@ class HostRelay:
 
     def open(self, argv: Sequence[str], *, agent: AgentStart | None = None,
              max_output: int | None = None, stdin: bytes | None = None,
-             on_done: Callable[[_Stream, Result | CtlError], None] | None = None,
+             on_done: StreamEnded | None = None,
              handle: Submission | None = None) -> _RelayDuplex:
         """Start argv on the host (no shell) through the relay; a conversation like a direct exec's. With `agent`
         (only when `staying`), argv is a request of ctl's agent that a staying agent answers (A frame). With
@@ -432,7 +432,7 @@ class HostRelay:
             self._arm(d.st, on_done, handle)
         return d
 
-    def _arm(self, st: _Stream, on_done: Callable[[_Stream, Result | CtlError], None],
+    def _arm(self, st: _Stream, on_done: StreamEnded,
              handle: Submission | None) -> None:
         """Give a started stream its callback: from now on its end calls it. Armed only once its start went out
         (a start that could not be sent raises to the caller instead); one that ended already (its answer came
@@ -463,7 +463,7 @@ class HostRelay:
         on_done(st, got)
 
     def _opened(self, argv: Sequence[str], agent: AgentStart | None, max_output: int | None,
-                stdin: bytes, on_done: Callable[[_Stream, Result | CtlError], None] | None = None,
+                stdin: bytes, on_done: StreamEnded | None = None,
                 handle: Submission | None = None) -> _RelayDuplex:
         """open() with all of `stdin` sent and closed: with the start when it fits one frame, else after it."""
         if len(stdin) <= _CHUNK:
@@ -781,8 +781,7 @@ class RelayEndpoint(Transport):
         return relay.run(argv, stdin=stdin, timeout=timeout, agent=start, max_output=max_output)
 
     def submit_agent(self, argv: Sequence[str], start: AgentStart, *, stdin: bytes,
-                     on_done: Callable[[Result | CtlError], None],
-                     max_output: int | None = None) -> Submission | None:
+                     on_done: Answered, max_output: int | None = None) -> Submission | None:
         relay = self._up()
         if relay is None or not relay.staying:
             return None

@@ -17,8 +17,9 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -86,6 +87,24 @@ def _session_child(pid: int) -> list[int]:
 
     _wait(spawned, 60, "the session process")
     return daemon
+
+
+def _stopped_before_listening(env: Env, start: Callable[[], subprocess.Popen[Any]],
+                              listens: Callable[[], bool]) -> tuple[subprocess.Popen[Any], list[int]]:
+    """A command start()ed, and the session process it started stopped (SIGSTOP) before it listens: (the command,
+    [the session's pid]). On a fast machine the session may listen before it is caught: that one is let go and
+    stopped (`ctl mux stop`), and the command started again, up to five times."""
+    for _attempt in range(5):
+        proc = start()
+        daemon = _session_child(proc.pid)
+        os.kill(daemon[0], signal.SIGSTOP)
+        if not listens():
+            return proc, daemon
+        os.kill(daemon[0], signal.SIGCONT)
+        proc.communicate(timeout=60)
+        env.ctl("mux", "stop", check=True)
+        _wait(lambda pid=daemon[0]: not _alive(pid) and not listens(), 30, "the session that listened to end")
+    pytest.fail("the session listened before it could be stopped, five times")
 
 
 def _ctl(env: Env, *args: str) -> subprocess.Popen[str]:
@@ -240,23 +259,16 @@ def test_a_command_with_a_standard_stream_closed_hands_its_spawn_lock_to_the_ses
         with Pool(inv) as pool:
             pool.container(inv.container("ct200")).run(["true"])
         """)
-    for _attempt in range(5):  # on a fast machine the session may listen before it is caught: let it go, again
-        proc = subprocess.Popen([sys.executable, "-c", code], env=env.env, cwd=REPO, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        daemon = _session_child(proc.pid)
-        os.kill(daemon[0], signal.SIGSTOP)  # it cannot listen (and let the lock go) while we look
+
+    def socket() -> Path:
         (info,) = (env.state / "mux").glob("*.spawn")
-        sock = socket_dir(create=False) / f"{info.stem}.sock"
-        if not sock.exists():
-            break
-        os.kill(daemon[0], signal.SIGCONT)
-        proc.wait(timeout=60)
-        env.ctl("mux", "stop", check=True)
-        listened = daemon[0]
-        _wait(lambda pid=listened, sock=sock: not _alive(pid) and not sock.exists(), 30,
-              "the session that listened to end")
-    else:
-        pytest.fail("the session listened before it could be stopped, five times")
+        return socket_dir(create=False) / f"{info.stem}.sock"
+
+    proc, daemon = _stopped_before_listening(env, lambda: subprocess.Popen(
+        [sys.executable, "-c", code], env=env.env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL), lambda: socket().exists())  # stopped, it cannot listen (nor let the lock go)
+    (info,) = (env.state / "mux").glob("*.spawn")
+    sock = socket()
     try:
         proc.kill()
         proc.wait(timeout=30)
@@ -281,20 +293,8 @@ def test_a_session_process_that_never_listens_is_ended_by_the_command_that_gave_
     starts a session of its own instead of waiting for the lock and failing with "another ctl command has been
     starting the session"."""
     env.env.update(CTL_CONNECT_TIMEOUT="2", CTL_TIMEOUT="2")  # the starter waits (3 x 2 + 5) + 2 + 10 s
-    for _attempt in range(5):  # on a fast machine the session may listen before it is caught: let it go, again
-        first = _ctl(env, "ping", "ct200")
-        daemon = _session_child(first.pid)
-        os.kill(daemon[0], signal.SIGSTOP)
-        if not any((env.state / "mux").glob("*.json")):
-            break
-        os.kill(daemon[0], signal.SIGCONT)
-        first.communicate(timeout=60)
-        env.ctl("mux", "stop", check=True)
-        listened = daemon[0]
-        _wait(lambda pid=listened: not _alive(pid) and not any((env.state / "mux").glob("*.json")), 30,
-              "the session that listened to end")
-    else:
-        pytest.fail("the session listened before it could be stopped, five times")
+    first, daemon = _stopped_before_listening(env, lambda: _ctl(env, "ping", "ct200"),
+                                              lambda: any((env.state / "mux").glob("*.json")))
     try:
         out, err = first.communicate(timeout=60)
         assert first.returncode != 0 and "did not say it listens in 23s" in out + err, out + err

@@ -51,7 +51,7 @@ from controller.transport.mux.sock import (
     still_trusted,
 )
 from controller.transport.mux.spare import session_env
-from controller.transport.relay import HostRelay, _RelayDuplex, speaks_agent
+from controller.transport.relay import HostRelay, StreamEnded, Submission, _RelayDuplex, speaks_agent
 from controller.transport.ssh import SshEndpoint
 
 ENV = settings.PERSIST
@@ -429,7 +429,7 @@ class MuxRelay(HostRelay):
 
     def open(self, argv: Sequence[str], *, agent: AgentStart | None = None,
              max_output: int | None = None, stdin: bytes | None = None,
-             on_done: Callable[[Any, Any], None] | None = None, handle: Any = None) -> _RelayDuplex:
+             on_done: StreamEnded | None = None, handle: Submission | None = None) -> _RelayDuplex:
         """Like HostRelay.open; after the session ended, connect to a new one first, as a direct SshEndpoint
         opens a new connection for the next exec after a drop (streams of the old one keep their error). A
         session that ends before this request reached it (its socket refused the start) is replaced and the
