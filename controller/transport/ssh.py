@@ -284,26 +284,34 @@ class _Keepalive:
                 return
 
 
-def _no_delay(transport: Any) -> None:
-    """TCP_NODELAY on the connection: ctl's requests and answers are small frames written one after another (a
-    header, a few bytes of input, a close); with Nagle's algorithm the second waits for the peer's delayed ACK of
-    the first, 40 ms a request on Linux. (A ProxyCommand's pipe has no such option: left as it is.)"""
-    sock = getattr(transport, "sock", None)
-    if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+_QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux only
 
 
-def _quick_ack(transport: Any) -> None:
-    """ACK what the server sent at once, before a request that waits for its answer. sshd keeps Nagle's algorithm
-    on a session without a terminal, and after authentication it sends a packet of its own (OpenSSH's host keys
-    notice): its answer to the channel open that follows then waits for our ACK of that packet, which Linux
-    delays ~40 ms on a connection it takes for interactive. TCP_QUICKACK (Linux) sends it now."""
-    sock = getattr(transport, "sock", None)
-    quick = getattr(socket, "TCP_QUICKACK", None)
-    if quick is not None and isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, quick, 1)
+class _AckingSocket(socket.socket):
+    """The connection's TCP socket, asking the kernel after each send to ACK the next segment at once.
+
+    sshd keeps Nagle's algorithm on a session without a terminal: a packet it sends right after another waits
+    until that one is ACKed. Linux delays the ACK (~40 ms) once it takes the connection for interactive, which
+    it does on the first send after a receive; TCP_QUICKACK undoes that until the next send. The stall it
+    removes is on every new connection: after authentication sshd sends its host keys notice, then its answer
+    to our channel open, which waited 40 ms for our ACK of the notice. The cost is a bare ACK where one would
+    have ridden on our next packet, and a system call per send."""
+
+    __slots__ = ()
+
+    def send(self, data: Any, flags: int = 0) -> int:
+        n = super().send(data, flags)
+        self._ack_next()
+        return n
+
+    def sendall(self, data: Any, flags: int = 0) -> None:
+        super().sendall(data, flags)
+        self._ack_next()
+
+    def _ack_next(self) -> None:
+        if _QUICKACK is not None:
+            with contextlib.suppress(OSError):
+                self.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
 
 
 #: Ciphers asked for first when both sides have them: AES-GCM seals a packet in one call, where paramiko's
@@ -328,13 +336,14 @@ def _tcp_connect(host: str, port: int, timeout: float) -> socket.socket:
     unreachable ones collected into its NoValidConnectionsError, any other error raised), with TCP_NODELAY set
     before the handshake: the handshake writes small packets back to back (KEXINIT then KEX_ECDH_INIT, NEWKEYS
     then the service request), and with Nagle's algorithm each second one waited for the server's delayed ACK
-    of the first, ~40 ms each, on every connection."""
+    of the first, ~40 ms each, on every connection. The socket is an _AckingSocket, for the server's side of
+    that same stall."""
     paramiko = _paramiko()
     errors: dict[tuple[Any, ...], OSError] = {}
     infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM)
     addresses = [(i[0], i[4]) for i in infos if i[1] == socket.SOCK_STREAM] or [(i[0], i[4]) for i in infos]
     for family, addr in addresses:
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock = _AckingSocket(family, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
             if family in (socket.AF_INET, socket.AF_INET6):
@@ -404,8 +413,6 @@ class SshEndpoint(Transport):
             self.dropped_why = None
             self.connects += 1
             transport = self._conn.get_transport()
-            _no_delay(transport)
-            _quick_ack(transport)  # the host keys notice sent after authentication is ACKed now
             if self.keepalive_interval > 0 and transport is not None:
                 self._keepalive = _Keepalive(self, transport, self.keepalive_interval, self.keepalive_count)
             return self._conn
@@ -594,7 +601,6 @@ class SshEndpoint(Transport):
             transport = conn.get_transport()
         if transport is None:
             raise ConnectionDropped(f"{self.name}: SSH connection lost{self._why()}")
-        _quick_ack(transport)
         try:
             chan = transport.open_session(timeout=self.connect_timeout)
         except Exception as e:  # paramiko raises SSHException/EOFError when the peer went away

@@ -43,6 +43,8 @@ def test_hostname_identityfile_and_proxyjump(pvehost: PveHost, tmp_path: Path, m
         # jump host's TCP connection carries them.
         tcp = (ep._jump_ep if jump else ep).connection().get_transport().sock  # type: ignore[union-attr]
         assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        # and sshd's packets are ACKed at once after each of ours (its Nagle waits for that: test_ssh_connect.py)
+        assert isinstance(tcp, ssh_mod._AckingSocket)
     finally:
         ep.close()
 
