@@ -112,6 +112,40 @@ def test_a_request_past_its_deadline_is_told_once_and_the_relay_goes_on(relay: t
     assert isinstance(calls.got[1][0][0], Result) and len(calls.got[0]) == 1
 
 
+def test_an_id_whose_k_has_not_gone_yet_is_not_handed_out_again(relay: tuple[HostRelay, _LocalHost]) -> None:
+    """A request past its deadline gets a K from a thread of its own. Were that K held up (here: the channel's send
+    lock held, as a relay that stopped reading would hold it) while the request's X came, the id would be free
+    again; after a wrap a new stream would take it and the late K would end that stream instead. The id stays
+    reserved until the K has gone."""
+    r, _host = relay
+    calls = Calls()
+    slow = r.submit(fake("slow"), agent=AgentStart(FAKE_AT, len(FAKE), True, ""), stdin=FAKE, on_done=calls.cb(0))
+    assert slow.st is not None
+    sid = slow.st.sid
+    with r._send_lock:
+        slow.expire(0.1)  # its K now waits for the lock
+        calls.wait(1)
+        deadline = time.monotonic() + 10
+        while sid in r._streams and time.monotonic() < deadline:  # the agent answers after 1.5 s: X frees it
+            time.sleep(0.02)
+        assert sid not in r._streams
+        with r._cond:
+            r._next = sid
+            assert r._free_sid() != sid
+    deadline = time.monotonic() + 10
+    while r._k_due and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with r._cond:
+        assert not r._k_due
+        r._next = sid
+        assert r._free_sid() == sid
+    ((got, _thread),) = calls.got[0]
+    assert isinstance(got, DeadlineExceeded)
+    r.submit(HELLO, agent=hello_start(), stdin=SOURCE, on_done=calls.cb(1))  # the relay goes on after the late K
+    calls.wait(2)
+    assert isinstance(calls.got[1][0][0], Result)
+
+
 def test_an_answer_past_its_cap_is_refused_once(relay: tuple[HostRelay, _LocalHost]) -> None:
     r, _host = relay
     calls = Calls()

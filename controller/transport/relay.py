@@ -179,6 +179,7 @@ class HostRelay:
         self.stuck = False  # a stream passed its deadline: close() does not wait for the relay
         self._due: list[tuple[StreamEnded, _Stream, Result | CtlError]] = []
         self._telling: list[threading.Thread] = []  # K frames of streams past their deadline, on their way
+        self._k_due: set[int] = set()  # ids a K is still to be sent for: not given out again until it has gone
 
     # --- start-up ---------------------------------------------------------------------------------
 
@@ -368,14 +369,21 @@ class HostRelay:
 
     def _telling_k(self, sid: int) -> None:
         """K for a stream, from a thread of its own: whoever saw the reason may hold the condition, or be the
-        reader a relay that stopped reading would hold up."""
+        reader a relay that stopped reading would hold up. Called under the condition, with the stream still
+        holding its id: the id stays out of _free_sid's reach until the K has gone, so a K that waited (a relay
+        that stopped reading) can never end a later stream given the same id after a wrap."""
+        self._k_due.add(sid)
         t = threading.Thread(target=self._tell_k, args=(sid,), name=f"k-{self.host.name}", daemon=True)
         t.start()
         self._telling.append(t)
 
     def _tell_k(self, sid: int) -> None:
-        with contextlib.suppress(ConnectionFailed):
-            self._send(b"K", sid)
+        try:
+            with contextlib.suppress(ConnectionFailed):
+                self._send(b"K", sid)
+        finally:
+            with self._cond:
+                self._k_due.discard(sid)
 
     def _fail(self, end: ConnectionFailed) -> None:
         """The channel ended (end.message: why, without the host's name): fail every open stream with it. A
@@ -437,7 +445,6 @@ class HostRelay:
         """Give a started stream its callback: from now on its end calls it. Armed only once its start went out
         (a start that could not be sent raises to the caller instead); one that ended already (its answer came
         first) is called here. The handle (expire) points at it from here on, before any callback runs."""
-        tell_k = False
         with self._cond:
             if handle is not None:
                 handle.st = st
@@ -449,7 +456,8 @@ class HostRelay:
                 got: Result | CtlError = Result(st.argv, st.code, out, bytes(st.err), time.monotonic() - st.t0)
             elif over:
                 if st.code is None:  # stopped here (K), its id kept until X
-                    st.abandoned = tell_k = True
+                    st.abandoned = True
+                    self._telling_k(st.sid)
                 st.out, st.err = bytearray(), bytearray()
                 assert st.cap is not None
                 got = too_large(self.host.name, st.argv, st.cap)
@@ -458,8 +466,6 @@ class HostRelay:
             else:
                 st.on_done = on_done
                 return
-        if tell_k:
-            self._telling_k(st.sid)
         on_done(st, got)
 
     def _opened(self, argv: Sequence[str], agent: AgentStart | None, max_output: int | None,
@@ -519,7 +525,7 @@ class HostRelay:
             st.abandoned = True
             st.out, st.err = bytearray(), bytearray()
             self.stuck = True
-        self._telling_k(st.sid)
+            self._telling_k(st.sid)
         done(st, self._late_error("waiting for", st, timeout))
 
     def _late_error(self, doing: str, st: _Stream, timeout: float) -> DeadlineExceeded:
@@ -611,7 +617,7 @@ class HostRelay:
         for _ in range(MAX_SID):
             sid = self._next
             self._next = sid % MAX_SID + 1
-            if sid not in self._streams:
+            if sid not in self._streams and sid not in self._k_due:
                 return sid
         raise ConnectionFailed(f"{self.host.name}: {MAX_SID} streams open on ctl's relay: no free stream id")
 
@@ -685,8 +691,13 @@ class _RelayDuplex(Duplex):
                 return
             st.abandoned = True
             st.out, st.err = bytearray(), bytearray()
-        with contextlib.suppress(ConnectionFailed):
-            self.relay._send(b"K", self.sid)
+            self.relay._k_due.add(self.sid)  # as _telling_k: the id is not given out again before the K went
+        try:
+            with contextlib.suppress(ConnectionFailed):
+                self.relay._send(b"K", self.sid)
+        finally:
+            with self.relay._cond:
+                self.relay._k_due.discard(self.sid)
 
     def _late(self, doing: str, timeout: float) -> DeadlineExceeded:
         """Past the deadline: drop the stream's output, tell the relay (K: the staying agent stuck in it is ended, an
@@ -694,11 +705,11 @@ class _RelayDuplex(Duplex):
         from a thread of its own: a relay that stopped reading never holds the caller past its deadline."""
         with self.relay._cond:
             st = self.relay._streams.get(self.sid)
-            if st is self.st:
+            if st is self.st:  # else its X came: the relay forgot the id, and there is nothing left to end
                 st.abandoned = True
                 st.out, st.err = bytearray(), bytearray()
+                self.relay._telling_k(self.sid)
             self.relay.stuck = True
-        self.relay._telling_k(self.sid)
         return self.relay._late_error(doing, self.st, timeout)
 
     def readline(self, timeout: float | None = None) -> bytes:
