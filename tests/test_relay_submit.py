@@ -146,6 +146,27 @@ def test_an_id_whose_k_has_not_gone_yet_is_not_handed_out_again(relay: tuple[Hos
     assert isinstance(calls.got[1][0][0], Result)
 
 
+def test_a_callback_that_raises_is_shown_and_the_reader_goes_on(relay: tuple[HostRelay, _LocalHost],
+                                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    r, _host = relay
+    calls = Calls()
+
+    def broken(got: Result | CtlError) -> None:
+        raise KeyError("a bug in the caller")
+
+    r.submit(HELLO, agent=hello_start(), stdin=SOURCE, on_done=broken)
+    r.submit(HELLO, agent=hello_start(), stdin=SOURCE, on_done=calls.cb(0))
+    calls.wait(1)
+    assert isinstance(calls.got[0][0][0], Result)
+    deadline = time.monotonic() + 10
+    err = ""
+    while "a bug in the caller" not in err and time.monotonic() < deadline:
+        err += capfd.readouterr().err
+        time.sleep(0.02)
+    assert "ctl: bug: the callback of `python3 -I -S ...` raised" in err
+    assert "KeyError: 'a bug in the caller'" in err
+
+
 def test_an_answer_past_its_cap_is_refused_once(relay: tuple[HostRelay, _LocalHost]) -> None:
     r, _host = relay
     calls = Calls()

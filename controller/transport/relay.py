@@ -27,6 +27,7 @@ import os
 import shlex
 import stat
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -333,8 +334,8 @@ class HostRelay:
         for done, st, got in due:
             try:
                 done(st, got)
-            except Exception:  # noqa: S112 - the caller's bug (callbacks must not raise) must not stop this reader
-                continue  # and with it every other request of the host
+            except Exception:  # the caller's bug (callbacks must not raise): it must not stop this reader, and
+                _callback_failed(st)  # with it every other request of the host, nor go unseen
 
     def _take(self, kind: bytes, sid: int, payload: bytes) -> None:
         """One frame of the relay into its stream; under self._cond."""
@@ -649,6 +650,14 @@ class Submission:
     def expire(self, timeout: float) -> None:
         if self.st is not None:
             self.relay._expire(self.st, timeout)
+
+
+def _callback_failed(st: _Stream) -> None:
+    import traceback
+
+    with contextlib.suppress(Exception):  # stderr closed, or a MemoryError: the reader goes on regardless
+        sys.stderr.write(f"ctl: bug: the callback of `{shlex.join(st.argv[:3])} ...` raised (the request's other "
+                         f"work goes on):\n{traceback.format_exc()}")
 
 
 def _lost_message(relay: HostRelay, st: _Stream, end: ConnectionFailed) -> str:
