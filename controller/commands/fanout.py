@@ -355,7 +355,7 @@ def ping(pool: Pool, cts: list[Container]) -> list[Outcome[dict[str, Any]]]:
         while staying and len(rtts) < 3:
             t1 = time.monotonic()
             yield "hello", {}
-            rtts.append(time.monotonic() - t1)
+            rtts.append(agent.seconds or time.monotonic() - t1)
         python = doc.get("python")
         return {"first_ms": first * 1000, "rtt_ms": min(rtts or [first]) * 1000, "staying": staying,
                 "python": python if isinstance(python, str) else None}

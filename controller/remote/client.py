@@ -90,6 +90,9 @@ class Agent:
         self.t = t
         self.name = t.name
         self.root = t.path("/")
+        # The last answer's time as its transport took it: from the request's start to its end being read. A
+        # caller's own clock would also count, for requests answered together, the callbacks run before its own.
+        self.seconds = 0.0
 
     # --- building requests -------------------------------------------------------------------------
 
@@ -112,6 +115,7 @@ class Agent:
 
     def answer(self, verb: str, res: Result, check: bool = True) -> dict[str, Any]:
         """A verb's answer document; with `check`, its refusal raised."""
+        self.seconds = res.seconds
         doc = self.parse(verb, res)
         if check and not doc.get("ok"):
             raise self.error(doc)
