@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from controller.commands.fanout import _Flows
+from controller.commands.fanout import Read, _flow_here, _Flows
 from controller.errors import ConnectionFailed, CtlError, DeadlineExceeded, OutputTooLarge
 from controller.remote.client import VERB_AT, Agent, agent_argv, agent_sha, agent_source
 from controller.transport.base import AgentStart, Result
@@ -264,3 +264,52 @@ def test_a_long_queue_behind_an_ended_relay_does_not_deepen_the_stack(relay: tup
     r, host = relay
     out = _flows_over(r, host, 400, 16, end_first=True)
     assert len(out) == 400 and not any(o.ok for o in out)
+
+
+class _Here:
+    """What Agent needs of a Transport, every request going to the real agent through the local relay."""
+
+    name = "ct"
+    request_timeout = 60.0
+
+    def __init__(self, relay: HostRelay) -> None:
+        self.relay = relay
+
+    def path(self, p: str) -> str:
+        return p
+
+    def submit_agent(self, argv: Any, start: Any, *, stdin: bytes, on_done: Any, max_output: Any = None) -> Any:
+        return self.relay.submit(argv, agent=start, stdin=stdin, on_done=on_done, max_output=max_output)
+
+    def run_agent(self, argv: Any, start: Any, *, stdin: bytes, timeout: Any = None, max_output: Any = None) -> Any:
+        return self.relay.run(argv, agent=start, stdin=stdin, timeout=timeout, max_output=max_output)
+
+
+def test_a_flow_reads_header_and_bytes_answers_in_flight_and_in_a_thread_alike(
+        relay: tuple[HostRelay, _LocalHost], tmp_path: Any) -> None:
+    """A Read step (what `ctl status` polls with) is answered with read()'s tuple, the bytes after the header
+    intact, whether the flow's requests are in flight together (_Flows) or called one by one (_flow_here)."""
+    r, _host = relay
+    logs = []
+    for i in range(3):
+        log = tmp_path / f"train{i}.log"
+        log.write_bytes(b"step=1 loss=2.5\n" * (i + 1) + b"\xff\x00 no newline")
+        logs.append(log)
+
+    def flow(ct: Any, agent: Agent) -> Any:
+        head, data, _wire_out, _wire_in = yield Read("logread", {"log": str(logs[int(ct.name[2:])]), "offset": 0,
+                                                                 "max_bytes": 1 << 20})
+        doc = yield "hello", {}
+        return head["length"], data, doc["ok"]
+
+    cts = [SimpleNamespace(name=f"ct{i}", host_name="h", spec=SimpleNamespace(transport="pct")) for i in range(3)]
+    driver: _Flows[Any] = _Flows(cts, flow, 16)  # type: ignore[arg-type]
+    for i in range(3):
+        driver.add(i, Agent(_Here(r)))  # type: ignore[arg-type]
+    driver.begin()
+    driver.wait()
+    together = [o.value for o in driver.outcomes()]
+    one_by_one = [_flow_here(flow(ct, agent), agent) for ct in cts for agent in [Agent(_Here(r))]]  # type: ignore
+    want = [(len(log.read_bytes()), log.read_bytes(), True) for log in logs]
+    assert together == want and one_by_one == want
+

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from controller.errors import ConnectionFailed, CtlError, ExitCode
 from controller.inventory import Container
@@ -134,9 +134,18 @@ def _side_by_side(work: Callable[[int], Outcome[T]], order: list[int], workers: 
     return [done[i] for i in range(len(order))]
 
 
-#: A container's conversation with its agent (flows()): it yields requests (verb, args), is sent each answer (or
-#: thrown the CtlError it met), and returns the container's value.
-Flow = Generator[tuple[str, Mapping[str, Any]], dict[str, Any], T]
+class Read(NamedTuple):
+    """A flow's request answered as Agent.read() answers it (a header line, then bytes): the flow is sent read()'s
+    tuple (header, bytes, wire out, wire in) instead of a document."""
+
+    verb: str
+    args: Mapping[str, Any]
+
+
+#: A container's conversation with its agent (flows()): it yields requests ((verb, args) for Agent.call, or a
+#: Read), is sent each answer (or thrown the CtlError it met), and returns the container's value.
+Step = tuple[str, Mapping[str, Any]] | Read
+Flow = Generator[Step, Any, T]
 
 
 def flows(pool: Pool, cts: list[Container], flow: Callable[[Container, Agent], Flow[T]],
@@ -189,11 +198,11 @@ def _flow_here(gen: Flow[T], agent: Agent) -> T:
         while True:
             verb, args = step
             try:
-                doc = agent.call(verb, args)
+                got = agent.read(verb, args) if isinstance(step, Read) else agent.call(verb, args)
             except CtlError as e:
                 step = gen.throw(e)
                 continue
-            step = gen.send(doc)
+            step = gen.send(got)
     except StopIteration as e:
         return e.value  # type: ignore[no-any-return]
 
@@ -247,13 +256,13 @@ class _Flows(Generic[T]):
                 continue
             self._step(i, agent, gen, functools.partial(next, gen))
 
-    def _step(self, i: int, agent: Agent, gen: Flow[T], move: Callable[[], tuple[str, Mapping[str, Any]]]) -> None:
+    def _step(self, i: int, agent: Agent, gen: Flow[T], move: Callable[[], Step]) -> None:
         """Move flow i on (move: its next(), send() or throw()) and ask its next request, or settle it."""
         ct = self.cts[i]
         try:
             while True:
                 try:
-                    verb, args = move()
+                    step = move()
                 except StopIteration as e:
                     return self._done(i, Outcome(ct.name, e.value, None, 0))
                 except CtlError as e:
@@ -261,9 +270,11 @@ class _Flows(Generic[T]):
                 if self.stopped:
                     return self._done(i, Outcome(ct.name, None, "stopped", int(ExitCode.FAILURE)))
                 with self.lock:
-                    step = self.steps.get(i, 0)
+                    n = self.steps.get(i, 0)
+                answered = functools.partial(self._answered, i, agent, gen, n)
                 try:
-                    asked = agent.submit(verb, args, functools.partial(self._answered, i, agent, gen, step))
+                    asked = (agent.submit_read(step.verb, step.args, answered) if isinstance(step, Read) else
+                             agent.submit(step[0], step[1], answered))
                     if asked is None:
                         raise ConnectionFailed(f"{ct.name}: ctl's host session ended during the command")
                 except CtlError as e:  # it never started: the flow is told here
@@ -271,7 +282,7 @@ class _Flows(Generic[T]):
                     continue
                 timeout = limit(None, agent.t.request_timeout)
                 with self.lock:
-                    if self.steps.get(i, 0) == step:  # not answered already (it may be, before submit returned)
+                    if self.steps.get(i, 0) == n:  # not answered already (it may be, before submit returned)
                         self.asked[i] = (asked, timeout)
                 return None
         except BaseException as e:  # a bug in the flow, or in ctl: raised in the caller's thread by wait()
@@ -280,11 +291,11 @@ class _Flows(Generic[T]):
             self.finished.set()
             return None
 
-    def _answered(self, i: int, agent: Agent, gen: Flow[T], step: int, got: dict[str, Any] | CtlError) -> None:
+    def _answered(self, i: int, agent: Agent, gen: Flow[T], n: int, got: Any) -> None:
         with self.lock:
-            if self.steps.get(i, 0) != step:
+            if self.steps.get(i, 0) != n:
                 return  # told twice (an expiry meeting the answer): the first counts
-            self.steps[i] = step + 1
+            self.steps[i] = n + 1
             self.asked.pop(i, None)
         if isinstance(got, CtlError):
             self._step(i, agent, gen, functools.partial(gen.throw, got))

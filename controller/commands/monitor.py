@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from controller.commands.fanout import Outcome, fanout
+from controller.commands.fanout import Flow, Outcome, Read, fanout, flows
 from controller.commands.runs import checked_states, record_states, refresh, state_request
 from controller.core.metrics import (
     LogCursor,
@@ -391,10 +391,10 @@ class Polled:
 def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], checkpoints: str | None, *,
               states: bool = True, budget: int = DEFAULT_CHUNK) -> Polled:
     """Refresh the live runs' states (with `states`) and pull every run's new log bytes, with ONE agent call
-    (`poll`) per container for all of its runs, the containers of a host sharing one exec (fanout), so a poll
-    of many runs costs one SSH connection per host and one round trip per container. The log bytes of one
-    container's call stay within `budget`, shared evenly; a run with more to read (a first pull of a long log)
-    reads on with logread calls of its own."""
+    (`poll`) per container for all of its runs, every container's call in flight together through its host's
+    session (fanout.flows), so a poll of many runs costs one SSH connection per host and one round trip per
+    container. The log bytes of one container's call stay within `budget`, shared evenly; a run with more to
+    read (a first pull of a long log) reads on with logread calls of its own."""
     by_ct: dict[str, list[RunRecord]] = {}
     for r in recs:
         if r.ct in inv.model.containers and (r.log_path or (states and r.state.live)):
@@ -422,9 +422,9 @@ def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], 
         asked[name] = [{**state_request(r), "state": states and r.state.live,
                         "read": pulling[r.id].args(share) if r.id in pulling else None} for r in mine]
 
-    def ask(ct: Container, t: Transport) -> tuple[Agent, list[Any], int, int]:
-        agent = Agent(t)
-        return agent, *agent.poll(asked[ct.name], max_bytes=budget)
+    def ask(ct: Container, agent: Agent) -> Flow[tuple[Agent, list[Any], int, int]]:
+        got = yield Read("poll", Agent.poll_args(asked[ct.name], budget))
+        return agent, *agent.poll_answer(asked[ct.name], got)
 
     def store(name: str, agent: Agent, answers: list[Any], n_in: int, n_out: int) -> list[_Pull]:
         """Record what one container answered; the pulls with more to read than this call's budget."""
@@ -462,7 +462,7 @@ def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], 
 
     unreachable: dict[str, str] = {}
     warnings: list[str] = []
-    outcomes = fanout(pool, [inv.container(c) for c in by_ct], ask)
+    outcomes = flows(pool, [inv.container(c) for c in by_ct], ask)
     going: dict[str, list[_Pull]] = {}
     for i, o in enumerate(outcomes):
         if o.value is not None:

@@ -19,7 +19,7 @@ import functools
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from controller.errors import (
     BusyError,
@@ -37,6 +37,7 @@ from controller.remote import boot, source
 from controller.transport.base import AgentStart, Duplex, Result, Submitted, Transport
 
 BOOT = boot("agent")  # controller/remote/__init__.py says what it does
+T = TypeVar("T")
 
 #: The agent's refusal codes and what ctl raises for each: (exception, text put before the agent's message).
 ERRORS: Mapping[str, tuple[type[CtlError], str]] = {
@@ -127,20 +128,31 @@ class Agent:
         gets the answer, or the error call() would have raised, from the session's reader thread (so it must
         neither raise nor wait). None where the transport cannot: use call(). The deadline is the caller's to
         keep (the handle's expire())."""
+        return self._submit(verb, self.argv(verb, args), MAX_REPLY, lambda res: self.answer(verb, res), on_done)
 
+    def submit_read(self, verb: str, args: Mapping[str, Any],
+                    on_done: Callable[[tuple[dict[str, Any], bytes, int, int] | CtlError], None]
+                    ) -> Submitted | None:
+        """read(verb, args) as submit() does call(): on_done gets read()'s tuple or the error it would have
+        raised."""
+        argv = self.argv(verb, args)
+        return self._submit(verb, argv, self._read_limit(args),
+                            lambda res: self.read_answer(verb, argv, res), on_done)
+
+    def _submit(self, verb: str, argv: list[str], limit: int, parse: Callable[[Result], T],
+                on_done: Callable[[T | CtlError], None]) -> Submitted | None:
         def done(got: Result | CtlError) -> None:
             if isinstance(got, OutputTooLarge):
-                got = self.too_large(f"agent {verb}", MAX_REPLY)
+                got = self.too_large(f"agent {verb}", limit)
             if isinstance(got, CtlError):
                 return on_done(got)
             try:
-                doc = self.answer(verb, got)
+                answer = parse(got)
             except CtlError as e:
                 return on_done(e)
-            return on_done(doc)
+            return on_done(answer)
 
-        return self.t.submit_agent(self.argv(verb, args), self._start(verb), stdin=agent_source(), on_done=done,
-                                   max_output=MAX_REPLY)
+        return self.t.submit_agent(argv, self._start(verb), stdin=agent_source(), on_done=done, max_output=limit)
 
     @staticmethod
     def _start(verb: str, reads_only: bool | None = None) -> AgentStart:
@@ -186,8 +198,16 @@ class Agent:
         """A verb that answers a JSON header line then raw bytes (logread): (header, bytes, wire out, wire in).
         The header's "length" must match what arrived: a short read is a dropped connection."""
         argv = self.argv(verb, args)
-        stdin = agent_source()
-        res = self.exec(verb, argv, stdin, timeout, limit=MAX_REPLY + int(args.get("max_bytes", 8 << 20)))
+        return self.read_answer(verb, argv, self.exec(verb, argv, agent_source(), timeout,
+                                                      limit=self._read_limit(args)))
+
+    @staticmethod
+    def _read_limit(args: Mapping[str, Any]) -> int:
+        return MAX_REPLY + int(args.get("max_bytes", 8 << 20))
+
+    def read_answer(self, verb: str, argv: list[str], res: Result) -> tuple[dict[str, Any], bytes, int, int]:
+        """read()'s tuple out of the request's Result."""
+        self.seconds = res.seconds
         head, sep, data = res.stdout.partition(b"\n")
         doc = self.json_line(head) if sep else None
         if doc is None:
@@ -197,7 +217,7 @@ class Agent:
         if doc.get("ok") and len(data) != doc.get("length"):
             raise ConnectionFailed(f"{self.name}: {verb} cut short: {len(data)} of {doc.get('length')} bytes "
                                    "arrived")
-        return doc, data, len(stdin) + len(argv[-1]), len(res.stdout) + len(res.stderr)
+        return doc, data, len(agent_source()) + len(argv[-1]), len(res.stdout) + len(res.stderr)
 
     def poll(self, runs: Sequence[Mapping[str, Any]], *, max_bytes: int, timeout: float | None = None
              ) -> tuple[list[tuple[dict[str, Any] | None, tuple[dict[str, Any], bytes] | None]], int, int]:
@@ -205,7 +225,16 @@ class Agent:
         Each of `runs` is {"name", "log", "session", "state": bool, "record": bool, "read": logread's arguments
         or None}; the answer is [(state or None, (read header, its bytes) or None)] in that order, and (wire
         out, wire in). Every entry's kind and every byte count is checked against what arrived."""
-        doc, data, n_in, n_out = self.read("poll", {"runs": list(runs), "max_bytes": max_bytes}, timeout=timeout)
+        return self.poll_answer(runs, self.read("poll", self.poll_args(runs, max_bytes), timeout=timeout))
+
+    @staticmethod
+    def poll_args(runs: Sequence[Mapping[str, Any]], max_bytes: int) -> dict[str, Any]:
+        return {"runs": list(runs), "max_bytes": max_bytes}
+
+    def poll_answer(self, runs: Sequence[Mapping[str, Any]], got: tuple[dict[str, Any], bytes, int, int]
+                    ) -> tuple[list[tuple[dict[str, Any] | None, tuple[dict[str, Any], bytes] | None]], int, int]:
+        """poll()'s answer out of read()'s tuple (of a request with poll_args(runs, ...))."""
+        doc, data, n_in, n_out = got
         if not doc.get("ok"):
             raise self.error(doc)
         entries = self.need(doc, "runs", list)
