@@ -84,6 +84,27 @@ def test_forty_requests_in_flight_from_one_thread_are_each_answered_once_by_the_
     assert agent_sha() in r.sources_sent  # the next requests leave the source out
 
 
+def test_requests_in_flight_together_carry_the_agents_source_once(relay: tuple[HostRelay, _LocalHost]) -> None:
+    """A fresh relay, 40 requests at once: the first carries the 77 KB source, the relay keeps it as soon as that
+    request is all in, and the 39 behind it leave it out (none is told U)."""
+    r, _host = relay
+    sent: list[int] = []
+    send_raw = r._send_raw
+
+    def counting(chan: Any, data: bytes) -> None:
+        sent.append(len(data))
+        send_raw(chan, data)
+
+    r._send_raw = counting  # type: ignore[method-assign]
+    calls = Calls()
+    for i in range(40):
+        r.submit(HELLO, agent=hello_start(), stdin=SOURCE, on_done=calls.cb(i))
+    calls.wait(40)
+    assert all(isinstance(got, Result) and got.returncode == 0 for (got, _t), in calls.got.values()), calls.got
+    assert not r.sources_missing
+    assert len(SOURCE) < sum(sent) < len(SOURCE) + 40 * 2000, sent  # the source once, then the requests alone
+
+
 def test_a_source_the_relay_does_not_keep_goes_again_and_is_answered_once(relay: tuple[HostRelay, _LocalHost]) -> None:
     r, _host = relay
     r.sources_sent.add(agent_sha())  # believed kept: the request leaves it out, the relay answers U

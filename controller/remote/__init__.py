@@ -28,7 +28,7 @@ def source(name: str) -> bytes:
 # code is kept on the far side (/run/ctl, root's own, gone at reboot; a `local` target's in its own root,
 # CTL_AGENT_CODE_DIR, which BOOT takes out of the environment) under the source's sha256 and the python's version,
 # by the program itself once it has said hello (agent.py and hostrelay.py: keep_compiled), so the next start of
-# the same program reads it instead of compiling it again (the agent's 77 KB: ~20 ms of CPU, once per container of
+# the same program reads it instead of compiling it again (the agent's 90 KB: ~20 ms of CPU, once per container of
 # a fan-out; the relay's: ~13 ms before every session's hello). Used only when the file is the running user's, not
 # writable by others, not a symlink, and holds a code object; anything else compiles, as before. The key's sha256
 # is the interpreter's own (_sha256, _sha2 from 3.12): hashlib would load OpenSSL, ~9 ms of every start.

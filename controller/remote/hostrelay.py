@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 
-try:  # the interpreter's own sha256: hashlib would load OpenSSL (~9 ms of every session's start) for 77 KB
+try:  # the interpreter's own sha256: hashlib would load OpenSSL (~9 ms of every session's start) for 90 KB
     from _sha256 import sha256
 except ImportError:
     try:
@@ -811,7 +811,7 @@ SOURCES_KEPT = 8
 
 def _keep_source(source, digest=None):
     """Keep source under its sha256 (the newest SOURCES_KEPT); `digest` when it is already known: a source taken
-    from the kept ones is not hashed again, or a staying agent's every request would hash 77 KB."""
+    from the kept ones is not hashed again, or a staying agent's every request would hash 90 KB."""
     if digest is None:
         digest = sha256(source).hexdigest()
     with _sources_lock:
@@ -869,6 +869,10 @@ class AgentRequest:
         if self.closed:
             return
         self.closed = True
+        if self.n and not self.kept and not self.lost and len(self.buf) >= self.n:
+            # Kept now, in the reading loop, not when a worker answers: ctl sends the source with the first of
+            # the requests it has in flight together and leaves it out of the others, which the loop reads next.
+            self.sha, self.kept = _keep_source(bytes(self.buf[:self.n])), True
         self.answered = threading.Lock()
         self.answered.acquire()
         if loop is None or not loop.take(self):

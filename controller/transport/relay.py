@@ -494,19 +494,16 @@ class HostRelay:
 
         def ended(st: _Stream, got: Result | CtlError) -> None:
             if skip and isinstance(got, Result) and st.unknown_source:
-                with self._cond:
-                    self.sources_missing.add(agent.sha)
+                self._source_missing(agent.sha)
                 try:  # the relay lacks the source: once more, with it
                     self._opened(argv, agent, max_output, stdin, full, handle)
+                    self._source_went(agent)
                 except CtlError as e:
                     on_done(e)
                 return
-            full(st, got)
+            on_done(got)
 
-        def full(st: _Stream, got: Result | CtlError) -> None:
-            if isinstance(got, Result) and agent.sha:
-                with self._cond:
-                    self.sources_sent.add(agent.sha)
+        def full(_st: _Stream, got: Result | CtlError) -> None:
             on_done(got)
 
         if skip:
@@ -514,7 +511,22 @@ class HostRelay:
                          handle)
         else:
             self._opened(argv, agent, max_output, stdin, full, handle)
+            self._source_went(agent)
         return handle
+
+    def _source_went(self, agent: AgentStart | None) -> None:
+        """A request with the agent's source has gone out: the requests after it leave the source out. The relay
+        keeps a source as soon as the request that carries it is all in (hostrelay.py: AgentRequest.close_stdin),
+        before it reads the frames behind it, so a command's first requests in flight together need it only
+        once; were it lost on the way (that request cut short), the next ones are told U and send it again."""
+        if agent is not None and agent.sha and agent.n:
+            with self._cond:
+                self.sources_sent.add(agent.sha)
+
+    def _source_missing(self, sha: str) -> None:
+        with self._cond:
+            self.sources_missing.add(sha)
+            self.sources_sent.discard(sha)
 
     def _expire(self, st: _Stream, timeout: float) -> None:
         """A submitted request past its deadline, if it has not ended: dropped (K; its id stays taken until X)
@@ -545,14 +557,10 @@ class HostRelay:
             res = d.finish(timeout)
             if not d.st.unknown_source:
                 return res
-            with self._cond:
-                self.sources_missing.add(agent.sha)
+            self._source_missing(agent.sha)
         d = self._opened(argv, agent, max_output, stdin or b"")
-        res = d.finish(timeout)
-        if agent is not None and agent.sha:
-            with self._cond:
-                self.sources_sent.add(agent.sha)
-        return res
+        self._source_went(agent)
+        return d.finish(timeout)
 
     def has_source(self, sha: str) -> bool:
         """Whether the relay (probably) keeps the agent source of this sha256."""
