@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -63,21 +62,15 @@ def main() -> int:
     sys.path.insert(0, str(HERE))
     from bench import speed
 
-    up = speed.bring_up("cold")
+    up = speed.set_up("cold")
     if up is None:
         return 2
-    host, base = up
+    host, base, b = up
     envs: dict[str, dict[str, str]] = {}
     try:
-        b = speed.Bench(host, base, argparse.Namespace(repeat=1, big_mb=2, log_mb=4, only=None, out=None))
-        b.setup()
         invs = {"runs": str(b.inv_runs), "deploy": str(b.inv_deploy)}
         for name, tree in trees.items():
-            state, run_dir = base / f"state-{name}", base / f"xdg-{name}"
-            shutil.copytree(base / "state", state, ignore=shutil.ignore_patterns("mux"))
-            run_dir.mkdir(mode=0o700)
-            envs[name] = dict(b.env_warm, PYTHONPATH=str(tree), CTL_STATE_DIR=str(state),
-                              XDG_RUNTIME_DIR=str(run_dir))
+            envs[name] = speed.tree_env(b, name, tree)
             envs[name].pop("PYTHONDONTWRITEBYTECODE", None)
         got: dict[str, dict[str, list[tuple[float, float]]]] = {}
         for case in args.case or list(CASES):

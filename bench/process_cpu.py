@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -145,22 +144,15 @@ def main() -> int:
     sys.path.insert(0, str(HERE))
     from bench import speed
 
-    up = speed.bring_up("cpu")
+    up = speed.set_up("cpu")
     if up is None:
         return 2
-    host, base = up
+    host, _base, b = up
     envs: dict[str, dict[str, str]] = {}
     try:
-        b = speed.Bench(host, base, argparse.Namespace(repeat=1, big_mb=2, log_mb=4, only=None, out=None))
-        b.setup()
         envs["this"] = dict(b.env_warm)
         if "against" in trees:  # its own sessions, and a registry of its own with the same runs
-            state = base / "state-against"
-            shutil.copytree(base / "state", state, ignore=shutil.ignore_patterns("mux"))
-            run_dir = base / "xdg-against"
-            run_dir.mkdir(mode=0o700)
-            envs["against"] = dict(b.env_warm, PYTHONPATH=str(trees["against"]), CTL_STATE_DIR=str(state),
-                                   XDG_RUNTIME_DIR=str(run_dir))
+            envs["against"] = speed.tree_env(b, "against", trees["against"])
         cases = args.case or list(CASES)
         per_round = args.repeat // ROUNDS
         got: dict[str, dict[str, list[Any]]] = {}

@@ -529,6 +529,33 @@ def bring_up(name: str) -> tuple[PveHost, Path] | None:
     return PveHost(base=base, port=port, ct_ssh_vmid=None, small_tmpfs={}, extra_cts=PER_NODE - 2).up(), base
 
 
+def set_up(name: str) -> tuple[PveHost, Path, Bench] | None:
+    """bring_up() with this benchmark's set-up done (deployed payload, 20 live runs, the logs), for the
+    benchmarks that compare trees on it (process_cpu.py, cold_against.py); None as bring_up()."""
+    up = bring_up(name)
+    if up is None:
+        return None
+    host, base = up
+    try:
+        b = Bench(host, base, argparse.Namespace(repeat=1, big_mb=2, log_mb=4, only=None, out=None))
+        b.setup()
+    except BaseException:
+        host.down()
+        raise
+    return host, base, b
+
+
+def tree_env(b: Bench, name: str, tree: Path) -> dict[str, str]:
+    """The environment that runs checkout `tree`'s ctl on b's host: its own sessions (XDG_RUNTIME_DIR) and its
+    own copy of the registry, so two trees measured in turn share nothing but the host."""
+    import shutil
+
+    state, run_dir = b.base / f"state-{name}", b.base / f"xdg-{name}"
+    shutil.copytree(b.base / "state", state, ignore=shutil.ignore_patterns("mux"))
+    run_dir.mkdir(mode=0o700)
+    return dict(b.env_warm, PYTHONPATH=str(tree), CTL_STATE_DIR=str(state), XDG_RUNTIME_DIR=str(run_dir))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)

@@ -225,8 +225,8 @@ class _LocalMux(MuxRelay):
     _start = HostRelay._start
 
 
-class _Hanging:
-    """What Agent needs of a Transport: its requests go to the relay, to an agent that never answers."""
+class _Here:
+    """What Agent needs of a Transport, every request going to the real agent through the local relay."""
 
     name = "ct"
     request_timeout = 60.0
@@ -236,6 +236,16 @@ class _Hanging:
 
     def path(self, p: str) -> str:
         return p
+
+    def submit_agent(self, argv: Any, start: Any, *, stdin: bytes, on_done: Any, max_output: Any = None) -> Any:
+        return self.relay.submit(argv, agent=start, stdin=stdin, on_done=on_done, max_output=max_output)
+
+    def run_agent(self, argv: Any, start: Any, *, stdin: bytes, timeout: Any = None, max_output: Any = None) -> Any:
+        return self.relay.run(argv, agent=start, stdin=stdin, timeout=timeout, max_output=max_output)
+
+
+class _Hanging(_Here):
+    """Its requests go to the relay, to an agent that never answers."""
 
     def submit_agent(self, argv: Any, start: Any, *, stdin: bytes, on_done: Any, max_output: Any = None) -> Any:
         return self.relay.submit(fake("hang"), agent=AgentStart(FAKE_AT, len(FAKE), True, ""), stdin=FAKE,
@@ -285,25 +295,6 @@ def test_a_long_queue_behind_an_ended_relay_does_not_deepen_the_stack(relay: tup
     r, host = relay
     out = _flows_over(r, host, 400, 16, end_first=True)
     assert len(out) == 400 and not any(o.ok for o in out)
-
-
-class _Here:
-    """What Agent needs of a Transport, every request going to the real agent through the local relay."""
-
-    name = "ct"
-    request_timeout = 60.0
-
-    def __init__(self, relay: HostRelay) -> None:
-        self.relay = relay
-
-    def path(self, p: str) -> str:
-        return p
-
-    def submit_agent(self, argv: Any, start: Any, *, stdin: bytes, on_done: Any, max_output: Any = None) -> Any:
-        return self.relay.submit(argv, agent=start, stdin=stdin, on_done=on_done, max_output=max_output)
-
-    def run_agent(self, argv: Any, start: Any, *, stdin: bytes, timeout: Any = None, max_output: Any = None) -> Any:
-        return self.relay.run(argv, agent=start, stdin=stdin, timeout=timeout, max_output=max_output)
 
 
 def test_a_flow_reads_header_and_bytes_answers_in_flight_and_in_a_thread_alike(
