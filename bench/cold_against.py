@@ -55,13 +55,11 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error(f"--repeat {args.repeat}: give at least 1")
-    other = Path(args.against).resolve()
-    if not (other / "controller" / "cli" / "main.py").is_file():
-        ap.error(f"--against {args.against}: not a checkout of ctl (no controller/cli/main.py)")
-    trees = {"this": HERE, "against": other}
     sys.path.insert(0, str(HERE))
     from bench import speed
 
+    other = speed.checkout(ap, args.against)
+    trees = {"this": HERE, "against": other}
     up = speed.set_up("cold")
     if up is None:
         return 2

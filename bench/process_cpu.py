@@ -135,15 +135,12 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeat < ROUNDS or args.repeat % ROUNDS:
         ap.error(f"--repeat {args.repeat}: give a multiple of {ROUNDS} (each tree's runs come in {ROUNDS} turns)")
-    trees = {"this": HERE}
-    if args.against:
-        other = Path(args.against).resolve()
-        if not (other / "controller" / "cli" / "main.py").is_file():
-            ap.error(f"--against {args.against}: not a checkout of ctl (no controller/cli/main.py)")
-        trees["against"] = other
     sys.path.insert(0, str(HERE))
     from bench import speed
 
+    trees = {"this": HERE}
+    if args.against:
+        trees["against"] = speed.checkout(ap, args.against)
     up = speed.set_up("cpu")
     if up is None:
         return 2

@@ -545,6 +545,14 @@ def set_up(name: str) -> tuple[PveHost, Path, Bench] | None:
     return host, base, b
 
 
+def checkout(ap: argparse.ArgumentParser, given: str) -> Path:
+    """--against's directory, refused in one line (ap.error) unless it is a checkout of ctl."""
+    tree = Path(given).resolve()
+    if not (tree / "controller" / "cli" / "main.py").is_file():
+        ap.error(f"--against {given}: not a checkout of ctl (no controller/cli/main.py)")
+    return tree
+
+
 def tree_env(b: Bench, name: str, tree: Path) -> dict[str, str]:
     """The environment that runs checkout `tree`'s ctl on b's host: its own sessions (XDG_RUNTIME_DIR) and its
     own copy of the registry, so two trees measured in turn share nothing but the host."""
