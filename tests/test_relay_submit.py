@@ -105,6 +105,55 @@ def test_requests_in_flight_together_carry_the_agents_source_once(relay: tuple[H
     assert len(SOURCE) < sum(sent) < len(SOURCE) + 40 * 2000, sent  # the source once, then the requests alone
 
 
+def test_a_request_that_leaves_the_source_out_after_one_that_carries_it_is_never_told_u(
+        relay: tuple[HostRelay, _LocalHost]) -> None:
+    """run() with the source (more than one frame) counts it as sent: a request after that point leaves it out,
+    so the carrying request must be closed by then (the relay keeps a source at its close), or the one behind
+    it is told U and sent again. Here the second request runs right at that point, before the first waits."""
+    r, _host = relay
+    went = r._source_went
+    second: list[Result] = []
+    asked: list[bool] = []
+
+    def then_another(agent: AgentStart | None) -> None:
+        went(agent)
+        if not asked:
+            asked.append(True)
+            second.append(r.run(HELLO, agent=hello_start(), stdin=SOURCE, timeout=30))
+
+    r._source_went = then_another  # type: ignore[method-assign]
+    first = r.run(HELLO, agent=hello_start(), stdin=SOURCE, timeout=30)
+    assert first.returncode == 0 and second and second[0].returncode == 0
+    assert not r.sources_missing  # no U: the second found the source the first brought
+
+
+def test_a_deadline_met_twice_sends_one_k_and_one_met_after_the_end_frees_the_id(
+        relay: tuple[HostRelay, _LocalHost]) -> None:
+    r, _host = relay
+    ks: list[int] = []
+    send = r._send
+
+    def counting(kind: bytes, sid: int, data: bytes = b"") -> None:
+        if kind == b"K":
+            ks.append(sid)
+        send(kind, sid, data)
+
+    r._send = counting  # type: ignore[method-assign]
+    hung = r.open(["cat"])  # its input never closes: it runs until a K
+    hung._late("reading", 0.1)  # type: ignore[attr-defined]
+    hung._late("waiting for", 0.1)  # type: ignore[attr-defined]  # (a read, then finish's clean-up)
+    deadline = time.monotonic() + 10
+    while (r._k_due or hung.sid in r._streams) and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.02)
+    assert ks == [hung.sid] and not r._k_due  # type: ignore[attr-defined]
+    assert hung.sid not in r._streams  # type: ignore[attr-defined]  # the relay's X after the K freed it
+    quick = r.open(["echo", "x"])
+    while quick.st.code is None and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.02)
+    quick._late("waiting for", 0.1)  # type: ignore[attr-defined]  # its X came first: nothing to end
+    assert quick.sid not in r._streams and ks == [hung.sid]  # type: ignore[attr-defined]
+
+
 def test_a_source_the_relay_does_not_keep_goes_again_and_is_answered_once(relay: tuple[HostRelay, _LocalHost]) -> None:
     r, _host = relay
     r.sources_sent.add(agent_sha())  # believed kept: the request leaves it out, the relay answers U

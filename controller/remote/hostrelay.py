@@ -834,7 +834,7 @@ class AgentRequest:
         self.n = int(spec["n"])
         self.retry = bool(spec.get("retry"))
         self.sha = str(spec.get("sha") or "")
-        self.kept = False  # its source is the one kept under self.sha (it was left out of the request)
+        self.kept = False  # its source is kept under self.sha (left out of the request, or kept at close_stdin)
         if not (0 < self.at < len(self.argv)) or self.n < 0:
             raise ValueError("bad agent request")
         self.buf = bytearray()

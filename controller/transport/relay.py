@@ -180,7 +180,7 @@ class HostRelay:
         self.stuck = False  # a stream passed its deadline: close() does not wait for the relay
         self._due: list[tuple[StreamEnded, _Stream, Result | CtlError]] = []
         self._telling: list[threading.Thread] = []  # K frames of streams past their deadline, on their way
-        self._k_due: set[int] = set()  # ids a K is still to be sent for: not given out again until it has gone
+        self._k_due: dict[int, int] = {}  # id -> Ks still to be sent for it: not given out again until they went
 
     # --- start-up ---------------------------------------------------------------------------------
 
@@ -373,9 +373,13 @@ class HostRelay:
         reader a relay that stopped reading would hold up. Called under the condition, with the stream still
         holding its id: the id stays out of _free_sid's reach until the K has gone, so a K that waited (a relay
         that stopped reading) can never end a later stream given the same id after a wrap."""
-        self._k_due.add(sid)
+        self._k_owed(sid, 1)
         t = threading.Thread(target=self._tell_k, args=(sid,), name=f"k-{self.host.name}", daemon=True)
-        t.start()
+        try:
+            t.start()
+        except RuntimeError:  # no thread to be had: no K (the stream keeps its id until its X, as it would)
+            self._k_owed(sid, -1)
+            return
         self._telling.append(t)
 
     def _tell_k(self, sid: int) -> None:
@@ -384,7 +388,15 @@ class HostRelay:
                 self._send(b"K", sid)
         finally:
             with self._cond:
-                self._k_due.discard(sid)
+                self._k_owed(sid, -1)
+
+    def _k_owed(self, sid: int, n: int) -> None:
+        """Count a K to be sent for sid (+1) or gone (-1); under the condition."""
+        left = self._k_due.get(sid, 0) + n
+        if left > 0:
+            self._k_due[sid] = left
+        else:
+            self._k_due.pop(sid, None)
 
     def _fail(self, end: ConnectionFailed) -> None:
         """The channel ended (end.message: why, without the host's name): fail every open stream with it. A
@@ -477,8 +489,8 @@ class HostRelay:
             return self.open(argv, agent=agent, max_output=max_output, stdin=stdin, on_done=on_done, handle=handle)
         d = self.open(argv, agent=agent, max_output=max_output)
         d.send(stdin)
+        d.close_stdin()  # before anything counts a source in it as sent: the relay keeps a source at the close
         if on_done is not None:  # all of it sent: from here, its end is the callback's
-            d.close_stdin()
             self._arm(d.st, on_done, handle)
         return d
 
@@ -708,13 +720,13 @@ class _RelayDuplex(Duplex):
                 return
             st.abandoned = True
             st.out, st.err = bytearray(), bytearray()
-            self.relay._k_due.add(self.sid)  # as _telling_k: the id is not given out again before the K went
+            self.relay._k_owed(self.sid, 1)  # as _telling_k: the id is not given out again before the K went
         try:
             with contextlib.suppress(ConnectionFailed):
                 self.relay._send(b"K", self.sid)
         finally:
             with self.relay._cond:
-                self.relay._k_due.discard(self.sid)
+                self.relay._k_owed(self.sid, -1)
 
     def _late(self, doing: str, timeout: float) -> DeadlineExceeded:
         """Past the deadline: drop the stream's output, tell the relay (K: the staying agent stuck in it is ended, an
@@ -722,7 +734,9 @@ class _RelayDuplex(Duplex):
         from a thread of its own: a relay that stopped reading never holds the caller past its deadline."""
         with self.relay._cond:
             st = self.relay._streams.get(self.sid)
-            if st is self.st:  # else its X came: the relay forgot the id, and there is nothing left to end
+            if st is self.st and (st.code is not None or st.dead is not None):
+                del self.relay._streams[self.sid]  # it ended just now: nothing is left to end, its id is free
+            elif st is self.st and not st.abandoned:  # (abandoned: its K is on its way already)
                 st.abandoned = True
                 st.out, st.err = bytearray(), bytearray()
                 self.relay._telling_k(self.sid)
