@@ -4,6 +4,7 @@ the function run per container never connects (it only records when it ran)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from controller import inventory
-from controller.commands.fanout import _round_robin, fanout
-from controller.errors import InputError
+from controller.commands.fanout import _round_robin, fanout, flows
+from controller.errors import ExitCode, InputError
 from controller.transport.pool import Pool
 
 INVENTORY = """\
@@ -131,3 +132,51 @@ def test_no_container_is_no_work(inv: inventory.Inventory) -> None:
     """What is left of a job's nodes but the one holding the checkpoint can be none (a job of one node)."""
     with Pool(inv) as pool:
         assert fanout(pool, [], lambda ct, t: ct.name) == []
+
+
+def test_a_host_that_does_not_answer_is_asked_once_for_all_its_containers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flows() asks one container per host whether it keeps staying agents (which connects). When the host does
+    not answer, each of its containers is told so then: none of them waits out another connect of its own (a
+    `ctl status` of a host that is down took two connect timeouts)."""
+    monkeypatch.setenv("CTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("CTL_PERSIST", "0")
+    accepted: list[int] = []
+    with socket.create_server(("127.0.0.1", 0)) as srv:  # takes the connection and hangs up: no SSH server here
+        port = srv.getsockname()[1]
+
+        def serve() -> None:
+            srv.settimeout(0.2)
+            while not done.is_set():
+                try:
+                    conn, _ = srv.accept()
+                except TimeoutError:
+                    continue
+                accepted.append(1)
+                conn.close()
+
+        done = threading.Event()
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            (tmp_path / "kh").write_text("")
+            p = tmp_path / "inventory.yaml"
+            p.write_text(f"hosts:\n  down: {{address: 127.0.0.1, port: {port}, known_hosts: kh, connect_timeout: 5}}\n"
+                         "containers:\n" + "".join(f"  c{i}: {{host: down, vmid: {201 + i}}}\n" for i in range(4)))
+            inv = inventory.load(p)
+            cts = [inv.container(f"c{i}") for i in range(4)]
+
+            def flow(_ct: object, _agent: object) -> object:
+                yield "hello", {}
+                return "answered"
+
+            with Pool(inv) as pool:
+                out = flows(pool, cts, flow)  # type: ignore[arg-type]
+        finally:
+            done.set()
+            t.join()
+    assert [o.ct for o in out] == ["c0", "c1", "c2", "c3"]
+    assert all(not o.ok and o.exit_code == int(ExitCode.CONNECTION) for o in out), out
+    assert len({o.error for o in out}) == 1 and "down:" in str(out[0].error), out
+    assert len(accepted) == 1
+

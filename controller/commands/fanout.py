@@ -177,6 +177,8 @@ def flows(pool: Pool, cts: list[Container], flow: Callable[[Container, Agent], F
                 driver.add(i, Agent(pool.container(ct)))
             except CtlError as e:
                 driver.settle(i, Outcome(ct.name, None, str(e), int(e.exit_code)))
+        elif probed.exit_code == int(ExitCode.CONNECTION):  # the host did not answer: its containers are told so,
+            driver.settle(i, Outcome(ct.name, None, probed.error, probed.exit_code))  # not each kept waiting again
         else:
             rest.append(i)
     try:
