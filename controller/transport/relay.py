@@ -148,6 +148,12 @@ class _Stream:
             self.told = True
             self.ended.release()
 
+    def result(self) -> Result:
+        """What it came to, once its X came (its output handed over, not copied twice)."""
+        assert self.code is not None
+        out, self.out = bytes(self.out), bytearray()
+        return Result(self.argv, self.code, out, bytes(self.err), time.monotonic() - self.t0)
+
 
 #: A submitted stream's callback (HostRelay.open's on_done): the stream and what it came to.
 StreamEnded = Callable[[_Stream, "Result | CtlError"], None]
@@ -349,10 +355,8 @@ class HostRelay:
         if kind in (b"O", b"E") and st.cap is not None and len(st.out) + len(st.err) + len(payload) > st.cap:
             st.over = True
             st.tell()
-            if st.on_done is not None:  # stopped here (K), its id kept until X, as finish() does
-                st.abandoned = True
-                st.out, st.err = bytearray(), bytearray()
-                self._telling_k(sid)
+            if st.on_done is not None:  # stopped here, as finish() does
+                self._stop(st)
                 self._end_due(st, too_large(self.host.name, st.argv, st.cap))
         elif kind == b"O":
             st.out += payload
@@ -363,22 +367,36 @@ class HostRelay:
             st.tell()
             if st.on_done is not None:
                 del self._streams[sid]
-                out, st.out = bytes(st.out), bytearray()
-                self._end_due(st, Result(st.argv, st.code, out, bytes(st.err), time.monotonic() - st.t0))
+                self._end_due(st, st.result())
         elif kind == b"U":
             st.unknown_source = True
 
-    def _telling_k(self, sid: int) -> None:
-        """K for a stream, from a thread of its own: whoever saw the reason may hold the condition, or be the
-        reader a relay that stopped reading would hold up. Called under the condition, with the stream still
-        holding its id: the id stays out of _free_sid's reach until the K has gone, so a K that waited (a relay
-        that stopped reading) can never end a later stream given the same id after a wrap."""
-        self._k_owed(sid, 1)
-        t = threading.Thread(target=self._tell_k, args=(sid,), name=f"k-{self.host.name}", daemon=True)
+    def _still_running(self, st: _Stream) -> bool:
+        """Whether st, this relay's, is still to be stopped; under the condition. One that ended (its X came, or
+        the channel's end) is forgotten here, its id free; one stopped already is left as it is."""
+        if self._streams.get(st.sid) is not st or st.abandoned:
+            return False
+        if st.code is not None or st.dead is not None:
+            del self._streams[st.sid]
+            return False
+        return True
+
+    def _stop(self, st: _Stream, *, later: bool = True) -> None:
+        """Stop st here, under the condition: its output dropped, its id kept until the relay's X, and a K owed
+        for it. With `later` the K goes from a thread of its own (whoever stops it may hold the condition, or be
+        the reader a relay that stopped reading would hold up); else the caller sends it (_tell_k) once it let
+        the condition go. The id stays out of _free_sid's reach until its Ks have gone, so a K that waited can
+        never end a later stream given the same id after a wrap."""
+        st.abandoned = True
+        st.out, st.err = bytearray(), bytearray()
+        self._k_owed(st.sid, 1)
+        if not later:
+            return
+        t = threading.Thread(target=self._tell_k, args=(st.sid,), name=f"k-{self.host.name}", daemon=True)
         try:
             t.start()
         except RuntimeError:  # no thread to be had: no K (the stream keeps its id until its X, as it would)
-            self._k_owed(sid, -1)
+            self._k_owed(st.sid, -1)
             return
         self._telling.append(t)
 
@@ -465,12 +483,10 @@ class HostRelay:
             if st.code is not None:  # its X came: the relay forgot the id
                 self._streams.pop(st.sid, None)
             if st.code is not None and not over:
-                out, st.out = bytes(st.out), bytearray()
-                got: Result | CtlError = Result(st.argv, st.code, out, bytes(st.err), time.monotonic() - st.t0)
+                got: Result | CtlError = st.result()
             elif over:
-                if st.code is None:  # stopped here (K), its id kept until X
-                    st.abandoned = True
-                    self._telling_k(st.sid)
+                if st.code is None:
+                    self._stop(st)
                 st.out, st.err = bytearray(), bytearray()
                 assert st.cap is not None
                 got = too_large(self.host.name, st.argv, st.cap)
@@ -547,10 +563,8 @@ class HostRelay:
             done, st.on_done = st.on_done, None
             if done is None:
                 return  # it ended first
-            st.abandoned = True
-            st.out, st.err = bytearray(), bytearray()
+            self._stop(st)
             self.stuck = True
-            self._telling_k(st.sid)
         done(st, self._late_error("waiting for", st, timeout))
 
     def _late_error(self, doing: str, st: _Stream, timeout: float) -> DeadlineExceeded:
@@ -712,34 +726,18 @@ class _RelayDuplex(Duplex):
         """The caller stops here: drop the stream's output; the relay closes the child's pipes (K). Its id stays
         taken until the relay's X frame frees it."""
         with self.relay._cond:
-            st = self.relay._streams.get(self.sid)
-            if st is not self.st or st.abandoned:
-                return  # already finished, or abandoned (K sent) past its deadline
-            if st.code is not None or st.dead is not None:
-                del self.relay._streams[self.sid]
+            if not self.relay._still_running(self.st):
                 return
-            st.abandoned = True
-            st.out, st.err = bytearray(), bytearray()
-            self.relay._k_owed(self.sid, 1)  # as _telling_k: the id is not given out again before the K went
-        try:
-            with contextlib.suppress(ConnectionFailed):
-                self.relay._send(b"K", self.sid)
-        finally:
-            with self.relay._cond:
-                self.relay._k_owed(self.sid, -1)
+            self.relay._stop(self.st, later=False)
+        self.relay._tell_k(self.sid)
 
     def _late(self, doing: str, timeout: float) -> DeadlineExceeded:
         """Past the deadline: drop the stream's output, tell the relay (K: the staying agent stuck in it is ended, an
         exec's pipes close) and say who did not answer. Its id stays taken until the relay's X frees it. The K goes
         from a thread of its own: a relay that stopped reading never holds the caller past its deadline."""
         with self.relay._cond:
-            st = self.relay._streams.get(self.sid)
-            if st is self.st and (st.code is not None or st.dead is not None):
-                del self.relay._streams[self.sid]  # it ended just now: nothing is left to end, its id is free
-            elif st is self.st and not st.abandoned:  # (abandoned: its K is on its way already)
-                st.abandoned = True
-                st.out, st.err = bytearray(), bytearray()
-                self.relay._telling_k(self.sid)
+            if self.relay._still_running(self.st):
+                self.relay._stop(self.st)
             self.relay.stuck = True
         return self.relay._late_error(doing, self.st, timeout)
 
@@ -783,8 +781,7 @@ class _RelayDuplex(Duplex):
         with self.relay._cond:
             if st.code is not None and not st.over:
                 self.relay._streams.pop(self.sid, None)
-                out, st.out = bytes(st.out), bytearray()
-                return Result(st.argv, st.code, out, bytes(st.err), time.monotonic() - st.t0)
+                return st.result()
         self.abandon()  # K: the relay stops it (an exec's pipes close, a staying agent is ended)
         assert st.cap is not None
         raise too_large(self.relay.host.name, st.argv, st.cap)
