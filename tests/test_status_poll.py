@@ -157,6 +157,11 @@ ASK = [{"name": "r1", "log": "/l1", "session": "s", "state": True, "read": {"off
        {"name": "r2", "log": "/l2", "session": "s", "state": False, "read": {"offset": 0}}]
 
 
+def _poll(agent: Agent, ask: list[dict[str, Any]], max_bytes: int) -> Any:
+    """A poll as ctl status sends it to one container (fanout._flow_here): read(), then poll_answer()."""
+    return agent.poll_answer(ask, agent.read("poll", Agent.poll_args(ask, max_bytes)))
+
+
 @pytest.mark.parametrize("reply, says", [
     (b'{"ok": true, "runs": [{"state": {}, "read": {"ok": true, "length": 9}}, {"state": null, "read": '
      b'{"ok": true, "length": 0}}], "length": 4}\nabcd', "claims 9 log bytes"),
@@ -175,7 +180,7 @@ def test_a_poll_reply_that_is_not_the_agents_is_one_line(tmp_path: Path, monkeyp
                                                          reply: bytes, says: str) -> None:
     agent = _agent_in(tmp_path, monkeypatch, reply)
     with pytest.raises(Exception) as e:
-        agent.poll(ASK, max_bytes=10)
+        _poll(agent, ASK, 10)
     assert says in str(e.value) and str(e.value).startswith("ct9") and "\n" not in str(e.value)
     assert isinstance(e.value, AgentReplyError) or "cut short" in says
 
@@ -190,7 +195,7 @@ def test_poll_answers_states_then_each_runs_bytes_within_the_budget(tmp_path: Pa
            {"name": "b", "log": "/w/b.log", "session": "x", "state": False, "read": {"offset": 0}},
            {"name": "c", "log": "/w/none.log", "session": "x", "state": True, "read": {"offset": 0}},
            {"name": "d", "log": "/w/b.log", "session": "x", "state": True, "read": None}]
-    got, _, _ = agent.poll(ask, max_bytes=80)
+    got, _, _ = _poll(agent, ask, 80)
     assert isinstance(agent.t, Counting) and agent.t.calls == 1
     (sa, (ha, da)), (sb, (hb, db)), (sc, (hc, dc)), (sd, rd) = got  # type: ignore[misc]
     assert da == b"A" * 60 and ha["offset"] == 10 and ha["size"] == 100  # its own max_bytes

@@ -219,21 +219,18 @@ class Agent:
                                    "arrived")
         return doc, data, len(agent_source()) + len(argv[-1]), len(res.stdout) + len(res.stderr)
 
-    def poll(self, runs: Sequence[Mapping[str, Any]], *, max_bytes: int, timeout: float | None = None
-             ) -> tuple[list[tuple[dict[str, Any] | None, tuple[dict[str, Any], bytes] | None]], int, int]:
-        """Verb `poll`: the state and the new log bytes of several runs of this container in one call.
-        Each of `runs` is {"name", "log", "session", "state": bool, "record": bool, "read": logread's arguments
-        or None}; the answer is [(state or None, (read header, its bytes) or None)] in that order, and (wire
-        out, wire in). Every entry's kind and every byte count is checked against what arrived."""
-        return self.poll_answer(runs, self.read("poll", self.poll_args(runs, max_bytes), timeout=timeout))
-
     @staticmethod
     def poll_args(runs: Sequence[Mapping[str, Any]], max_bytes: int) -> dict[str, Any]:
+        """Verb `poll`'s arguments: the state and the new log bytes of several runs of this container in one
+        request (read() or a flow's Read; its answer through poll_answer). Each of `runs` is {"name", "log",
+        "session", "state": bool, "record": bool, "read": logread's arguments or None}."""
         return {"runs": list(runs), "max_bytes": max_bytes}
 
     def poll_answer(self, runs: Sequence[Mapping[str, Any]], got: tuple[dict[str, Any], bytes, int, int]
                     ) -> tuple[list[tuple[dict[str, Any] | None, tuple[dict[str, Any], bytes] | None]], int, int]:
-        """poll()'s answer out of read()'s tuple (of a request with poll_args(runs, ...))."""
+        """The answer to poll_args(runs, ...), out of read()'s tuple: [(state or None, (read header, its bytes)
+        or None)] in the order of `runs`, and (wire out, wire in). Every entry's kind and every byte count is
+        checked against what arrived."""
         doc, data, n_in, n_out = got
         if not doc.get("ok"):
             raise self.error(doc)
