@@ -60,10 +60,7 @@ def main() -> int:
 
     other = speed.checkout(ap, args.against)
     trees = {"this": HERE, "against": other}
-    up = speed.set_up("cold")
-    if up is None:
-        return 2
-    host, base, b = up
+    b = speed.set_up("cold")
     envs: dict[str, dict[str, str]] = {}
     try:
         invs = {"runs": str(b.inv_runs), "deploy": str(b.inv_deploy)}
@@ -96,9 +93,9 @@ def main() -> int:
                       f"{statistics.median(c for _, c in runs) * 1000:.0f} |")
     finally:
         for env in envs.values():
-            subprocess.run([sys.executable, "-P", "-c", RUN, "-i", str(base / "work" / "runs.yaml"), "mux", "stop"],
+            subprocess.run([sys.executable, "-P", "-c", RUN, "-i", str(b.inv_runs), "mux", "stop"],
                            capture_output=True, env=env)
-        host.down()
+        b.host.down()
     return 0
 
 

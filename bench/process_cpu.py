@@ -141,10 +141,7 @@ def main() -> int:
     trees = {"this": HERE}
     if args.against:
         trees["against"] = speed.checkout(ap, args.against)
-    up = speed.set_up("cpu")
-    if up is None:
-        return 2
-    host, _base, b = up
+    b = speed.set_up("cpu")
     envs: dict[str, dict[str, str]] = {}
     try:
         envs["this"] = dict(b.env_warm)
@@ -171,7 +168,7 @@ def main() -> int:
     finally:
         for env in envs.values():
             subprocess.run([sys.executable, "-m", "controller", "mux", "stop"], capture_output=True, env=env)
-        host.down()
+        b.host.down()
     return 0
 
 

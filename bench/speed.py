@@ -529,12 +529,13 @@ def bring_up(name: str) -> tuple[PveHost, Path] | None:
     return PveHost(base=base, port=port, ct_ssh_vmid=None, small_tmpfs={}, extra_cts=PER_NODE - 2).up(), base
 
 
-def set_up(name: str) -> tuple[PveHost, Path, Bench] | None:
+def set_up(name: str) -> Bench:
     """bring_up() with this benchmark's set-up done (deployed payload, 20 live runs, the logs), for the
-    benchmarks that compare trees on it (process_cpu.py, cold_against.py); None as bring_up()."""
+    benchmarks that compare trees on it (process_cpu.py, cold_against.py): its host is .host, its directory
+    .base. Exits with status 2 (bring_up said why) where this machine cannot run the test host."""
     up = bring_up(name)
     if up is None:
-        return None
+        raise SystemExit(2)
     host, base = up
     try:
         b = Bench(host, base, argparse.Namespace(repeat=1, big_mb=2, log_mb=4, only=None, out=None))
@@ -542,7 +543,7 @@ def set_up(name: str) -> tuple[PveHost, Path, Bench] | None:
     except BaseException:
         host.down()
         raise
-    return host, base, b
+    return b
 
 
 def checkout(ap: argparse.ArgumentParser, given: str) -> Path:
