@@ -61,10 +61,10 @@ def main() -> int:
         cmed = statistics.median(cpu[name])
         print(f"{name:<40} median {med * 1000:6.1f} ms  p90 {sorted(vals)[int(0.9 * len(vals))] * 1000:6.1f} ms"
               f"  ({med / base:.2f}x a bare interpreter)  cpu {cmed * 1000:6.1f} ms ({cmed / cbase:.2f}x)")
-    heavy = subprocess.run([sys.executable, "-c", "import controller.cli.main, sys; "
+    heavy = subprocess.run([sys.executable, "-c", "import controller.launch.main, sys; "
                             "print(sorted(m for m in ('torch','fabric','paramiko','jinja2','matplotlib','proxmoxer')"
                             " if m in sys.modules))"], capture_output=True, text=True, check=True).stdout.strip()
-    print(f"heavy modules loaded by `import controller.cli.main`: {heavy}")
+    print(f"heavy modules loaded by `import controller.launch.main`: {heavy}")
     return 0
 
 

@@ -36,7 +36,7 @@ CASES = {  # name -> (inventory: runs or deploy, ctl arguments)
     "deploy": ("deploy", ["deploy", "ct200", "--allow-dirty"]),
 }
 SETTLE_S = 0.8  # after `mux stop`: the ended sessions' and agents' exits are not the next run's CPU
-RUN = "import sys; sys.argv[0] = 'ctl'; from controller.cli.main import main; sys.exit(main())"
+RUN = "import sys; sys.argv[0] = 'ctl'; from controller.launch.main import main; sys.exit(main())"
 OK = (0, 21, 22)  # status's verdicts are not this benchmark's business; a failure is
 
 

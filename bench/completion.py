@@ -3,9 +3,9 @@
     python3 bench/completion.py [--repeat 30] [--runs 500]
 
 Each case is one process, as a shell's TAB starts one (the console script's entry point, `ctl` as
-`python -c 'from controller.cli.main import main; main()'`):
+`python -c 'from controller.launch.main import main; main()'`):
 - `python -c pass`: the floor every Python command pays;
-- ctl's answer (cli/complete.py) for `ctl show <TAB>` (run names from a registry of --runs runs) and
+- ctl's answer (launch/complete.py) for `ctl show <TAB>` (run names from a registry of --runs runs) and
   `ctl deploy <TAB>` (containers and groups from this checkout's inventory.yaml);
 - typer's own answer to the same request (what `ctl` did before: the whole command tree, typer, pydantic).
 Target: ctl's answer under 100 ms above the bare interpreter. The cases are interleaved, so machine load
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ENTRY = "import sys; from controller.cli.main import main; sys.exit(main())"
-TYPER = "import sys; from controller.cli.main import _main; sys.exit(_main())"  # typer's completion path
+ENTRY = "import sys; from controller.launch.main import main; sys.exit(main())"
+TYPER = "import sys; from controller.launch.main import _main; sys.exit(_main())"  # typer's completion path
 
 
 def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:

@@ -87,7 +87,7 @@ def driver(tree: str, n: int, argv: list[str]) -> None:
     import io
 
     sys.path.insert(0, tree)
-    from controller.cli import main as m
+    from controller.launch import main as m
 
     m.build_all()
 

@@ -13,7 +13,7 @@ environment this benchmark was given: whatever CTL_PERSIST says (unset: ctl's ow
 persistent session and the command server stopped (`ctl mux stop`) before each timed run, so they are cold.
 The rows "warm" run with CTL_PERSIST as given when it is a number above 0, else 60, right after an untimed
 command that starts the host's session (a ping of ct200 and ct300: the other containers' staying agents, if
-the session has none yet, are started by the timed command) and the command server (cli/server.py). The rows
+the session has none yet, are started by the timed command) and the command server (launch/server.py). The rows
 "hot" run right after the same command, untimed: the session and its staying agents are up, as when a user
 runs `ctl status` again. Each row is labelled with the value it ran under. A command that starts a command
 server as it exits (every cold one) is followed by an untimed wait for that server, so that its start-up is
@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.deploy import FILES, TEMPLATE, seeds_way, timed  # noqa: E402
-from controller.cli import served  # noqa: E402
+from controller.launch import served  # noqa: E402
 from tests.pvehost import PveHost, find_free_port, missing_prerequisites  # noqa: E402
 
 CTL = Path(sys.executable).with_name("ctl")  # the installed command, as users run it (and its command server)
@@ -550,7 +550,7 @@ def checkout(ap: argparse.ArgumentParser, given: str) -> Path:
     """--against's directory, refused in one line (ap.error) unless it is a checkout of ctl."""
     tree = Path(given).resolve()
     if not (tree / "controller" / "cli" / "main.py").is_file():
-        ap.error(f"--against {given}: not a checkout of ctl (no controller/cli/main.py)")
+        ap.error(f"--against {given}: not a checkout of ctl (no controller/launch/main.py)")
     return tree
 
 

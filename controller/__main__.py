@@ -1,5 +1,5 @@
 """`python -m controller` is `ctl` (one module instance, so command groups register on one app)."""
 
-from controller.cli.main import main
+from controller.launch.main import main
 
 main()

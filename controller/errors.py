@@ -95,38 +95,56 @@ class DeadlineExceeded(ConnectionFailed):
 
 
 class HostKeyError(CtlError):
+    """The host's key is not in known_hosts, or differs from it: the connection is refused (exit 6)."""
+
     exit_code = ExitCode.HOST_KEY
 
 
 class NotRunning(CtlError):
+    """The container is stopped, or does not exist on its host (exit 7)."""
+
     exit_code = ExitCode.NOT_RUNNING
 
 
 class DriftError(CtlError):
+    """The container's deployed files differ from the pinned payload (exit 8); `ctl deploy` fixes it."""
+
     exit_code = ExitCode.DRIFT
 
 
 class BusyError(CtlError):
+    """Something already holds what the command needs: a GPU, a tmux session, a run name (exit 9)."""
+
     exit_code = ExitCode.BUSY
 
 
 class ClobberError(CtlError):
+    """The command would overwrite a log, cache, record or checkpoint: refused, whatever --force says (exit 10)."""
+
     exit_code = ExitCode.CLOBBER
 
 
 class EnvMismatch(CtlError):
+    """The container's environment differs from its lock (exit 11)."""
+
     exit_code = ExitCode.ENV_MISMATCH
 
 
 class DiskError(CtlError):
+    """Not enough free disk where the command writes (exit 12)."""
+
     exit_code = ExitCode.DISK
 
 
 class VerifyError(CtlError):
+    """What arrived is not what was sent: a hash differs after a transfer (exit 13)."""
+
     exit_code = ExitCode.VERIFY
 
 
 class ApiError(CtlError):
+    """The Proxmox API refused a request, or its UPID task failed (exit 30)."""
+
     exit_code = ExitCode.API
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from controller.errors import InputError
 
-TYPE_CHECKING = False  # this module answers a shell's TAB (cli/complete.py): no typing, no dataclasses to import
+TYPE_CHECKING = False  # this module answers a shell's TAB (launch/complete.py): no typing, no dataclasses to import
 if TYPE_CHECKING:
     from typing import Any
 

@@ -1,4 +1,4 @@
-"""Write controller/cli/helptext.py: what typer prints for `ctl --help`, which `ctl --help` prints without
+"""Write controller/launch/helptext.py: what typer prints for `ctl --help`, which `ctl --help` prints without
 importing typer. Run after changing a command's name or short help (tests/test_cli_startup.py says when):
 
     python scripts/gen_helptext.py
@@ -12,9 +12,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from controller.cli.main import render_help  # noqa: E402
+from controller.launch.main import render_help  # noqa: E402
 
-OUT = REPO / "controller" / "cli" / "helptext.py"
+OUT = REPO / "controller" / "launch" / "helptext.py"
 
 
 def source(text: str) -> str:

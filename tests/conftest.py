@@ -371,7 +371,7 @@ class Env:
     env: dict[str, str]
 
     def ctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "controller.cli.main", "-i", str(self.inventory), *args],
+        return subprocess.run([sys.executable, "-m", "controller.launch.main", "-i", str(self.inventory), *args],
                               capture_output=True, text=True, timeout=timeout, env=self.env, cwd=self.dir)
 
     def ok(self, *args: str) -> str:

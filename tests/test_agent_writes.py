@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from controller.commands import deploy as deploy_mod
+from controller.commands.pins import pin
 from controller.errors import InputError
 from controller.inventory import load
 from controller.registry import Registry
@@ -174,7 +175,7 @@ def test_when_the_undo_fails_too_ctl_names_what_stays_replaced_and_rollback_rest
     inv = load(inv_path)
     ct = inv.container("loc")
     reg = Registry(src / "state" / "registry.sqlite3")
-    manifest = deploy_mod.pin(inv, ct)
+    manifest = pin(inv, ct)
     entries = [{"index": i, "dest": f.dest, "sha256": f.sha256, "mode": f.mode, "size": f.size, "from": "tar"}
                for i, f in enumerate(manifest.files)]
     doc = agent_mod.apply(str(root), str(root / "var/lib/ctl"), "d4",

@@ -31,19 +31,19 @@ def modules(tmp_path: Path, *args: str, columns: int = 120) -> tuple[subprocess.
 
 
 def test_help_text_is_what_typer_prints() -> None:
-    from controller.cli.helptext import TEXT
-    from controller.cli.main import render_help
+    from controller.launch.helptext import TEXT
+    from controller.launch.main import render_help
 
     assert render_help() == TEXT, "commands changed: run `python scripts/gen_helptext.py`"
 
 
 def test_ctl_help_imports_no_typer_and_prints_the_same_text(tmp_path: Path) -> None:
-    from controller.cli.helptext import TEXT
+    from controller.launch.helptext import TEXT
 
     r, mods = modules(tmp_path, "--help")
     assert r.returncode == 0 and r.stdout == TEXT
     assert not {"typer", "click", "rich", "pydantic", "yaml", "paramiko", "jinja2"} & mods
-    assert not any(m.startswith("controller.cli.") and m not in ("controller.cli.main", "controller.cli.helptext")
+    assert not any(m.startswith("controller.cli.") and m not in ("controller.launch.main", "controller.launch.helptext")
                    for m in mods), sorted(m for m in mods if m.startswith("controller"))
     narrow, mods = modules(tmp_path, "--help", columns=60)  # a narrow terminal: typer wraps it itself
     assert narrow.returncode == 0 and "typer" in mods
@@ -51,7 +51,7 @@ def test_ctl_help_imports_no_typer_and_prints_the_same_text(tmp_path: Path) -> N
 
 
 def test_every_verb_maps_to_the_module_that_registers_it() -> None:
-    from controller.cli.main import COMMANDS, MODULES, load
+    from controller.launch.main import COMMANDS, MODULES, load
 
     load(["--help"])
     from controller.cli.app import app
@@ -73,13 +73,13 @@ def test_every_verb_maps_to_the_module_that_registers_it() -> None:
     (["deploy", "--help"], "deploy"),
 ])
 def test_a_command_imports_only_its_verbs_cli_module(tmp_path: Path, argv: list[str], module: str) -> None:
-    from controller.cli.main import MODULES
+    from controller.launch.main import MODULES
 
     r, mods = modules(tmp_path, *argv)
     assert r.returncode == 0, r.stdout + r.stderr
     loaded = {m for m in MODULES if f"controller.cli.{m}" in mods}
     assert loaded == {module}
-    # pydantic: typer converts option values through adapters it builds on every run (0.13 s); cli/coerce.py
+    # pydantic: typer converts option values through adapters it builds on every run (0.13 s); launch/coerce.py
     # converts ctl's plain options itself. This fails when a typer release moves what coerce.py relies on.
     assert not {"paramiko", "jinja2", "proxmoxer", "torch", "matplotlib", "pydantic"} & mods
 
@@ -103,7 +103,7 @@ def test_option_values_reach_the_command_converted() -> None:
     import typer
     import typer.main
 
-    from controller.cli.coerce import install
+    from controller.launch.coerce import install
 
     app = typer.Typer()
     got: dict[str, object] = {}
@@ -201,6 +201,7 @@ def test_status_loads_no_launch_machinery() -> None:
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr
     mods = set(r.stdout.split())
-    assert "controller.commands.runs" in mods  # (it does load the run-state requests)
-    assert not {"controller.core.envlock", "controller.commands.environment", "controller.commands.deploy",
-                "controller.commands.jobs", "statistics", "rich"} & mods
+    assert "controller.commands.reconcile" in mods  # (it does load the run-state requests)
+    assert not {"controller.core.envlock", "controller.commands.environment", "controller.commands.envprobe",
+                "controller.commands.deploy", "controller.commands.pins", "controller.commands.launcher",
+                "controller.commands.preflight", "statistics", "rich"} & mods

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli import complete
-from controller.cli.compspec import SPEC
+from controller.launch import specgen
+from controller.launch.compspec import SPEC
 from controller.registry import Registry
 from tests.conftest import REPO, bin_dir
 
@@ -121,7 +121,7 @@ def test_the_other_shells_get_their_formats(world: dict[str, str]) -> None:
 def test_the_answer_imports_nothing_heavy(world: dict[str, str]) -> None:
     """A TAB pays for the inventory's YAML and a SQLite query, not for typer, pydantic, paramiko and the rest."""
     code = ("import os, sys\n"
-            "from controller.cli.main import main\n"
+            "from controller.launch.main import main\n"
             "try:\n    main()\nexcept SystemExit:\n    pass\n"
             f"sys.stderr.write(repr(sorted(m for m in sys.modules if m.startswith({HEAVY!r}))))\n")
     for line in ("ctl show f", "ctl deploy ", "ctl st"):
@@ -136,13 +136,13 @@ def test_typers_own_answer_agrees(world: dict[str, str]) -> None:
     same names, so the generated spec and the app cannot drift apart unseen."""
     for line in ("ctl show fresh", "ctl deploy ct", "ctl mux stop ", "ctl st"):
         e = {**world, "_CTL_COMPLETE": "complete_bash", "COMP_WORDS": line, "COMP_CWORD": str(len(line.split(" ")) - 1)}
-        typer_path = subprocess.run([sys.executable, "-c", "from controller.cli.main import _main; _main()"],
+        typer_path = subprocess.run([sys.executable, "-c", "from controller.launch.main import _main; _main()"],
                                     capture_output=True, text=True, env=e, cwd=world["PWD"], timeout=60)
         assert typer_path.stdout.split() == names(world, line), line
 
 
 def test_the_spec_is_the_apps_command_tree() -> None:
-    assert complete.build_spec() == SPEC, "run `python -m controller.cli.complete --write` after changing a command"
+    assert specgen.build_spec() == SPEC, "run `python -m controller.launch.specgen --write` after changing a command"
 
 
 ORPHAN = """

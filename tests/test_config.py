@@ -100,7 +100,7 @@ def test_bad_environment_value_names_the_variable(conf: Path, monkeypatch: pytes
 
 def ctl(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("CTL_")}
-    return subprocess.run([sys.executable, "-m", "controller.cli.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "controller.launch.main", *args], capture_output=True, text=True,
                           timeout=60, cwd=tmp_path, env={**base, "PYTHONPATH": str(REPO),
                                                          "CTL_CONFIG": str(tmp_path / "config.yaml"), **env})
 

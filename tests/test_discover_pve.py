@@ -48,7 +48,7 @@ def cluster(pvehost: PveHost) -> Iterator[PveHost]:
 
 
 def ctl(tmp: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "controller.cli.main", "-i", str(tmp / "inventory.yaml"), *args],
+    return subprocess.run([sys.executable, "-m", "controller.launch.main", "-i", str(tmp / "inventory.yaml"), *args],
                           capture_output=True, text=True, timeout=120, cwd=tmp,
                           env={**os.environ, "PYTHONPATH": str(REPO), **env})
 

@@ -1,4 +1,4 @@
-"""Sessions started while ctl loads (controller/cli/early.py): which command lines begin them, and that a command
+"""Sessions started while ctl loads (controller/launch/early.py): which command lines begin them, and that a command
 meets the outcome of the start begun for it (a host that never answers is waited for once, not twice)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli.early import containers
+from controller.launch.early import containers
 from tests.conftest import REPO
 
 INVENTORY = """\

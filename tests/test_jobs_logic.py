@@ -10,7 +10,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from controller.commands.jobs import aggregate, culprit, exit_text
+from controller.commands.reconcile import aggregate, culprit, exit_text
 from controller.core.metrics import MetricPoint, combine_nodes
 from controller.core.rundiff import diff_nodes
 from controller.lifecycle import Lifecycle

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli import early
-from controller.cli.compspec import SPEC
+from controller.launch import early
+from controller.launch.compspec import SPEC
 from controller.transport.mux import spare
 from tests.conftest import REPO
 

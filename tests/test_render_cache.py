@@ -23,7 +23,7 @@ payload:
 # Pins the payload of `loc` in a fresh process: the rendered bytes, and whether jinja2 was imported for it.
 PIN = ("import json, sys\n"
        "from controller.inventory import load\n"
-       "from controller.commands.deploy import pin\n"
+       "from controller.commands.pins import pin\n"
        "inv = load(sys.argv[1])\n"
        "m = pin(inv, inv.container('loc'))\n"
        "print(json.dumps({'content': m.files[0].content.decode(), 'jinja2': 'jinja2' in sys.modules}))\n")

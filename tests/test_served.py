@@ -1,4 +1,4 @@
-"""The user's command server (controller/cli/server.py, served.py): the installed `ctl` hands its command line to
+"""The user's command server (controller/launch/server.py, served.py): the installed `ctl` hands its command line to
 a process that forked from a server with ctl already imported. Real processes throughout: the venv's `ctl`
 script (or a script of the same shape over a copy of the package), its server, a local-transport container,
 a pty, signals. Each test has its own socket directory (XDG_RUNTIME_DIR), so its servers are its own."""
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli import served
+from controller.launch import served
 
 REPO = Path(__file__).resolve().parent.parent
 CTL = Path(sys.executable).with_name("ctl")
@@ -266,7 +266,7 @@ def _ppid(pid: int) -> int | None:
 def test_limits_a_server_cannot_give_are_refused() -> None:
     import resource
 
-    from controller.cli.server import limits_refusal
+    from controller.launch.server import limits_refusal
 
     mine = served.rlimits()
     assert limits_refusal(mine) == ""
@@ -361,7 +361,7 @@ def _own_copy(world: World) -> Path:
     script = world.tmp / "bin" / "ctl"
     script.parent.mkdir()
     script.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(1, {str(lib)!r})\n"
-                      "from controller.cli.main import main\nsys.exit(main())\n")
+                      "from controller.launch.main import main\nsys.exit(main())\n")
     script.chmod(0o755)
     return lib
 
@@ -576,12 +576,12 @@ def test_what_a_fan_out_and_a_supervisor_import_is_already_in_the_server() -> No
     what a fan-out over several containers and `supervise --once` use comes with the server's preload."""
     code = """
 import sys
-from controller.cli import server
+from controller.launch import server
 server._preload()
 before = set(sys.modules)
 from controller.commands import fanout
 assert fanout._side_by_side(lambda i: i * 2, [1, 0], 2) == [0, 2]
-import controller.commands.supervise, controller.commands.notify, controller.cli.compspec
+import controller.commands.supervise, controller.commands.notify, controller.launch.compspec
 print(sorted(set(sys.modules) - before))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

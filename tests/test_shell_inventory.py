@@ -73,7 +73,7 @@ def test_run_dir_with_control_character_is_refused(tmp_path: Path) -> None:
 def test_run_dir_with_a_space_and_shell_characters_works(tmp_path: Path) -> None:
     """The shipped template, rendered and run by bash: RUN_DIR is the literal directory (a space, `$(...)`
     and quotes in it stay text), the interpreter is quoted, train_args arrive as arguments."""
-    from controller.commands.deploy import pin
+    from controller.commands.pins import pin
 
     (tmp_path / "train_dflash_pipeline.py").write_text("")
     (tmp_path / "start_training.sh.j2").write_text((REPO / "templates" / "start_training.sh.j2").read_text())

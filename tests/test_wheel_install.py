@@ -49,7 +49,7 @@ def test_wheel_holds_the_remote_scripts_and_nothing_of_the_checkout(ctl_wheel: P
     # remote_payload/ and templates/ are the user's payload, named by their inventory; tests/ is ours. ctl needs none.
     tops = {n.split("/", 1)[0] for n in names}
     assert tops == {"controller", "ctl-0.1.0.dist-info"}, tops
-    assert "ctl = controller.cli.main:main" in zipfile.ZipFile(ctl_wheel).read(
+    assert "ctl = controller.launch.main:main" in zipfile.ZipFile(ctl_wheel).read(
         "ctl-0.1.0.dist-info/entry_points.txt").decode()
 
 

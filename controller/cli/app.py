@@ -10,14 +10,19 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from controller.core.terminal import cell_width, clean, clean_line, escape_markup, markup_text
+
+if TYPE_CHECKING:
+    from controller.inventory import Container, Inventory
+    from controller.registry import Registry, RunRecord
+    from controller.transport.pool import Pool
 
 app = typer.Typer(
     name="ctl",
@@ -81,7 +86,7 @@ def _global(
 # --- helpers -------------------------------------------------------------------------------------
 
 
-def _inv() -> Any:
+def _inv() -> Inventory:
     from controller import inventory
 
     return inventory.load(OPTS.inventory)
@@ -236,14 +241,14 @@ def _plain_cell(markup: str) -> tuple[str, int] | None:
     return None if shown is None or width is None else (shown[0], width)
 
 
-def _registry() -> Any:
+def _registry() -> Registry:
     from controller.registry import Registry
 
     return Registry()
 
 
 @contextmanager
-def session(inv: Any = None) -> Iterator[Any]:
+def session(inv: Inventory | None = None) -> Iterator[Pool]:
     """The connection pool of one command (the only place ctl builds one), closed at the end; --debug shows
     how it reached each host (relay or not, persistent session or not, and why)."""
     from controller.transport.pool import Pool
@@ -253,7 +258,7 @@ def session(inv: Any = None) -> Iterator[Any]:
 
 
 @contextmanager
-def _session(container: str) -> Iterator[tuple[Any, Any, Any]]:
+def _session(container: str) -> Iterator[tuple[Inventory, Container, Pool]]:
     """(inventory, the one container named, the command's pool) for a one-container verb."""
     inv = _inv()
     ct = _one_ct(inv, container)
@@ -261,16 +266,16 @@ def _session(container: str) -> Iterator[tuple[Any, Any, Any]]:
         yield inv, ct, pool
 
 
-def _one_ct(inv: Any, name: str) -> Any:
+def _one_ct(inv: Inventory, name: str) -> Container:
     return inv.one(name)
 
 
-def _run_and_ct(inv: Any, reg: Any, ref: str) -> tuple[Any, Any]:
+def _run_and_ct(inv: Inventory, reg: Registry, ref: str) -> tuple[RunRecord, Container]:
     run = reg.find_run(ref)
     return run, inv.container(run.ct)
 
 
-def _warn(lines: Any) -> None:
+def _warn(lines: Iterable[object]) -> None:
     for line in lines:
         sys.stderr.write(f"ctl: warning: {clean_line(str(line))}\n")
 
@@ -283,3 +288,30 @@ def _ago(ts: float | None) -> str:
         if d >= n:
             return f"{d / n:.0f}{unit} ago"
     return f"{d:.0f}s ago"
+
+
+def _seconds(text: str, what: str) -> float:
+    """A duration option's value (5s, 10m, 1h) in seconds; one line naming the option when it is not one."""
+    from controller.core.metrics import parse_duration
+    from controller.errors import InputError
+
+    s = parse_duration(text)
+    if s is None or s <= 0:
+        raise InputError(f"{what}: {text!r} is not a duration such as 30s, 10m, 1h")
+    return s
+
+
+# The container arguments verbs share: names completed from the inventory, the same help everywhere.
+ALL_BY_DEFAULT = "Containers or groups (default: all)."
+ONLY_BY_DEFAULT = "Containers or groups (none: --all, or the inventory's only container)."
+
+
+def targets_argument(help_text: str = ALL_BY_DEFAULT) -> Any:
+    from controller.cli.names import targets
+
+    return typer.Argument(None, autocompletion=targets, help=help_text)
+
+
+def all_option(help_text: str = "Every container of the inventory.") -> Any:
+    return typer.Option(False, "--all", help=help_text)
+

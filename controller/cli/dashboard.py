@@ -9,24 +9,13 @@ from typing import Any
 
 import typer
 
-from controller.cli.app import OPTS, _console, _inv, _out, _registry, app, session
-from controller.cli.complete import targets as _complete_targets
+from controller.cli.app import OPTS, _console, _inv, _out, _registry, _seconds, app, session, targets_argument
 from controller.errors import InputError
-
-
-def _seconds(text: str, what: str) -> float:
-    from controller.core.metrics import parse_duration
-
-    s = parse_duration(text)
-    if s is None or s <= 0:
-        raise InputError(f"{what}: {text!r} is not a duration such as 5s, 1m")
-    return s
 
 
 @app.command("dashboard")
 def dashboard_cmd(
-    targets: list[str] = typer.Argument(None, help="Containers or groups (default: all).",
-                                        autocompletion=_complete_targets),
+    targets: list[str] = targets_argument(),
     port: int = typer.Option(8765, "--port", help="Port to serve on (0: any free one)."),
     bind: str = typer.Option("127.0.0.1", "--bind", help="Address to serve on (default: loopback only)."),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow --bind to a non-loopback address: anyone "

@@ -8,17 +8,27 @@ from typing import Any
 
 import typer
 
-from controller.cli import complete as _c
-from controller.cli.app import OPTS, _console, _esc, _inv, _out, _outcomes, _registry, app, session
+from controller.cli.app import (
+    ONLY_BY_DEFAULT,
+    OPTS,
+    _console,
+    _esc,
+    _inv,
+    _out,
+    _outcomes,
+    _registry,
+    all_option,
+    app,
+    session,
+    targets_argument,
+)
 from controller.errors import CtlError, ExitCode
 
 
 @app.command("deploy")
 def deploy_cmd(
-    containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
-                                           help="Containers or groups (none: --all, or the inventory's only "
-                                                        "container)."),
-    all_: bool = typer.Option(False, "--all", help="Every container of the inventory (listed first)."),
+    containers: list[str] = targets_argument(ONLY_BY_DEFAULT),
+    all_: bool = all_option("Every container of the inventory (listed first)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the exact commands; change nothing."),
     allow_dirty: bool = typer.Option(False, "--allow-dirty", help="Deploy sources that differ from git HEAD."),
     check: bool = typer.Option(False, "--check", help="Report drift (files changed in the container); fix nothing."),

@@ -16,7 +16,7 @@ from typing import Any
 import typer
 
 from controller.cli import app as _cli
-from controller.cli import complete as _c
+from controller.cli import names as _c
 from controller.errors import BusyError, CtlError, ExitCode
 
 app: typer.Typer = _cli.app
@@ -48,11 +48,11 @@ def _mb(n: int | None) -> str:
 def probe_cmd(container: str = typer.Argument(..., autocompletion=_c.containers,
                                               help="The container to probe.")) -> None:
     """Probe the container's venv, torch build, driver, GPUs and compile cache (one exec)."""
-    from controller.commands import environment
+    from controller.commands import envprobe
     from controller.core.envlock import Probe
 
     with _container(container) as (inv, ct, t):
-        doc = environment.probe_doc(inv, ct, t)
+        doc = envprobe.probe_doc(inv, ct, t)
     if OPTS.json:
         _out(doc)
         return
@@ -133,12 +133,12 @@ def diff_cmd(
     b: str = typer.Argument(..., autocompletion=_c.run_or_container, help="A container (live probe) or a run."),
 ) -> None:
     """What changed between two environments: a run's recorded probe and another run's, or a live container."""
-    from controller.commands import environment
+    from controller.commands import environment, envprobe
 
     inv = _inv()
     reg = _registry()
     with _cli.session(inv) as pool:
-        d = environment.diff(inv, reg, a, b, lambda ct: environment.probe(inv, ct, pool.container(ct)))
+        d = environment.diff(inv, reg, a, b, lambda ct: envprobe.probe(inv, ct, pool.container(ct)))
     if OPTS.json:
         _out(d.to_json())
     else:
@@ -165,11 +165,11 @@ def sync_cmd(
     force: bool = typer.Option(False, "--force", help="Switch although a run is live on the container."),
 ) -> None:
     """Build a NEW venv beside the old one from the lock (uv), verify it, then switch the venv symlink to it."""
-    from controller.commands import environment, runs
+    from controller.commands import environment, reconcile
 
     with _container(container) as (inv, ct, t):
         if not dry_run and not force:
-            busy = runs.live(inv, ct, t, _registry())
+            busy = reconcile.live(inv, ct, t, _registry())
             if busy:
                 names = ", ".join(r.name for r in busy)
                 raise BusyError(f"{ct.name}: run {names} is live; switching its venv under it would mix two "

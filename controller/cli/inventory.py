@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import typer
 
-from controller.cli import complete as _c
-from controller.cli.app import OPTS, _console, _esc, _inv, _out, _registry, _table, _warn, app, session
+from controller.cli import names as _c
+from controller.cli.app import (
+    OPTS,
+    _console,
+    _esc,
+    _inv,
+    _out,
+    _registry,
+    _table,
+    _warn,
+    app,
+    session,
+    targets_argument,
+)
 
 inventory_app = typer.Typer(help="List hosts and containers of the inventory; `discover` reads them from PVE.",
                             invoke_without_command=True)
@@ -40,8 +52,7 @@ def inventory_cmd(ctx: typer.Context) -> None:
 
 
 @app.command("ping")
-def ping_cmd(containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
-                                                    help="Containers or groups (default: all).")) -> None:
+def ping_cmd(containers: list[str] = targets_argument()) -> None:
     """ctl's agent in each container, reached as every command reaches it: its first answer (the connection, and
     pct exec unless the host session keeps a staying agent there) and the best round trip of a request."""
     from controller.commands.fanout import ping, worst
@@ -82,12 +93,11 @@ def discover_cmd(
     from pathlib import Path
 
     from controller import settings
-    from controller.commands.discover import discover, plan
+    from controller.commands.discover import discover_via, plan
     from controller.commands.discover import write as write_plan
     from controller.errors import InputError
     from controller.inventory import ApiSpec
     from controller.schema import SchemaError, build
-    from controller.transport.pveapi import PveApi
 
     path = Path(settings.inventory_path(OPTS.inventory))
     base_dir = path.parent
@@ -108,10 +118,9 @@ def discover_cmd(
             flag = {"url": "--api", "token_id": "--token-id", "token_secret_env": "--token-env"}.get(e.loc[0], "--ca")
             raise InputError(f"{flag}: {e.message}") from None
         base_dir = Path.cwd()
-    client = PveApi(spec, base_dir=base_dir)
-    found = discover(client)
-    new_api = {"url": spec.url, "token_id": spec.token_id, "token_secret_env": spec.token_secret_env,
-               "ca_file": spec.ca_file if host is not None else client.ca_file}
+    found, ca_file = discover_via(spec, base_dir)
+    new_api: dict[str, object] = {"url": spec.url, "token_id": spec.token_id, "token_secret_env": spec.token_secret_env,
+                                  "ca_file": spec.ca_file if host is not None else ca_file}
     if not spec.verify:
         new_api["verify"] = False
 

@@ -16,7 +16,8 @@ from typing import Any
 import typer
 
 from controller.cli import app as _cli
-from controller.cli import complete as _c
+from controller.cli import names as _c
+from controller.cli.app import targets_argument
 from controller.errors import CtlError, InputError
 from controller.lifecycle import Lifecycle
 from controller.settings import checkpoint_glob
@@ -227,8 +228,7 @@ def _render_status(sts: list[Any]) -> None:
 
 @app.command("status")
 def status_cmd(
-    containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
-                                           help="Containers or groups (default: all)."),
+    containers: list[str] = targets_argument(),
     slow_ratio: float = typer.Option(0.8, "--slow-ratio", help="SLOW below this fraction of the baseline's tok/s."),
     stall_after: str = typer.Option("10m", "--stall-after", help="STALLED when the log is quiet this long."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=_CHECKPOINTS_HELP),

@@ -13,7 +13,7 @@ from typing import Any
 import typer
 
 from controller.cli import app as _cli
-from controller.cli import complete as _c
+from controller.cli import names as _c
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
@@ -28,15 +28,15 @@ def status_cmd() -> None:
     """List this user's sessions: host, address, pid, idle timeout, age, whether it answers, and the agents it
     keeps in containers (requests they answered); then the command server. With --json: {"sessions": [...],
     "servers": [...], "servers_failed": [...]}."""
-    from controller.cli import served
-    from controller.transport import mux
+    from controller.commands import sessions
+    from controller.launch import served
 
-    docs = mux.sessions()
+    where, docs = sessions.listed()
     if OPTS.json:
         _cli._out({"sessions": docs, "servers": served.servers(), "servers_failed": served.failed_servers()})
         return
     now = time.time()
-    _cli._table(f"persistent host sessions ({mux.mux_dir()})",
+    _cli._table(f"persistent host sessions ({where})",
                 ["host", "address", "pid", "idle", "age", "state", "agents", "socket"],
                 [[d.get("host"), f"{d.get('user')}@{d.get('address')}:{d.get('port')}", d.get("pid"),
                   f"{d.get('idle')}s", f"{now - float(d.get('started', now)):.0f}s",
@@ -65,12 +65,12 @@ def stop_cmd(host: str = typer.Argument(None, autocompletion=_c.hosts,
                                          "get to finish before it ends them (0: end them now).")) -> None:
     """Stop sessions: each takes no new command, lets the running ones finish (up to --grace), then closes its
     relay (children see the end of their stdin) and its SSH connection."""
-    from controller.transport import mux
+    from controller.commands import sessions
 
-    stopped = mux.stop(host, grace=grace)
+    stopped = sessions.stop(host, grace=grace)
     servers: list[dict[str, Any]] = []
     if host is None:
-        from controller.cli import served
+        from controller.launch import served
 
         servers = served.stop_servers()  # the next command runs in a process of its own, as the first did
     if OPTS.json:

@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from controller.cli import complete as _c
+from controller.cli import names as _c
 from controller.cli.app import (
     OPTS,
     _ago,
@@ -40,7 +40,7 @@ def launch_cmd(
 ) -> None:
     """Preflight, then start the run in a detached tmux session with its own, never-reused log. A job of the
     inventory starts on all its nodes (torchrun's c10d rendezvous), or on none."""
-    from controller.commands import runs
+    from controller.commands import launcher
 
     reg = _registry()
     inv = _inv()
@@ -49,8 +49,8 @@ def launch_cmd(
                                      allow_env_mismatch=allow_env_mismatch, follow=follow))
     with _session(container) as (inv, ct, pool):
         t = pool.container(ct)
-        got = runs.launch(inv, ct, t, reg, run, allow_drift=allow_drift, force=force,
-                          allow_env_mismatch=allow_env_mismatch)
+        got = launcher.launch(inv, ct, t, reg, run, allow_drift=allow_drift, force=force,
+                              allow_env_mismatch=allow_env_mismatch)
         rec, checks = got.run, got.checks
         if OPTS.json and not follow:
             _out({"run": _redacted(rec), "checks": [c.__dict__ for c in checks]})
@@ -66,11 +66,11 @@ def launch_cmd(
 
 def _launch_job(inv: Any, reg: Any, job: str, run: str | None, *, allow_drift: bool, force: bool,
                 allow_env_mismatch: bool, follow: bool) -> int:
-    from controller.commands import jobs
+    from controller.commands import launcher
 
     with session(inv) as pool:
-        got = jobs.launch(inv, pool, reg, job, run, allow_drift=allow_drift, force=force,
-                          allow_env_mismatch=allow_env_mismatch)
+        got = launcher.launch_job(inv, pool, reg, job, run, allow_drift=allow_drift, force=force,
+                                  allow_env_mismatch=allow_env_mismatch)
         if OPTS.json and not follow:
             _out({"run": _redacted(got.run), "nodes": [_redacted(m) for m in got.nodes],
                   "checks": {n: [c.__dict__ for c in cs] for n, cs in got.checks.items()},
@@ -90,7 +90,7 @@ def _launch_job(inv: Any, reg: Any, job: str, run: str | None, *, allow_drift: b
 
 
 def _follow_job(inv: Any, pool: Any, reg: Any, rec: Any, lines: int, follow: bool, node: str | None) -> int:
-    from controller.commands import jobs
+    from controller.commands import runs
     from controller.core import metrics
 
     con = _console()
@@ -99,8 +99,8 @@ def _follow_job(inv: Any, pool: Any, reg: Any, rec: Any, lines: int, follow: boo
     def emit(n: str, line: str) -> None:
         con.print(f"[{n}]".ljust(width + 3) + line, markup=False)
 
-    end = jobs.follow(inv, pool, reg, rec, lines=lines, follow=follow, emit=emit, detect=metrics.detect_crash,
-                      node=node, note=lambda text: _warn([text]))
+    end = runs.follow_job(inv, pool, reg, rec, lines=lines, follow=follow, emit=emit,
+                          detect=metrics.detect_crash, node=node, note=lambda text: _warn([text]))
     if follow:
         if end.state.live:
             con.print(f"run {rec.name}: still running")
@@ -200,7 +200,8 @@ def runs_cmd(
                                                     "with its exit and the step it resumed from."),
 ) -> None:
     """List runs from the registry (live ones are refreshed from their containers)."""
-    from controller.commands.runs import recorded, refresh_all
+    from controller.commands.reconcile import refresh_all
+    from controller.commands.runs import recorded
 
     inv = _inv()
     reg = _registry()
@@ -287,17 +288,15 @@ def stop_cmd(
     grace: float = typer.Option(30, "--grace", help="Seconds to wait after SIGINT before SIGTERM."),
 ) -> None:
     """SIGINT the training, wait, escalate, end its tmux session; the record says stopped."""
-    from controller.commands import runs
+    from controller.commands import launcher, reconcile
 
     inv = _inv()
     reg = _registry()
     rec = reg.find_run(run)
     if rec.multi:
-        from controller.commands import jobs
-
         with session(inv) as pool:
-            rec = runs.refresh_all(inv, reg, pool, [rec]).runs[0]
-            rec, stopped = jobs.stop(inv, pool, reg, rec, grace=grace)
+            rec = reconcile.refresh_all(inv, reg, pool, [rec]).runs[0]
+            rec, stopped = launcher.stop_job(inv, pool, reg, rec, grace=grace)
         if OPTS.json:
             _out({**_redacted(rec), "nodes": [_redacted(m) for m in reg.members(rec.id)]})
         else:
@@ -310,8 +309,8 @@ def stop_cmd(
     ct = inv.container(rec.ct)
     with session(inv) as pool:
         t = pool.container(ct)
-        rec = runs.refresh(inv, ct, t, reg, [rec])[0]
-        rec = runs.stop(inv, ct, t, reg, rec, grace=grace)
+        rec = reconcile.refresh(inv, ct, t, reg, [rec])[0]
+        rec = reconcile.stop(inv, ct, t, reg, rec, grace=grace)
     if OPTS.json:
         _out(_redacted(rec))
     else:
@@ -326,7 +325,7 @@ def attach_cmd(
 ) -> None:
     """Attach to the run's tmux session interactively (ssh -t + pct exec; detach with C-b d). A run that has
     ended has no session left: ctl says how it ended and points to `ctl tail`."""
-    from controller.commands import runs
+    from controller.commands import reconcile
 
     inv = _inv()
     reg = _registry()
@@ -343,7 +342,7 @@ def attach_cmd(
     ct = inv.container(rec.ct)
     with session(inv) as pool:
         t = pool.container(ct)
-        rec = runs.refresh(inv, ct, t, reg, [rec])[0]
+        rec = reconcile.refresh(inv, ct, t, reg, [rec])[0]
         if not rec.state.live:
             how = f"{rec.state}" + (f", exit status {rec.exit_status}" if rec.exit_status is not None else "")
             raise InputError(f"run {rec.ct}/{rec.name} has ended ({how}): there is no session to attach to; "

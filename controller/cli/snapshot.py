@@ -16,7 +16,7 @@ from typing import Any
 import typer
 
 from controller.cli import app as _cli
-from controller.cli import complete as _c
+from controller.cli import names as _c
 from controller.errors import CtlError, InputError
 
 app: typer.Typer = _cli.app

@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from controller.cli import app as _cli
-from controller.cli import complete as _c
+from controller.cli.app import ONLY_BY_DEFAULT, all_option, targets_argument
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
@@ -23,8 +23,7 @@ def _mib(n: int) -> str:
 
 
 @store_app.command("status")
-def status_cmd(containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
-                                                      help="Containers or groups (default: all).")) -> None:
+def status_cmd(containers: list[str] = targets_argument()) -> None:
     """Objects, bytes, and versions per destination in each container's store."""
     from controller.commands import store
     from controller.commands.fanout import worst
@@ -51,10 +50,8 @@ def status_cmd(containers: list[str] = typer.Argument(None, autocompletion=_c.ta
 
 @store_app.command("prune")
 def prune_cmd(
-    containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
-                                           help="Containers or groups (none: --all, or the inventory's only "
-                                                        "container)."),
-    all_: bool = typer.Option(False, "--all", help="Every container of the inventory."),
+    containers: list[str] = targets_argument(ONLY_BY_DEFAULT),
+    all_: bool = all_option(),
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be deleted; delete nothing."),
 ) -> None:
     """Delete versions no longer needed: keeps the newest store_keep (inventory, default 5) per destination,

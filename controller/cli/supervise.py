@@ -14,24 +14,14 @@ from typing import Any
 import typer
 
 from controller import settings as ctl_settings
-from controller.cli import complete as _c
-from controller.cli.app import OPTS, _console, _inv, _out, _registry, app, session
+from controller.cli import names as _c
+from controller.cli.app import OPTS, _console, _inv, _out, _registry, _seconds, app, session, targets_argument
 from controller.errors import InputError
-
-
-def _seconds(text: str, what: str) -> float:
-    from controller.core.metrics import parse_duration
-
-    s = parse_duration(text)
-    if s is None or s <= 0:
-        raise InputError(f"{what}: {text!r} is not a duration such as 30s, 10m, 1h")
-    return s
 
 
 @app.command("supervise")
 def supervise_cmd(
-    targets: list[str] = typer.Argument(None, autocompletion=_c.targets,
-                                        help="Containers or groups to watch (default: all)."),
+    targets: list[str] = targets_argument("Containers or groups to watch (default: all)."),
     interval: str | None = typer.Option(None, "--interval", help="Between polls (default: runs.supervise.interval, "
                                                                   "30s)."),
     restart: str | None = typer.Option(None, "--restart", help="no | on-failure[:N] | always[:N] (N restarts per "

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.commands import environment
+from controller.commands import envprobe
 from controller.core.envlock import Probe, split_local
 from controller.errors import ClobberError, EnvMismatch, InputError, RemoteCommandError, VerifyError
 from controller.inventory import Container, Inventory
@@ -109,7 +109,7 @@ class CacheSettings:
 def settings(inv: Inventory, ct: Container) -> CacheSettings:
     from controller.core.render import context
 
-    env = environment.settings(inv, ct)
+    env = envprobe.settings(inv, ct)
     store = context(inv, ct).get("cache_store") or DEFAULT_STORE
     store = check_container_path(str(store), f"{ct.name}: vars.cache_store")
     if store.rstrip("/") == env.cache_dir.rstrip("/") or store.startswith(env.cache_dir.rstrip("/") + "/"):
@@ -166,7 +166,7 @@ def save(inv: Inventory, ct: Container, t: Transport, name: str, *, local_dir: s
         local = d / f"{name}.tar.gz"
         if local.exists() or (d / f"{name}.json").exists():
             raise ClobberError(f"{local} exists: not overwritten (pick another name or directory)")
-    p = environment.probe(inv, ct, t)  # a cache ctl never warmed gets a marker from the live torch build
+    p = envprobe.probe(inv, ct, t)  # a cache ctl never warmed gets a marker from the live torch build
     doc = _call(t, "cachesave", {"dir": s.dir, "store": s.store, "name": name, "marker": Marker.doc(p, "save", now),
                                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))}, long=True)
     if not doc.get("ok"):
@@ -210,7 +210,7 @@ def restore(inv: Inventory, ct: Container, t: Transport, name: str, *, force: bo
     """Verify NAME's sha256, refuse another torch build unless forced, move the current cache aside, unpack."""
     check_name(name, "cache name")
     s = settings(inv, ct)
-    live = torch_build(environment.probe(inv, ct, t))
+    live = torch_build(envprobe.probe(inv, ct, t))
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     doc = _call(t, "cacherestore", {"dir": s.dir, "store": s.store, "name": name, "torch_build": live,
                                     "force": force, "stamp": stamp}, long=True)
@@ -274,7 +274,7 @@ def warmup_dest(inv: Inventory) -> str:
 def warm_argv(inv: Inventory, ct: Container, t: Transport, script: str, gpu: int | None) -> list[str]:
     from controller.core.render import _cli_args, context
 
-    env = environment.settings(inv, ct)
+    env = envprobe.settings(inv, ct)
     ctx = context(inv, ct)
     python = f"{env.venv.rstrip('/')}/bin/python" if env.venv else env.python
     if python.startswith("/"):
@@ -331,7 +331,7 @@ def warm(inv: Inventory, ct: Container, t: Transport, *, gpus: list[int] | None 
         if code != 0:
             raise RemoteCommandError(t.name, argv, code, err.decode("utf-8", "replace"),
                                      what=f"warm-up on GPU {g}" if g is not None else "warm-up")
-    marker = Marker.doc(environment.probe(inv, ct, t), "warm", now)
+    marker = Marker.doc(envprobe.probe(inv, ct, t), "warm", now)
     doc = _call(t, "cachemark", {"dir": s.dir, "marker": marker})
     if not doc.get("ok"):
         _raise(ct, t, doc)

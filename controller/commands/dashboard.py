@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from controller.commands import monitor, runs
+from controller.commands import monitor, reconcile
 from controller.commands.monitor import RunStatus
 from controller.core.metrics import RunState, format_eta
 from controller.core.redact import redact_run
@@ -162,7 +162,7 @@ class Board:
                 continue
             try:
                 t = pool.container(self.inv.container(r.ct))
-                got = runs.last_lines(t, r, self.s.log_lines, timeout=self.s.deadline_s)
+                got = reconcile.last_lines(t, r, self.s.log_lines, timeout=self.s.deadline_s)
             except CtlError:
                 continue
             out[r.id] = [clean_line(line) for line in got]

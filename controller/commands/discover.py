@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from controller.core.discover import (
     Change,
@@ -31,6 +31,9 @@ from controller.core.discover import (
     nodes_from_status,
 )
 from controller.errors import CtlError, InputError
+
+if TYPE_CHECKING:
+    from controller.inventory import ApiSpec
 
 WORKERS = 8  # config requests in flight at once: enough to hide latency, few enough for pveproxy's workers
 
@@ -87,6 +90,15 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {"path": str(self.path), "changes": [c.to_json() for c in self.changes], "kept": self.kept,
                 "dropped": self.dropped, "new_hosts": self.new_hosts}
+
+
+def discover_via(spec: ApiSpec, base_dir: Path) -> tuple[Discovery, str | None]:
+    """Discovery through the API `spec` names (a relative CA file is read from base_dir), and the CA file the
+    client trusted (first contact may have pinned one)."""
+    from controller.transport.pveapi import PveApi
+
+    client = PveApi(spec, base_dir=base_dir)
+    return discover(client), client.ca_file
 
 
 def _yaml(text: str = "") -> Any:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.commands.fanout import Flow, Outcome, Read, fanout, flows
-from controller.commands.runs import checked_states, record_states, refresh, state_request
+from controller.commands.reconcile import checked_states, record_states, refresh, settle, state_request
 from controller.core.metrics import (
     LogCursor,
     MetricPoint,
@@ -520,7 +520,7 @@ def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *
     """`ctl status` and each poll of `ctl supervise`: refresh the runs' states, pull their new log bytes (and
     those of any baseline with no points stored yet) and judge each run against its baseline, in one agent call
     per container over one connection per host. A run across several containers is polled through its nodes,
-    then settled (commands/jobs.py: a node that ended badly makes it CRASHED, its surviving nodes are stopped)
+    then settled (reconcile.settle: a node that ended badly makes it CRASHED, its surviving nodes are stopped)
     and judged whole.
 
     A live run whose container did not answer, or whose log could not be read, is UNREACHABLE: judged on stale
@@ -553,10 +553,8 @@ def statuses(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], *
             continue
         if any(m.ct in polled.failed for m in ms):
             continue  # a node could not be asked: nothing is concluded from the others alone
-        from controller.commands import jobs  # only for a run across several containers
-
         try:
-            jobs.settle(inv, reg, pool, r, ms)
+            settle(inv, reg, pool, r, ms)
         except CtlError as e:
             warnings.append(f"{r.ct}/{r.name}: not settled: {e}")
     out = []

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from controller.commands import cache, deploy, environment, monitor, runs
+from controller.commands import cache, deploy, environment, launcher, monitor, reconcile
 from controller.commands.fanout import worst
 from controller.commands.monitor import RunStatus
 from controller.core.metrics import format_rate, parse_duration
@@ -73,10 +73,10 @@ class Actions:
             return self._launch_job(a, dry)
         ct, t = self._ct(a["ct"])
         if dry:
-            name = a["run"] or runs.next_name(self.inv, ct, t, self.reg)
+            name = a["run"] or launcher.next_name(self.inv, ct, t, self.reg)
             return Done(f"would launch {name} on {ct.name} (after its preflight)", sets={"run": name})
-        got = runs.launch(self.inv, ct, t, self.reg, a["run"], allow_drift=a["allow_drift"], force=a["force"],
-                          allow_env_mismatch=a["allow_env_mismatch"])
+        got = launcher.launch(self.inv, ct, t, self.reg, a["run"], allow_drift=a["allow_drift"], force=a["force"],
+                              allow_env_mismatch=a["allow_env_mismatch"])
         rec, checks = got.run, got.checks
         self.launched[rec.name] = rec.id
         forced = [c.name for c in checks if c.forced]
@@ -85,15 +85,13 @@ class Actions:
 
     def _launch_job(self, a: Mapping[str, Any], dry: bool) -> Any:
         """`launch: {ct: JOB}`: the run across the job's nodes, started together (or on none), as `ctl launch JOB`."""
-        from controller.commands import jobs
-
         job = self.inv.job(a["ct"])
         if dry:
-            name = a["run"] or jobs.next_name(self.inv, self.pool, self.reg, job.name)
+            name = a["run"] or launcher.next_job_name(self.inv, self.pool, self.reg, job.name)
             return Done(f"would launch {name} on the {job.nnodes} nodes of {job.name} (after their preflight)",
                         sets={"run": name})
-        got = jobs.launch(self.inv, self.pool, self.reg, job.name, a["run"], allow_drift=a["allow_drift"],
-                          force=a["force"], allow_env_mismatch=a["allow_env_mismatch"])
+        got = launcher.launch_job(self.inv, self.pool, self.reg, job.name, a["run"], allow_drift=a["allow_drift"],
+                                  force=a["force"], allow_env_mismatch=a["allow_env_mismatch"])
         self.launched[got.run.name] = got.run.id
         forced = sorted({f"{node} {c.name}" for node, cs in got.checks.items() for c in cs if c.forced})
         return Done(f"{got.run.name}: {len(got.nodes)} nodes of {job.name} ({', '.join(m.ct for m in got.nodes)}), "
@@ -131,14 +129,12 @@ class Actions:
             return Done(f"would stop {a['run']} (SIGINT, {a['grace']:.0f}s grace, escalate)")
         rec = self._run(a["run"])
         if rec.multi:  # a run across a job's nodes: every node stopped, as `ctl stop` does
-            from controller.commands import jobs
-
-            rec = runs.refresh_all(self.inv, self.reg, self.pool, [rec]).runs[0]
-            rec, _nodes = jobs.stop(self.inv, self.pool, self.reg, rec, grace=a["grace"])
+            rec = reconcile.refresh_all(self.inv, self.reg, self.pool, [rec]).runs[0]
+            rec, _nodes = launcher.stop_job(self.inv, self.pool, self.reg, rec, grace=a["grace"])
             return Done(f"{rec.ct}/{rec.name}: {rec.state} ({rec.note})")
         ct, t = self._ct(rec.ct)
-        rec = runs.refresh(self.inv, ct, t, self.reg, [rec])[0]
-        rec = runs.stop(self.inv, ct, t, self.reg, rec, grace=a["grace"])
+        rec = reconcile.refresh(self.inv, ct, t, self.reg, [rec])[0]
+        rec = reconcile.stop(self.inv, ct, t, self.reg, rec, grace=a["grace"])
         return Done(f"{rec.ct}/{rec.name}: {rec.state} ({rec.note})")
 
     def mark_good(self, a: Mapping[str, Any], dry: bool) -> Any:

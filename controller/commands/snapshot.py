@@ -222,8 +222,8 @@ def _require(t: Target, name: str) -> None:
 
 
 def live_runs(inv: Inventory, ct: Container, t: Target, pool: Pool, reg: Registry) -> list[RunRecord]:
-    """Runs the registry believes live on this CT, confirmed by asking the container (runs.refresh)."""
-    from controller.commands import runs
+    """Runs the registry believes live on this CT, confirmed by asking the container (reconcile.refresh)."""
+    from controller.commands import reconcile
 
     believed = reg.live_runs(ct.name)
     if not believed:
@@ -231,7 +231,7 @@ def live_runs(inv: Inventory, ct: Container, t: Target, pool: Pool, reg: Registr
     try:
         if t.backend.status(t.vmid) != "running":
             return []  # a stopped container runs nothing
-        return runs.live(inv, ct, pool.container(ct), reg)
+        return reconcile.live(inv, ct, pool.container(ct), reg)
     except PveFailure as e:
         raise _failed(t, "status", e) from None
     except CtlError as e:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.commands.deploy import STORE
 from controller.commands.fanout import Outcome, fanout
+from controller.commands.pins import STORE
 from controller.inventory import Container
 from controller.registry import Registry
 from controller.remote.client import Agent

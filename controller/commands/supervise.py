@@ -32,7 +32,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.commands import runs
+from controller.commands import launcher, reconcile
 from controller.commands.monitor import RunStatus, statuses
 from controller.commands.notify import Deliverer
 from controller.core.metrics import RunState
@@ -181,7 +181,7 @@ class Supervisor:
         if not run.log_path:
             return []
         try:
-            return runs.last_lines(pool.container(self.inv.container(run.ct)), run, 20, timeout=30)
+            return reconcile.last_lines(pool.container(self.inv.container(run.ct)), run, 20, timeout=30)
         except CtlError:
             return []
 
@@ -252,8 +252,6 @@ class Supervisor:
     def _relaunch_job(self, pool: Pool, failed: RunRecord, row: dict[str, Any], out: Poll) -> None:
         """A run across several containers is restarted whole: every node, from the newest complete checkpoint
         any node holds, copied first to the nodes that lack it (each resumes from its own copy)."""
-        from controller.commands import jobs
-
         if row["state"] == "launching" and row["new_name"]:
             name = str(row["new_name"])
             adopted = self._adopt_job(pool, failed.ct, name)
@@ -262,18 +260,18 @@ class Supervisor:
                 return
         else:
             if failed.state.live:  # a stalled run still holds its GPUs: stop it first
-                failed, _stopped = jobs.stop(self.inv, pool, self.reg, failed, grace=30)
-            name = jobs.next_name(self.inv, pool, self.reg, failed.ct)
+                failed, _stopped = launcher.stop_job(self.inv, pool, self.reg, failed, grace=30)
+            name = launcher.next_job_name(self.inv, pool, self.reg, failed.ct)
             self.reg.set_restart(failed.id, state="launching", new_name=name)
             _die_if("launching")
-        found = jobs.find_checkpoint(self.inv, pool, self.reg, failed)
+        found = launcher.find_checkpoint(self.inv, pool, self.reg, failed)
         env = {"CTL_PARENT_RUN": failed.name}
         lineage: dict[str, Any] = {"parent_id": failed.id}
         if found is not None:
-            jobs.spread_checkpoint(self.inv, pool, failed.ct, found)
+            launcher.spread_checkpoint(self.inv, pool, failed.ct, found)
             env["CTL_RESUME_FROM"] = str(found["dir"])
             lineage.update(resumed_from=found["dir"], resumed_step=int(found["step"]))
-        got = jobs.launch(self.inv, pool, self.reg, failed.ct, name, extra_env=env, lineage=lineage)
+        got = launcher.launch_job(self.inv, pool, self.reg, failed.ct, name, extra_env=env, lineage=lineage)
         _die_if("launched")
         self._launched(failed, got.run, out)
 
@@ -287,11 +285,11 @@ class Supervisor:
         if rec.state == Lifecycle.STARTING:
             states = []
             for m in self.reg.members(rec.id):
-                states.append(runs.state_of(pool.container(self.inv.container(m.ct)), m)[0])
+                states.append(reconcile.state_of(pool.container(self.inv.container(m.ct)), m)[0])
             if all(s == Lifecycle.LOST for s in states):  # nothing ever ran under that claim
                 self.reg.forget_job_claim(rec.id)
                 return None
-            return runs.refresh_all(self.inv, self.reg, pool, [rec]).runs[0]
+            return reconcile.refresh_all(self.inv, self.reg, pool, [rec]).runs[0]
         return rec
 
     def _relaunch(self, pool: Pool, failed: RunRecord, row: dict[str, Any], doc: dict[str, Any], out: Poll) -> None:
@@ -308,9 +306,9 @@ class Supervisor:
                 return
         else:
             if failed.state.live:  # a stalled run still holds its GPUs: stop it first
-                failed = runs.stop(self.inv, ct, t, self.reg, runs.refresh(self.inv, ct, t, self.reg, [failed])[0],
-                                   grace=30)
-            name = runs.next_name(self.inv, ct, t, self.reg)
+                failed = reconcile.refresh(self.inv, ct, t, self.reg, [failed])[0]
+                failed = reconcile.stop(self.inv, ct, t, self.reg, failed, grace=30)
+            name = launcher.next_name(self.inv, ct, t, self.reg)
             self.reg.set_restart(failed.id, state="launching", new_name=name)
             _die_if("launching")
         found = self._checkpoint(t, failed)
@@ -319,7 +317,7 @@ class Supervisor:
         if found is not None:
             env["CTL_RESUME_FROM"] = t.path(found["dir"])
             lineage.update(resumed_from=found["dir"], resumed_step=int(found["step"]))
-        rec = runs.launch(self.inv, ct, t, self.reg, name, extra_env=env, lineage=lineage).run
+        rec = launcher.launch(self.inv, ct, t, self.reg, name, extra_env=env, lineage=lineage).run
         _die_if("launched")
         self._launched(failed, rec, out)
 
@@ -331,11 +329,11 @@ class Supervisor:
         except InputError:
             return None
         if rec.state == Lifecycle.STARTING:
-            state, _code = runs.state_of(t, rec)
+            state, _code = reconcile.state_of(t, rec)
             if state == Lifecycle.LOST:  # nothing ever ran under that claim
                 self.reg.release_run(rec.id)
                 return None
-            return runs.refresh(self.inv, ct, t, self.reg, [rec])[0]
+            return reconcile.refresh(self.inv, ct, t, self.reg, [rec])[0]
         return rec
 
     def _launched(self, failed: RunRecord, rec: RunRecord, out: Poll) -> None:

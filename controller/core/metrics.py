@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 from controller.errors import ExitCode, InputError
 
@@ -527,58 +527,55 @@ def exit_code_for(verdicts: Iterable[Verdict]) -> ExitCode:
     return ExitCode.OK if w is None else w.exit_code
 
 
+class Judging(TypedDict, total=False):
+    """What a verdict judges besides the points: the baseline, the clock, how the run ended, and the thresholds
+    (SLOW below `slow_ratio` x the baseline, STALLED after `stall_after_s` without log output, WARMUP until
+    `min_steady_points` steady points). `last_step_time`: when the log last grew; `exit_status`: None while the
+    run is alive."""
+
+    baseline_tok_s: Required[float | None]
+    now: Required[float]
+    last_step_time: Required[float | None]
+    exit_status: Required[int | None]
+    crash: Required[str | None]
+    slow_ratio: float  # 0.8
+    stall_after_s: float  # 600.0
+    min_steady_points: int  # 3
+    baseline_name: str | None
+
+
 def verdict(
     points: Sequence[MetricPoint],
     *,
-    baseline_tok_s: float | None,
-    now: float,
-    last_step_time: float | None,
-    slow_ratio: float = 0.8,
-    stall_after_s: float = 600.0,
-    exit_status: int | None,
-    crash: str | None,
-    min_steady_points: int = 3,
     warmup_steps: int = DEFAULT_WARMUP_STEPS,
     warmup_fraction: float = DEFAULT_WARMUP_FRACTION,
     window: int = 20,
-    baseline_name: str | None = None,
+    **judging: Unpack[Judging],
 ) -> Verdict:
     """Judge a run: CRASHED, FINISHED, STALLED, WARMUP, NO_BASELINE, SLOW or OK, checked in that order.
 
-    `last_step_time` is when the log last grew (or the last point arrived); None falls back to the
-    newest point's `time`. `exit_status` is None while the run is alive. tok/s is the median of the
-    last `window` steady points, so a run that degrades mid-way is caught within one window.
+    A `last_step_time` of None falls back to the newest point's `time`. tok/s is the median of the last
+    `window` steady points, so a run that degrades mid-way is caught within one window.
     """
+    min_steady_points = judging.get("min_steady_points", 3)
     if min_steady_points < 1 or window < min_steady_points:
         raise InputError(f"need 1 <= min_steady_points <= window, got {min_steady_points}, {window}")
     steady = steady_points(points, warmup_steps=warmup_steps, warmup_fraction=warmup_fraction)[-window:]
     step = max((p.step for p in points), default=None)
-    if last_step_time is None:
-        last_step_time = max((p.time for p in points if p.time is not None), default=None)
-    return verdict_of_window([p.tok_s for p in steady if p.tok_s is not None], step=step,
-                             baseline_tok_s=baseline_tok_s, now=now,
-                             last_step_time=last_step_time, slow_ratio=slow_ratio, stall_after_s=stall_after_s,
-                             exit_status=exit_status, crash=crash, min_steady_points=min_steady_points,
-                             baseline_name=baseline_name)
+    if judging["last_step_time"] is None:
+        judging["last_step_time"] = max((p.time for p in points if p.time is not None), default=None)
+    return verdict_of_window([p.tok_s for p in steady if p.tok_s is not None], step=step, **judging)
 
 
-def verdict_of_window(
-    steady: Sequence[float],
-    *,
-    step: int | None,
-    baseline_tok_s: float | None,
-    now: float,
-    last_step_time: float | None,
-    slow_ratio: float = 0.8,
-    stall_after_s: float = 600.0,
-    exit_status: int | None,
-    crash: str | None,
-    min_steady_points: int = 3,
-    baseline_name: str | None = None,
-) -> Verdict:
+def verdict_of_window(steady: Sequence[float], *, step: int | None, **judging: Unpack[Judging]) -> Verdict:
     """`verdict` from what it reads of the points: the tok/s of the last window of steady points
     (`steady_points(...)[-window:]`), the highest step and when the log last grew. A registry run is judged this
     way without decoding every point it ever logged (commands/monitor.point_window)."""
+    baseline_tok_s, now, last_step_time = judging["baseline_tok_s"], judging["now"], judging["last_step_time"]
+    exit_status, crash, baseline_name = judging["exit_status"], judging["crash"], judging.get("baseline_name")
+    slow_ratio = judging.get("slow_ratio", 0.8)
+    stall_after_s = judging.get("stall_after_s", 600.0)
+    min_steady_points = judging.get("min_steady_points", 3)
     if baseline_tok_s is not None and not (math.isfinite(baseline_tok_s) and baseline_tok_s > 0):
         raise InputError(f"baseline throughput must be a positive number of tok/s, got {baseline_tok_s!r}")
     if not 0.0 < slow_ratio <= 1.0:

@@ -46,7 +46,7 @@ def test_slow_against_baseline_incremental_pull_and_stall_over_pct(pvehost: PveH
     args_dir = pvehost.rootfs(200) / "root" / tag / "args"
 
     def ctl(*a: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "controller.cli.main", "-i", str(inv), *a], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "controller.launch.main", "-i", str(inv), *a], capture_output=True,
                               text=True, timeout=60, env=env)
 
     def launch(run: str, args: str, *extra: str) -> None:

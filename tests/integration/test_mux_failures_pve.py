@@ -220,7 +220,7 @@ def test_64_concurrent_commands_from_cold_start_one_session_and_all_succeed(env:
 
 
 def test_a_command_gone_while_its_session_starts_leaves_one_session_that_the_next_command_uses(env: Env) -> None:
-    """`ctl env check ct200` names a container, so its session begins to start while ctl loads (cli/early.py); the
+    """`ctl env check ct200` names a container, so its session begins to start while ctl loads (launch/early.py); the
     command then refuses at once (no lock configured) and exits before the session listens. That session must
     neither die on the closed pipe of its starter nor let a second one start beside it: the next command uses it."""
     before = sshd_sessions(env, "pve1")

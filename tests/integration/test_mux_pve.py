@@ -123,7 +123,7 @@ def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env)
     assert "deployed 2 of 2 files" in first.stdout
     pid = _session_pid(first.stderr)
     assert "started ctl's persistent session" in first.stderr
-    # begun while ctl loaded (cli/early.py), and still the one session and connection
+    # begun while ctl loaded (launch/early.py), and still the one session and connection
     assert "starting ctl's persistent session for pve1 while ctl loads" in first.stderr
     sessions = sshd_sessions(env, "pve1")
     mine = sessions - before

@@ -1,11 +1,12 @@
-"""The `ctl` command line: thin typer commands that call one commands.* function and render its result.
+"""The `ctl` entry point: a command line reaches the command server, or runs here through the typer app.
 
+The verbs themselves are thin typer commands in cli/ that call one commands.* function and render its result.
 Every CtlError is caught in `main` and printed as one line; `--debug` shows the traceback. Start-up stays thin:
 heavy modules (paramiko, jinja2, rich, matplotlib) are imported inside commands, option values are converted
-without typer's pydantic adapters (cli/coerce.py), a command line imports only the cli module of its verb
+without typer's pydantic adapters (launch/coerce.py), a command line imports only the cli module of its verb
 (COMMANDS), `ctl --help` prints the text typer renders for it (helptext.py, kept equal to typer's by
 tests/test_cli_startup.py) without importing typer at all, and a shell's completion request (a TAB) is answered
-by cli/complete.py before any of that is imported. The app, its global options and the
+by launch/complete.py before any of that is imported. The app, its global options and the
 output helpers live in cli/app.py; each verb group in its own module, which registers its commands on the app
 when imported (`load`, `load_app`).
 """
@@ -16,41 +17,14 @@ import importlib
 import os
 import sys
 
-TYPE_CHECKING = False  # a TAB's answer (cli/complete.py) does not pay for importing typing
+from controller.launch.table import COMMANDS, HELP_WIDTH, MODULES, verb
+
+TYPE_CHECKING = False  # a TAB's answer (launch/complete.py) does not pay for importing typing
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["load_app", "main"]  # also `app` and `OPTS`, loaded on first use (__getattr__)
-
-# verb -> the cli module that registers it (tests/test_cli_startup.py checks it against the modules).
-COMMANDS: dict[str, str] = {
-    "deploy": "deploy", "ping": "inventory", "inventory": "inventory",
-    "mark-good": "metrics", "status": "metrics", "watch": "metrics", "plot": "metrics", "metrics": "metrics",
-    "launch": "runs", "tail": "runs", "runs": "runs", "show": "runs", "stop": "runs", "attach": "runs",
-    "diff": "runs", "rollback": "snapshot", "snapshot": "snapshot", "supervise": "supervise",
-    "events": "supervise", "config": "config", "env": "env", "cache": "env", "mux": "mux", "runbook": "runbook",
-    "store": "store", "dashboard": "dashboard",
-}
-MODULES = ("config", "dashboard", "deploy", "env", "inventory", "metrics", "mux", "runbook", "runs", "snapshot",
-           "store", "supervise")  # in the order `ctl --help` lists their commands
-_GLOBAL_VALUE = ("-i", "--inventory")  # global options that take a value
-HELP_WIDTH = 80  # click renders help at min(terminal width, 80)
-
-
-def verb(argv: list[str]) -> str | None:
-    """The verb of a command line (its first word after the global options); None when there is none."""
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--":
-            return argv[i + 1] if i + 1 < len(argv) else None
-        if a in _GLOBAL_VALUE:
-            i += 2
-            continue
-        if not a.startswith("-"):
-            return a
-        i += 1
-    return None
+# also `app` and `OPTS`, loaded on first use (__getattr__)
+__all__ = ["COMMANDS", "MODULES", "load_app", "main", "verb"]
 
 
 def load(argv: list[str]) -> Any:
@@ -75,7 +49,7 @@ def load_app() -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    # `from controller.cli.main import app, OPTS` keeps working without making every `import` pay for typer.
+    # `from controller.launch.main import app, OPTS` keeps working without making every `import` pay for typer.
     if name == "app":
         return load_app()
     if name == "OPTS":
@@ -93,7 +67,7 @@ def _plain_help(argv: list[str]) -> bool:
 
     if shutil.get_terminal_size().columns < HELP_WIDTH:
         return False
-    from controller.cli.helptext import TEXT
+    from controller.launch.helptext import TEXT
 
     sys.stdout.write(TEXT)
     return True
@@ -103,7 +77,7 @@ def render_help() -> str:
     """What typer prints for `ctl --help` on a terminal of HELP_WIDTH columns (the source of helptext.py)."""
     import subprocess
 
-    code = "from controller.cli.main import load_app; load_app()(['--help'], prog_name='ctl')"
+    code = "from controller.launch.main import load_app; load_app()(['--help'], prog_name='ctl')"
     env = {**os.environ, "COLUMNS": str(HELP_WIDTH), "PYTHONPATH": os.path.dirname(os.path.dirname(
         os.path.dirname(os.path.abspath(__file__))))}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
@@ -111,15 +85,15 @@ def render_help() -> str:
 
 def main() -> None:
     if os.environ.get("_CTL_COMPLETE", "").startswith("complete_"):
-        # A TAB in the shell: answered before typer, pydantic and the commands are imported (cli/complete.py).
-        from controller.cli.complete import answer
+        # A TAB in the shell: answered before typer, pydantic and the commands are imported (launch/complete.py).
+        from controller.launch.complete import answer
 
         sys.exit(answer())
     if _plain_help(sys.argv[1:]):
         sys.exit(0)
-    from controller.cli import served
+    from controller.launch import served
 
-    code = served.run(sys.argv[1:])  # the user's command server runs it, when there is one (cli/served.py)
+    code = served.run(sys.argv[1:])  # the user's command server runs it, when there is one (launch/served.py)
     if code is not None:
         served.exit_as(code)
     try:
@@ -130,7 +104,7 @@ def main() -> None:
 
 def run_here() -> None:
     """Run the command line in this process (also what the command server's forked child runs)."""
-    from controller.cli.early import spare, start
+    from controller.launch.early import spare, start
 
     spare(sys.argv[1:])  # a session process for the hosts not yet known imports paramiko while this one reads
     _completion_shell(sys.argv[1:])
@@ -163,15 +137,15 @@ def _completion_shell(argv: list[str]) -> None:
         sys.exit(2)
 
 
-_built: Any = None  # every verb's click command, built once by the command server (cli/server.py)
+_built: Any = None  # every verb's click command, built once by the command server (launch/server.py)
 
 
 def build(app: Any) -> Any:
     """The click command typer makes of app, its option values converted without building pydantic adapters
-    (cli/coerce.py)."""
+    (launch/coerce.py)."""
     import typer.main
 
-    from controller.cli.coerce import install
+    from controller.launch.coerce import install
 
     command = typer.main.get_command(app)
     install(command)

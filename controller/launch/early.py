@@ -17,7 +17,6 @@ import sys
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
 
     from controller.inventory import Container, Inventory
 
@@ -40,7 +39,7 @@ NEVER = frozenset({"--", "--help", "--version", "--install-completion", "--show-
 
 def containers(argv: list[str]) -> tuple[Inventory, list[Container]] | None:
     """The inventory and the containers `ctl ARGV` will reach, when the line says so for certain; else None."""
-    from controller.cli.complete import Line
+    from controller.launch.complete import Line
 
     if NEVER & set(argv):
         return None
@@ -90,41 +89,18 @@ def containers(argv: list[str]) -> tuple[Inventory, list[Container]] | None:
 
 
 def _ran_in(run: str | None) -> list[str]:
-    """The containers a run ran in, as Registry.find_run reads its reference (NAME, CT/NAME, #ID; a node of a run
-    across containers stands for the whole run), or with None those of the live runs; [] without a registry or
-    for a reference it does not resolve to one run. The command reads the registry itself; this only says where
-    it will connect."""
-    from controller.cli.complete import read_registry
+    """The containers a run ran in (or with None those of the live runs); [] when the registry cannot say for
+    certain. The command reads the registry itself; this only says where it will connect."""
+    from controller.lookup import containers_ran_in
 
-    def query(db: Any) -> list[str]:
-        if run is None:
-            rows = db.execute("SELECT DISTINCT ct FROM runs WHERE state IN ('starting', 'running')").fetchall()
-            return sorted(str(r[0]) for r in rows)
-        if run.startswith("#") and run[1:].isdigit():
-            ids = db.execute("SELECT id FROM runs WHERE id = ?", (int(run[1:]),)).fetchall()
-        elif "/" in run:
-            ct, _, name = run.partition("/")
-            ids = db.execute("SELECT id FROM runs WHERE ct = ? AND name = ?", (ct, name)).fetchall()
-        else:
-            ids = db.execute("SELECT id FROM runs WHERE name = ? AND member_of IS NULL", (run,)).fetchall()
-        if len(ids) != 1:
-            return []
-        (whole,) = db.execute("SELECT COALESCE(member_of, id) FROM runs WHERE id = ?", (ids[0][0],)).fetchone()
-        rows = db.execute("SELECT DISTINCT ct FROM runs WHERE id = ? OR member_of = ?", (whole, whole)).fetchall()
-        return sorted(str(r[0]) for r in rows)
-
-    return read_registry(query, [])
+    return containers_ran_in(run)
 
 
 def _with_runs(names: list[str]) -> list[str]:
     """Those of names the registry has runs in (read-only; none without a registry)."""
-    from controller.cli.complete import read_registry
+    from controller.lookup import containers_with_runs
 
-    def query(db: Any) -> list[str]:
-        have = {str(r[0]) for r in db.execute("SELECT DISTINCT ct FROM runs").fetchall()}
-        return [n for n in names if n in have]
-
-    return read_registry(query, [])
+    return containers_with_runs(names)
 
 
 PERSIST_VAR = "CTL_PERSIST"  # settings.PERSIST, read here before settings is imported (tests/test_mux_spare.py)
@@ -145,7 +121,7 @@ def spare(argv: list[str]) -> bool:
     """Start a spare session process (spare.py) when `ctl ARGV` is of a kind that connects, sessions are on and
     none of the user's is up: it imports what a session needs while the command reads its line and inventory.
     True when one was started."""
-    from controller.cli.main import verb
+    from controller.launch.table import verb
 
     if NEVER & set(argv) or verb(argv) not in SPARE_VERBS or _sessions_off():
         return False

@@ -28,7 +28,7 @@ import contextlib
 import os
 import sys
 
-from controller.cli.served import FAILED
+from controller.launch.served import FAILED
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -37,12 +37,13 @@ if TYPE_CHECKING:
 
 # Modules most commands use: each is a module a forked command does not import again.
 PRELOAD = ("controller.commands.deploy", "controller.commands.runs", "controller.commands.monitor",
-           "controller.commands.fanout", "controller.commands.jobs", "controller.commands.environment",
-           "controller.transport.pool", "controller.transport.pct", "controller.transport.mux.client",
-           "controller.registry", "controller.inventory", "controller.cli.early", "controller.cli.complete",
-           "controller.cli.coerce", "controller.cli.compspec", "controller.core.envlock", "controller.core.render",
-           "controller.commands.supervise", "controller.commands.notify", "jinja2", "yaml", "sqlite3",
-           "platformdirs", "rich.console", "rich.table")
+           "controller.commands.fanout", "controller.commands.launcher", "controller.commands.reconcile",
+           "controller.commands.preflight", "controller.commands.pins", "controller.commands.envprobe",
+           "controller.commands.environment", "controller.transport.pool", "controller.transport.pct",
+           "controller.transport.mux.client", "controller.registry", "controller.inventory", "controller.launch.early",
+           "controller.launch.complete", "controller.launch.coerce", "controller.launch.compspec",
+           "controller.cli.names", "controller.core.envlock", "controller.core.render", "controller.commands.supervise",
+           "controller.commands.notify", "jinja2", "yaml", "sqlite3", "platformdirs", "rich.console", "rich.table")
 #: Seconds a client has to send its whole request once connected (it sends it in one write), and to take an answer.
 REQUEST_WAIT = 5.0
 
@@ -54,7 +55,7 @@ def _dispositions(ignored: set[int]) -> None:
     was started ignoring (nohup's SIGHUP), which stay ignored."""
     import signal
 
-    from controller.cli.served import FORWARDED
+    from controller.launch.served import FORWARDED
 
     signal.set_wakeup_fd(-1)
     for n in (getattr(signal, name) for name in FORWARDED):
@@ -86,7 +87,7 @@ def _preload() -> set[str]:
     os.environ = Recording(real._data, real.encodekey, real.decodekey,  # type: ignore[attr-defined]  # noqa: B003
                            real.encodevalue, real.decodevalue)
     try:
-        from controller.cli.main import build_all
+        from controller.launch.main import build_all
 
         build_all()
         for name in PRELOAD:
@@ -100,7 +101,7 @@ def _preload() -> set[str]:
 def main() -> None:
     import fcntl
 
-    from controller.cli import served
+    from controller.launch import served
 
     path, key, idle = sys.argv[1], sys.argv[2], float(sys.argv[3])
     os.closerange(3, 1 << 20)  # nothing of the starter's (a lock, a pipe) may live on here, or in each command
@@ -137,7 +138,7 @@ def main() -> None:
         return
     req.become()
     _stop_if_off()
-    from controller.cli.main import run_here
+    from controller.launch.main import run_here
 
     _run_and_exit(run_here)
 
@@ -233,7 +234,7 @@ def limits_refusal(limits: object) -> str:
     a process with CAP_SYS_RESOURCE could raise, is refused all the same."""
     import resource
 
-    from controller.cli.served import rlimits
+    from controller.launch.served import rlimits
 
     mine = rlimits()
     if not isinstance(limits, dict) or set(limits) != set(mine) or not all(
@@ -438,7 +439,7 @@ class Server:
         import json
         import socket
 
-        from controller.cli import served
+        from controller.launch import served
 
         conn = p.conn
         try:

@@ -1,33 +1,44 @@
-"""Runs across several containers (a job of the inventory): launch, state, stop, follow, on torchrun's c10d
-rendezvous.
+"""Starting and stopping runs: on one container (`launch`, `next_name`), or on every node of a job of the
+inventory (`launch_job`, `stop_job`, `next_job_name`), and what a relaunch resumes from (`find_checkpoint`,
+`spread_checkpoint`). What `ctl launch`, `ctl stop`, runbooks and supervise's restarts call.
 
-One run is one row of the registry (its `ct` is the job's name) plus one row per node (that container's log,
-session, state and metrics). ctl's part is what torchrun does not do:
+A run is claimed in the registry before anything touches the container (UNIQUE (ct, name): of two concurrent
+launches exactly one proceeds), checked in one agent round trip (preflight.py), then started in a detached tmux
+session by a launcher that refuses to overwrite the log (noclobber), records the training's process group and
+writes its exit status beside the log when it ends.
 
-- launch: every node is probed in one agent round trip, all in parallel, and that round trip also proves the
-  rendezvous endpoint reachable from inside each container (the first node listens on the rendezvous port,
-  the others connect to its address and read a nonce), so a firewall or a wrong address is refused before
-  anything starts (exit 5, naming node and address). The name is claimed on every node or on none (one
-  transaction), the nodes are started together, and if one fails to start the others are stopped.
-- state: a node that fails (exit status, crash signature, lost) makes the whole run CRASHED, naming the node and
-  what ended it, and the surviving nodes are stopped at once: without that they would wait on a collective until
-  NCCL's timeout. Whoever notices settles it: `ctl runs`, `ctl status`, `ctl supervise`, `ctl tail -f`.
-- stop: every node; follow: the nodes' logs merged in the order their lines were written, `[node]` first.
+A job's launch probes every node in one round trip each, in parallel, and that round trip also proves the
+rendezvous endpoint reachable from inside each container (the first node listens on the rendezvous port, the
+others connect to its address and read a nonce), so a firewall or a wrong address is refused before anything
+starts (exit 5, naming node and address). The name is claimed on every node or on none (one transaction), the
+nodes are started together, and if one fails to start the others are stopped.
 """
 
 from __future__ import annotations
 
-import queue
+import re
 import secrets
-import signal
-import threading
+import shlex
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from controller.commands import runs
+from controller.commands import reconcile
+from controller.commands.envprobe import probe_for_launch, probe_request
 from controller.commands.fanout import Outcome, fanout
+from controller.commands.pins import Manifest, pin
+from controller.commands.preflight import (
+    Check,
+    checked_probe,
+    launcher_script,
+    next_of_series,
+    paths_for,
+    preflight,
+    probe,
+    start_script,
+)
+from controller.commands.reconcile import TEARDOWN_GRACE_S, UNKNOWN_OUTCOME
+from controller.core import series
 from controller.core.redact import redact_rendered, redact_vars
 from controller.errors import BusyError, ConnectionFailed, CtlError, ExitCode, InputError
 from controller.inventory import Container, Inventory, Job
@@ -38,10 +49,100 @@ from controller.remote.client import Agent
 from controller.transport.base import Transport
 from controller.transport.pool import Pool
 
-if TYPE_CHECKING:
-    from controller.commands.deploy import Manifest
 
-TEARDOWN_GRACE_S = 5.0  # a surviving node's trainer gets SIGINT, then this long before SIGTERM
+@dataclass(frozen=True)
+class Launched:
+    """What `launch` started: the run as recorded, its preflight checks, and the training's pid as the launch
+    answered it (None when the pid file was not written within the agent's wait)."""
+
+    run: RunRecord
+    checks: list[Check]
+    pid: int | None
+
+
+def next_name(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> str:
+    """The next of the series (one agent round trip to list the container's logs)."""
+    agent = Agent(t)
+    doc = agent.call("probe", {"series_glob": series.log_glob(inv.model.runs)})
+    return next_of_series(inv, reg, [ct.name], agent.need(checked_probe(agent, doc), "series_logs", list))
+
+
+def launch(
+    inv: Inventory, ct: Container, t: Transport, reg: Registry, name: str | None, *, allow_drift: bool = False,
+    force: bool = False, allow_env_mismatch: bool = False, probe_env: bool = True,
+    extra_env: dict[str, str] | None = None, lineage: dict[str, Any] | None = None,
+) -> Launched:
+    """Claim the name, preflight (one round trip, which also picks the name when none is given), probe the
+    environment against its lock (`probe_env`), start the run in tmux, record it. `extra_env` reaches the
+    training's environment (CTL_RESUME_FROM, CTL_PARENT_RUN from a supervisor's restart); `lineage` is recorded
+    with the claim (parent_id, resumed_from, resumed_step), so a restart is never recorded without its parent."""
+    for key in extra_env or {}:
+        if not re.fullmatch(r"CTL_[A-Z0-9_]+", key):
+            raise InputError(f"{key!r} is not a CTL_* variable name")
+    if name is not None:
+        check_name(name, "run name")
+    job = inv.job_of(ct.name)
+    if job is not None and job.nnodes > 1:
+        raise InputError(f"{ct.name} is node {job.rank(ct.name)} of job {job.name!r}: its start script is rendered "
+                         f"for that job's rendezvous; launch the job (`ctl launch {job.name}`)")
+    manifest = pin(inv, ct)
+    start = start_script(inv, manifest)
+    agent = Agent(t)
+    probed = None
+    # One round trip answers the preflight, the environment probe and (without a name) which name is next.
+    env_req = probe_request(inv, ct, t) if probe_env else None
+    if name is None:
+        probed = probe(inv, ct, t, manifest, None, env=env_req)
+        name = next_of_series(inv, reg, [ct.name], agent.need(probed, "series_logs", list))
+    rp = paths_for(inv, name)
+    rec = reg.claim_run(name, ct.name, host=ct.host_name, session=rp.session, log_path=rp.log, run_dir=rp.run_dir,
+                        **(lineage or {}))
+    try:
+        if probed is None:
+            probed = probe(inv, ct, t, manifest, rp, env=env_req)
+        checks = preflight(inv, ct, t, rp, manifest, allow_drift=allow_drift, force=force, doc=probed)
+        env = probe_for_launch(inv, ct, t, allow_mismatch=allow_env_mismatch,
+                                           reply=probed.get("env_probe")) if probe_env else None
+        run_env = {**(extra_env or {}), "CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
+        script = launcher_script(t, rp, start, run_env)
+        command = shlex.join(["tmux", "new-session", "-d", "-s", rp.session, "bash", "-c", script])
+        record = {
+            "run": name, "ct": ct.name, "host": ct.host_name, "vmid": ct.spec.vmid, "created": rec.created,
+            "commit": manifest.commit, "dirty": manifest.dirty, "files": manifest.hashes(),
+            "vars": redact_vars(manifest.vars),
+            "command": command, "log": rp.log, "run_dir": rp.run_dir, "session": rp.session,
+            "env_fingerprint": (env or {}).get("fingerprint"),
+        }
+    except BaseException:
+        reg.release_run(rec.id)  # nothing was started: the preflight or the environment check refused
+        raise
+    try:
+        doc = agent.call("launch", {"log": rp.log, "session": rp.session, "script": script, "env": run_env,
+                                    "record": record, "follow": list(ct.spec.follow_symlinks)}, check=False)
+    except BaseException as e:
+        # No answer (connection dropped, Ctrl-C, unreadable reply): tmux may have started the run. The claim
+        # stays, in state `starting`; the next command that refreshes this container reconciles it.
+        why = str(e) or type(e).__name__
+        reg.update_run(rec.id, command=command, note=f"{UNKNOWN_OUTCOME}: {why}"[:500])
+        if isinstance(e, CtlError) and e.hint is None:
+            e.hint = (f"run {name} may have started: `ctl runs {ct.name}` asks the container; the name stays "
+                      "claimed")
+        raise
+    if not doc.get("ok"):
+        reg.release_run(rec.id)  # the agent answered that it started nothing (log, record or session taken)
+        raise agent.error(doc)
+    agent.need(doc, "started", (float, int))
+    rec = reg.update_run(
+        rec.id, state=Lifecycle.RUNNING, started=doc.get("started"), command=command, commit_sha=manifest.commit,
+        dirty=manifest.dirty, files=manifest.hashes(), vars=redact_vars(manifest.vars),
+        rendered=redact_rendered(manifest.rendered()),
+        env_fingerprint=(env or {}).get("fingerprint"), env=env,
+    )
+    pid = doc.get("pid")
+    return Launched(rec, checks, pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None)
+
+
+# --- runs across several containers ------------------------------------------------------------------------
 
 
 class RendezvousUnreachable(ConnectionFailed):
@@ -63,14 +164,11 @@ def _first_failure(job: str, outcomes: list[Outcome[Any]], tail: str = "") -> Ct
     return node_error(job, str(failed[0].error), failed[0].exit_code or int(ExitCode.FAILURE), more + tail)
 
 
-# --- launch ----------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
-class Launched:
+class JobLaunched:
     run: RunRecord
     nodes: tuple[RunRecord, ...]
-    checks: dict[str, list[runs.Check]]  # node -> its preflight checks
+    checks: dict[str, list[Check]]  # node -> its preflight checks
     seconds: float
 
 
@@ -86,7 +184,7 @@ def _rdzv_args(job: Job, nonce: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _judge_rendezvous(job: Job, docs: dict[str, dict[str, Any]]) -> dict[str, runs.Check]:
+def _judge_rendezvous(job: Job, docs: dict[str, dict[str, Any]]) -> dict[str, Check]:
     """The rendezvous part of the probes: the endpoint node could listen, every other node got through."""
     if job.nnodes < 2:
         return {}
@@ -101,7 +199,7 @@ def _judge_rendezvous(job: Job, docs: dict[str, dict[str, Any]]) -> dict[str, ru
                             "rdzv_port")
         raise RendezvousUnreachable(f"{job.name}: {first}: cannot listen on the rendezvous port "
                                     f"{job.spec.rdzv_port}: {why}")
-    checks = {first: runs.Check("rendezvous", True, f"listens on port {job.spec.rdzv_port}: "
+    checks = {first: Check("rendezvous", True, f"listens on port {job.spec.rdzv_port}: "
                                                     f"{job.nnodes - 1} node(s) got through")}
     for ct in job.nodes[1:]:
         got = docs[ct.name].get("rdzv") or {}
@@ -112,15 +210,15 @@ def _judge_rendezvous(job: Job, docs: dict[str, dict[str, Any]]) -> dict[str, ru
                 f"rdzv_port) from inside its container: {why}; nothing was started",
                 hint="check the first node's `address:` and the firewall between the nodes; README: Runs across "
                      "several containers")
-        checks[ct.name] = runs.Check("rendezvous", True, f"reaches {endpoint} ({got.get('seconds', 0)}s)")
+        checks[ct.name] = Check("rendezvous", True, f"reaches {endpoint} ({got.get('seconds', 0)}s)")
     return checks
 
 
-def launch(
+def launch_job(
     inv: Inventory, pool: Pool, reg: Registry, job_name: str, name: str | None, *, allow_drift: bool = False,
     force: bool = False, allow_env_mismatch: bool = False, probe_env: bool = True,
     extra_env: dict[str, str] | None = None, lineage: dict[str, Any] | None = None,
-) -> Launched:
+) -> JobLaunched:
     """Probe every node (one round trip each, in parallel, rendezvous reachability included), claim the name on
     all of them, check the environments, start the nodes together; a node that fails to start gets the others
     stopped. Every failure names the node."""
@@ -132,40 +230,37 @@ def launch(
     if name is not None:
         check_name(name, "run name")
     nodes = list(job.nodes)
-    from controller.commands import environment  # a launch's: `ctl status` settles jobs without them
-    from controller.commands.deploy import pin
-
     manifests: dict[str, Manifest] = {ct.name: pin(inv, ct) for ct in nodes}
-    starts = {ct.name: runs.start_script(inv, manifests[ct.name]) for ct in nodes}
-    rp = runs.paths_for(inv, name) if name is not None else None
+    starts = {ct.name: start_script(inv, manifests[ct.name]) for ct in nodes}
+    rp = paths_for(inv, name) if name is not None else None
     rdzv = _rdzv_args(job, secrets.token_hex(16))
 
-    probed = fanout(pool, nodes, lambda ct, t: runs._probe(inv, ct, t, manifests[ct.name], rp, rdzv.get(ct.name)))
+    probed = fanout(pool, nodes, lambda ct, t: probe(inv, ct, t, manifests[ct.name], rp, rdzv.get(ct.name)))
     err = _first_failure(job.name, probed, "; nothing was started or claimed")
     if err is not None:
         raise err
     docs = {o.ct: o.value for o in probed if o.value is not None}
     if name is None:
         logs = [n for d in docs.values() for n in d.get("series_logs", []) if isinstance(n, str)]
-        name = runs._name_after(inv, [job.name, *(ct.name for ct in nodes)], reg, logs)
-        rp = runs.paths_for(inv, name)
+        name = next_of_series(inv, reg, [job.name, *(ct.name for ct in nodes)], logs)
+        rp = paths_for(inv, name)
     assert rp is not None
     run, members = reg.claim_job_run(name, job.name, [(ct.name, ct.host_name) for ct in nodes], session=rp.session,
                                      log_path=rp.log, run_dir=rp.run_dir, **(lineage or {}))
     by_node = {m.ct: m for m in members}
-    checks: dict[str, list[runs.Check]] = {}
+    checks: dict[str, list[Check]] = {}
     envs: dict[str, dict[str, Any] | None] = {}
     try:
         for ct in nodes:
             try:
-                checks[ct.name] = runs.preflight(inv, ct, pool.container(ct), rp, manifests[ct.name],
+                checks[ct.name] = preflight(inv, ct, pool.container(ct), rp, manifests[ct.name],
                                                  allow_drift=allow_drift, force=force, doc=docs[ct.name])
             except CtlError as e:
                 raise node_error(job.name, str(e), int(e.exit_code), "; nothing was started or claimed") from None
         for node_name, check in _judge_rendezvous(job, docs).items():
             checks[node_name].append(check)
         if probe_env:
-            got = fanout(pool, nodes, lambda ct, t: environment.probe_for_launch(inv, ct, t,
+            got = fanout(pool, nodes, lambda ct, t: probe_for_launch(inv, ct, t,
                                                                                    allow_mismatch=allow_env_mismatch))
             err = _first_failure(job.name, got, "; nothing was started or claimed")
             if err is not None:
@@ -178,7 +273,7 @@ def launch(
     def start(ct: Container, t: Transport) -> dict[str, Any]:
         m = by_node[ct.name]
         run_env = {**(extra_env or {}), "CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
-        script = runs.launcher_script(t, rp, starts[ct.name], run_env, times=True)
+        script = launcher_script(t, rp, starts[ct.name], run_env, times=True)
         manifest = manifests[ct.name]
         record = {
             "run": name, "ct": ct.name, "host": ct.host_name, "vmid": ct.spec.vmid, "created": m.created,
@@ -193,7 +288,7 @@ def launch(
             doc = agent.call("launch", {"log": rp.log, "session": rp.session, "script": script, "env": run_env,
                                         "record": record, "follow": list(ct.spec.follow_symlinks)}, check=False)
         except CtlError as e:  # no answer: tmux may have started it; it is stopped with the others below
-            reg.update_run(m.id, command=script, note=f"{runs.UNKNOWN_OUTCOME}: {e}"[:500])
+            reg.update_run(m.id, command=script, note=f"{UNKNOWN_OUTCOME}: {e}"[:500])
             raise
         if not doc.get("ok"):
             raise agent.error(doc)
@@ -215,7 +310,7 @@ def launch(
                          commit_sha=n0.commit, dirty=any(m.dirty for m in manifests.values()),
                          files=n0.hashes(), vars=redact_vars({"job": job.name, "nodes": [c.name for c in nodes],
                                                               "rdzv_endpoint": job.rdzv_endpoint}))
-    return Launched(run, tuple(reg.members(run.id)), checks, time.monotonic() - t0)
+    return JobLaunched(run, tuple(reg.members(run.id)), checks, time.monotonic() - t0)
 
 
 def _undo_start(inv: Inventory, pool: Pool, reg: Registry, job: Job, run: RunRecord, ok: list[str],
@@ -223,10 +318,10 @@ def _undo_start(inv: Inventory, pool: Pool, reg: Registry, job: Job, run: RunRec
     """A node did not start: stop the ones that did (and any whose answer was lost), so none waits for the
     missing one; release the name when nothing started anywhere, else keep the run, failed, with its logs."""
     members = {m.ct: m for m in reg.members(run.id)}
-    unknown = [o.ct for o in failed if runs.UNKNOWN_OUTCOME in (members[o.ct].note or "")]
+    unknown = [o.ct for o in failed if UNKNOWN_OUTCOME in (members[o.ct].note or "")]
     to_stop = [inv.container(c) for c in ok + unknown]
     if to_stop:
-        fanout(pool, to_stop, lambda ct, t: runs.stop(inv, ct, t, reg, reg.run_by_id(members[ct.name].id),
+        fanout(pool, to_stop, lambda ct, t: reconcile.stop(inv, ct, t, reg, reg.run_by_id(members[ct.name].id),
                                                        grace=TEARDOWN_GRACE_S, term_first=True))
     culprit = failed[0]
     why = f"{culprit.ct} did not start: {culprit.error}"
@@ -245,120 +340,7 @@ def _undo_start(inv: Inventory, pool: Pool, reg: Registry, job: Job, run: RunRec
     return node_error(job.name, str(culprit.error), culprit.exit_code or int(ExitCode.FAILURE), tail)
 
 
-# --- state -----------------------------------------------------------------------------------------------
-
-
-_ENDED_BADLY = frozenset({Lifecycle.FAILED, Lifecycle.CRASHED, Lifecycle.LOST})
-
-
-def exit_text(code: int | None) -> str:
-    """137 -> "exit 137 (SIGKILL)"."""
-    if code is None:
-        return "no exit status"
-    if code > 128:
-        try:
-            return f"exit {code} ({signal.Signals(code - 128).name})"
-        except ValueError:
-            pass
-    return f"exit {code}"
-
-
-def culprit(members: list[RunRecord]) -> RunRecord | None:
-    """The node that ended the run: of those that failed, crashed or were lost, the first to end."""
-    bad = [m for m in members if m.state in _ENDED_BADLY]
-    if not bad:
-        return None
-    return min(bad, key=lambda m: (m.ended or float("inf"), m.node_rank or 0))
-
-
-def aggregate(members: list[RunRecord]) -> Lifecycle:
-    """The state of a run across several containers, from its nodes' states."""
-    states = [m.state for m in members]
-    if any(s in _ENDED_BADLY for s in states):
-        return Lifecycle.CRASHED
-    if all(s == Lifecycle.FINISHED for s in states):
-        return Lifecycle.FINISHED
-    if any(s == Lifecycle.STARTING for s in states):
-        return Lifecycle.STARTING
-    if any(s == Lifecycle.RUNNING for s in states):
-        return Lifecycle.RUNNING
-    return Lifecycle.STOPPED  # none live, none failed, not all finished: ctl stop ended (some of) it
-
-
-def _signature(pool: Pool, inv: Inventory, m: RunRecord) -> str:
-    """What ended a node: the crash signature in its log's last lines (OOM, NCCL, traceback ...) and its exit."""
-    from controller.core.metrics import detect_crash
-
-    crash = m.crash
-    if crash is None and m.log_path and m.ct in inv.model.containers:
-        try:
-            t = pool.container(inv.container(m.ct))
-            info = Agent(t).call("tailinfo", {"log": m.log_path, "lines": 60}, check=False, timeout=30)
-            for line in str(info.get("text") or "").splitlines():
-                found = detect_crash(line)
-                if found is not None and (crash is None or crash == "traceback"):
-                    crash = found
-        except CtlError:
-            pass
-    if m.state == Lifecycle.LOST:
-        return crash or "lost (no exit status: the container restarted or the launcher was killed)"
-    return f"{crash}, {exit_text(m.exit_status)}" if crash else exit_text(m.exit_status)
-
-
-def settle(inv: Inventory, reg: Registry, pool: Pool, run: RunRecord, members: list[RunRecord]) -> RunRecord:
-    """Record the run's state from its (just refreshed) nodes. A node that ended badly while others live makes
-    the run CRASHED, naming it and its signature, and stops the survivors now (teardown)."""
-    state = aggregate(members)
-    if state == run.state and not (state == Lifecycle.CRASHED and any(m.state.live for m in members)):
-        return run
-    fields: dict[str, Any] = {"state": state}
-    if state == Lifecycle.CRASHED:
-        bad = culprit(members)
-        assert bad is not None
-        if run.state != Lifecycle.CRASHED or not run.crash:
-            sig = _signature(pool, inv, bad)
-            if bad.crash is None and "exit" not in sig:
-                reg.update_run(bad.id, crash=sig)
-            fields.update(crash=f"{bad.ct}: {sig}", exit_status=bad.exit_status, ended=bad.ended or time.time())
-        why = fields.get("crash") or run.crash
-        survivors = [m.ct for m in members if m.state.live]
-        teardown(inv, pool, reg, members, f"stopped by ctl: {why}")
-        if survivors:
-            fields["note"] = f"{why}; stopped the other node(s): {', '.join(survivors)}"[:500]
-    elif not state.live:
-        ended = [m.ended for m in members if m.ended]
-        fields.update(ended=max(ended) if ended else time.time(),
-                      exit_status=0 if state == Lifecycle.FINISHED else None)
-    elif state == Lifecycle.RUNNING and run.started is None:
-        fields["started"] = min((m.started for m in members if m.started), default=None)
-    return reg.update_run(run.id, **fields)
-
-
-def teardown(inv: Inventory, pool: Pool, reg: Registry, members: list[RunRecord], note: str) -> list[Outcome[Any]]:
-    """After a node ended badly: the surviving nodes' trainers are stopped (SIGTERM first: no step can finish
-    without the dead peer), and what the dead node left behind is ended too (torchrun starts each worker in a
-    session of its own, so a killed torchrun leaves its workers waiting on a collective). In parallel."""
-    todo = [m for m in members if m.ct in inv.model.containers and m.log_path and (
-        m.state.live or m.state in _ENDED_BADLY)]
-    if not todo:
-        return []
-    by_ct = {m.ct: m for m in todo}
-
-    def one(ct: Container, t: Transport) -> Any:
-        m = by_ct[ct.name]
-        if m.state.live:
-            rec = runs.stop(inv, ct, t, reg, m, grace=TEARDOWN_GRACE_S, term_first=True)
-            return reg.update_run(rec.id, note=note[:500])
-        return Agent(t).call("stop", {"log": m.log_path, "session": m.session, "grace": 0, "run": m.name,
-                                      "term_first": True}, timeout=60)
-
-    return fanout(pool, [inv.container(m.ct) for m in todo], one)
-
-
-# --- stop ------------------------------------------------------------------------------------------------
-
-
-def stop(inv: Inventory, pool: Pool, reg: Registry, run: RunRecord, grace: float = 30) -> tuple[RunRecord,
+def stop_job(inv: Inventory, pool: Pool, reg: Registry, run: RunRecord, grace: float = 30) -> tuple[RunRecord,
                                                                                            list[Outcome[Any]]]:
     """SIGINT every live node's training (escalating as `ctl stop` does), in parallel; the run is STOPPED."""
     members = reg.members(run.id)
@@ -370,7 +352,7 @@ def stop(inv: Inventory, pool: Pool, reg: Registry, run: RunRecord, grace: float
         raise InputError(f"run {run.name}: node(s) {', '.join(missing)} are no longer in {inv.path}")
     by_ct = {m.ct: m for m in live}
     outcomes = fanout(pool, [inv.container(m.ct) for m in live],
-                      lambda ct, t: runs.stop(inv, ct, t, reg, by_ct[ct.name], grace=grace))
+                      lambda ct, t: reconcile.stop(inv, ct, t, reg, by_ct[ct.name], grace=grace))
     err = _first_failure(run.ct, outcomes)
     if err is not None:
         raise err
@@ -380,146 +362,17 @@ def stop(inv: Inventory, pool: Pool, reg: Registry, run: RunRecord, grace: float
     return run, outcomes
 
 
-# --- follow ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class FollowEnd:
-    state: Lifecycle
-    crash: str | None
-    exit_status: int | None
-
-    @property
-    def exit_code(self) -> int:
-        if self.crash or self.state in (Lifecycle.CRASHED, Lifecycle.FAILED, Lifecycle.LOST) or (
-                self.exit_status not in (None, 0)):
-            return int(ExitCode.RUN_FAILED)
-        return 0
-
-
-def history(inv: Inventory, pool: Pool, members: list[RunRecord], lines: int) -> tuple[list[tuple[str, str]],
-                                                                                        dict[int, int]]:
-    """The nodes' last `lines` lines, merged in the order they were written (the launcher's LOG.times; a line
-    with no sample keeps its place after the one before it): [(node, line)], and each node's log size then."""
-    def one(ct: Container, t: Transport) -> dict[str, Any]:
-        m = next(x for x in members if x.ct == ct.name)
-        return Agent(t).call("tailinfo", {"log": m.log_path, "lines": max(lines, 0), "times": True}, check=False)
-
-    got = fanout(pool, [inv.container(m.ct) for m in members], one)
-    merged: list[tuple[float, int, int, str, str]] = []
-    sizes: dict[int, int] = {}
-    for m, o in zip(members, got, strict=True):
-        info = o.value or {}
-        if not o.ok or not info.get("ok"):
-            raise InputError(f"{m.ct}: cannot read {m.log_path}: {o.error or info.get('error')}")
-        sizes[m.id] = int(info.get("size") or 0)
-        texts = str(info.get("text") or "").splitlines()
-        raw = info.get("times")
-        times: list[Any] = raw if isinstance(raw, list) else []
-        last = float("-inf")
-        for i, text in enumerate(texts):
-            t = times[i] if i < len(times) and isinstance(times[i], int | float) else None
-            last = max(last, float(t)) if t is not None else last
-            merged.append((last, m.node_rank or 0, i, m.ct, text))
-    merged.sort(key=lambda x: (x[0], x[1], x[2]))
-    return [(node, text) for _t, _r, _i, node, text in merged], sizes
-
-
-def follow(
-    inv: Inventory, pool: Pool, reg: Registry, run: RunRecord, *, lines: int, follow: bool,
-    emit: Callable[[str, str], None], detect: Callable[[str], str | None], node: str | None = None,
-    note: Callable[[str], None] | None = None,
-) -> FollowEnd:
-    """Show the nodes' logs merged (history first, then with `follow` every node's new lines as they come) until
-    the run ends; a node that ends badly makes the run CRASHED and its survivors are stopped (settle)."""
-    members = reg.members(run.id)
-    if node is not None:
-        members = [m for m in members if m.ct == node or str(m.node_rank) == node]
-        if not members:
-            names = ", ".join(f"{m.node_rank}={m.ct}" for m in reg.members(run.id))
-            raise InputError(f"run {run.name} has no node {node!r} (nodes: {names})")
-    missing = [m.ct for m in members if m.ct not in inv.model.containers]
-    if missing:
-        raise InputError(f"run {run.name}: node(s) {', '.join(missing)} are no longer in {inv.path}")
-    crash: str | None = None
-    past, sizes = history(inv, pool, members, lines if lines >= 0 else 1 << 30)
-    for n, text in past:
-        emit(n, text)
-    if not follow:
-        return FollowEnd(run.state, run.crash, run.exit_status)
-    lines_q: queue.Queue[tuple[str, str | None]] = queue.Queue()
-    ends: dict[str, runs.FollowEnd | BaseException] = {}
-    lock = threading.Lock()
-
-    def follow_one(m: RunRecord) -> None:
-        t = pool.container(inv.container(m.ct))
-        try:
-            end = runs.follow(t, reg, m, lines=0, follow=True, emit=lambda text: lines_q.put((m.ct, text)),
-                              detect=detect, note=note, start_offset=sizes.get(m.id, 0))
-            with lock:
-                ends[m.ct] = end
-        except BaseException as e:  # reported below
-            with lock:
-                ends[m.ct] = e
-        finally:
-            lines_q.put((m.ct, None))
-
-    threads = [threading.Thread(target=follow_one, args=(m,), name=f"follow-{m.ct}", daemon=True) for m in members]
-    for th in threads:
-        th.start()
-    open_ = len(threads)
-    settled = False
-    while open_:
-        try:
-            n, got = lines_q.get(timeout=1.0)
-        except queue.Empty:
-            continue
-        if got is None:
-            open_ -= 1
-            with lock:
-                end = ends.get(n)
-            if isinstance(end, runs.FollowEnd) and (end.crash or end.exit_code) and not settled:
-                settled = True  # a node ended badly: settle now, so the survivors' follows end with them
-                run = _settle_now(inv, reg, pool, run)
-            continue
-        found = detect(got)
-        if found is not None and (crash is None or crash.endswith(": traceback")):
-            crash = f"{n}: {found}"
-        emit(n, got)
-    for m in members:
-        e = ends.get(m.ct)
-        if isinstance(e, BaseException):
-            raise e
-    run = _settle_now(inv, reg, pool, run)
-    return FollowEnd(run.state, run.crash or crash, run.exit_status)
-
-
-def _settle_now(inv: Inventory, reg: Registry, pool: Pool, run: RunRecord) -> RunRecord:
-    members = reg.members(run.id)
-    by_ct: dict[str, list[RunRecord]] = {}
-    for m in members:
-        by_ct.setdefault(m.ct, []).append(m)
-    fresh = fanout(pool, [inv.container(c) for c in by_ct],
-                   lambda ct, t: runs.refresh(inv, ct, t, reg, by_ct[ct.name]))
-    members = [r for o in fresh if o.value for r in o.value] or members
-    members.sort(key=lambda m: m.node_rank or 0)
-    return settle(inv, reg, pool, reg.run_by_id(run.id), members)
-
-
-# --- restarts (ctl supervise) ----------------------------------------------------------------------------
-
-
-def next_name(inv: Inventory, pool: Pool, reg: Registry, job_name: str) -> str:
+def next_job_name(inv: Inventory, pool: Pool, reg: Registry, job_name: str) -> str:
     """The next of the series after every run of the job and of its nodes, and every log on every node (one
     agent round trip per node, in parallel)."""
     job = inv.job(job_name)
-    pattern = runs._series_glob(inv)
+    pattern = series.log_glob(inv.model.runs)
     got = fanout(pool, list(job.nodes), lambda ct, t: Agent(t).call("probe", {"series_glob": pattern}))
     err = _first_failure(job.name, got)
     if err is not None:
         raise err
     logs = [n for o in got for n in (o.value or {}).get("series_logs", []) if isinstance(n, str)]
-    return runs._name_after(inv, [job.name, *(c.name for c in job.nodes)], reg, logs)
+    return next_of_series(inv, reg, [job.name, *(c.name for c in job.nodes)], logs)
 
 
 def find_checkpoint(inv: Inventory, pool: Pool, reg: Registry, failed: RunRecord) -> dict[str, Any] | None:

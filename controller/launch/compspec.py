@@ -1,5 +1,6 @@
-"""The command tree `ctl` completes against (cli/complete.py). Generated: do not edit; after changing a
-command, run `python -m controller.cli.complete --write` (tests/test_completion.py checks it)."""
+"""The command tree `ctl` completes against (launch/complete.py). Generated: do not edit; after
+changing a command, run `python -m controller.launch.specgen --write`
+(tests/test_completion.py checks it)."""
 
 from __future__ import annotations
 

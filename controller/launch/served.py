@@ -182,7 +182,7 @@ def installed_command() -> bool:
 
 
 def _verb(argv: list[str]) -> str | None:
-    from controller.cli.main import verb
+    from controller.launch.table import verb
 
     return verb(argv)
 
@@ -390,7 +390,7 @@ def exit_as(code: int) -> None:
 # runs it; the server itself holds no secret): paths, identity, locale and the interpreter's variables.
 SERVER_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TMPDIR", "XDG_RUNTIME_DIR",
                         "TYPER_USE_RICH"})
-BOOT = "import sys; sys.path[:] = sys.argv[4:]; from controller.cli.server import main; main()"
+BOOT = "import sys; sys.path[:] = sys.argv[4:]; from controller.launch.server import main; main()"
 
 
 def server_env(environ: Any) -> dict[str, str]:
