@@ -9,11 +9,17 @@ from typing import Any
 import typer
 
 from controller.cli import complete as _c
-from controller.cli.app import OPTS, _console, _esc, _inv, _out, _outcomes, _registry, app, session
+from controller.cli.app import OPTS, _console, _esc, _inv, _out, _outcomes, _registry, app, examples, session
 from controller.errors import CtlError, ExitCode
 
 
-@app.command("deploy")
+@app.command("deploy", epilog=examples(
+    'ctl deploy ct200 --dry-run     # the plan and the exact command; changes nothing',
+    'ctl deploy ct200               # only changed files travel, verified in place',
+    'ctl deploy ct200 --check       # drift: files changed by hand (exit 8)',
+    'ctl deploy ct200 --rollback    # restore what the last deploy replaced',
+    'ctl deploy pair                # every node of a job, or a group, in parallel',
+))
 def deploy_cmd(
     containers: list[str] = typer.Argument(None, autocompletion=_c.targets,
                                            help="Containers or groups (none: --all, or the inventory's only "
