@@ -1,4 +1,4 @@
-"""The layers of controller/ stay apart (README, "How the code is laid out"), checked on the source's imports.
+"""The layers of controller/ stay apart (docs/concepts/layout.md), checked on the source's imports.
 
 cli renders, commands decide, remote speaks to the agent, transport moves bytes, core is pure; the bottom
 (errors, names, settings, lifecycle, inventory, registry) is usable by all. Arrows point down only.
