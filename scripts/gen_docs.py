@@ -356,12 +356,15 @@ def _nested(tp: Any) -> tuple[str, type] | None:
     return None
 
 
+_TITLES: dict[type, str] = {}  # record -> its key path, the text of a link to its section
+
+
 def _typename(tp: Any, anchors: dict[type, str]) -> str:
     origin = typing.get_origin(tp)
     if tp is Any:
         return "any"
     if dataclasses.is_dataclass(tp):
-        return f"[mapping](#{anchors[tp]})" if tp in anchors else "mapping"
+        return f"[{_TITLES[tp]}](#{anchors[tp]})" if tp in anchors else "mapping"
     if origin is typing.Literal:
         return " \\| ".join(code(str(a)) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
@@ -406,20 +409,19 @@ def inventory_sections() -> list[tuple[str, type]]:
     """(key path, record) of every record the inventory holds, in the order a reader meets them."""
     from controller.inventory import InventoryModel
 
-    seen: set[type] = set()
     out: list[tuple[str, type]] = []
-    todo: list[tuple[str, type]] = [("", InventoryModel)]
-    while todo:
-        path, cls = todo.pop(0)
-        if cls in seen:
-            continue
-        seen.add(cls)
+
+    def visit(path: str, cls: type) -> None:  # depth first: a record's own parts follow it
+        if any(cls is seen for _, seen in out):
+            return
         out.append((path, cls))
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             found = _nested(hints[f.name])
             if found:
-                todo.append(((f"{path}.{f.name}" if path else f.name) + found[0], found[1]))
+                visit((f"{path}.{f.name}" if path else f.name) + found[0], found[1])
+
+    visit("", InventoryModel)
     return out
 
 
@@ -442,6 +444,7 @@ def inventory_page() -> str:
         raise SystemExit("gen_docs: " + "; ".join(problems))
     sections = inventory_sections()
     anchors = {cls: _anchor(path) for path, cls in sections}
+    _TITLES.update({cls: path or "top level" for path, cls in sections})
     out = [INVENTORY_INTRO]
     for path, cls in sections:
         title = path or "Top level"
