@@ -63,6 +63,20 @@ def test_the_references_hold_every_command_option_and_key() -> None:
         assert f"| {key} |" in inventory, key
 
 
+def test_every_help_opens_with_one_sentence_and_the_daily_commands_show_examples() -> None:
+    g = gen_docs()
+    bad = []
+    for path, cmd in g._walk(g.click_command(), ["ctl"]):
+        first = " ".join(re.split(r"\n\s*\n", (cmd.help or "").strip())[0].split())
+        if len(re.findall(r"[.!?](?:\s|$)", first)) != 1 or not first[:1].isupper():
+            bad.append(f"{' '.join(path)}: {first!r}")
+    assert not bad, "a command's help must open with one sentence, then a blank line:\n" + "\n".join(bad)
+    root = g.click_command()
+    for verb in ("deploy", "launch", "tail", "status", "supervise"):
+        lines = [ln for ln in (root.commands[verb].epilog or "").splitlines() if re.match(rf"ctl (--\S+ )*{verb} ", ln)]
+        assert len(lines) >= 3, verb
+
+
 # --- every ctl line parses -----------------------------------------------------------------------------------------
 
 _FENCE = re.compile(r"^(\s*)(```|~~~)(\w*)")
