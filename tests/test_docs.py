@@ -93,7 +93,13 @@ def ctl_lines(text: str) -> list[tuple[int, list[str]]]:
     out: list[tuple[int, list[str]]] = []
     fence: str | None = None
     lang = ""
+    held = ""  # a line continued with a backslash, waiting for its end
     for n, line in enumerate(text.splitlines(), 1):
+        if held or (fence is not None and line.rstrip().endswith("\\")):
+            held += line.rstrip().removesuffix("\\") + " "
+            if line.rstrip().endswith("\\"):
+                continue
+            line, held = held, ""
         m = _FENCE.match(line)
         if m:
             if fence is None:
@@ -194,8 +200,8 @@ def test_a_line_ctl_would_refuse_is_reported(line: str, why: str) -> None:
 
 def test_lines_outside_shell_blocks_and_other_programs_are_not_taken() -> None:
     text = ("ctl nosuch (prose)\n```yaml\nctl: nosuch\n```\n```bash\nbash scripts/test.sh\n"
-            "CTL_PERSIST=0 ctl deploy ct200 | tee log\n```\n")
-    assert ctl_lines(text) == [(7, ["deploy", "ct200"])]
+            "CTL_PERSIST=0 ctl deploy ct200 | tee log\nctl supervise --once \\\n  --interval 1m  # one poll\n```\n")
+    assert ctl_lines(text) == [(7, ["deploy", "ct200"]), (9, ["supervise", "--once", "--interval", "1m"])]
 
 
 # --- the built site's links ---------------------------------------------------------------------------------------
