@@ -12,7 +12,7 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    """Documented exit codes of `ctl` (README, "Exit codes"). Runbooks branch on these."""
+    """Documented exit codes of `ctl` (docs/reference/exit-codes.md). Runbooks branch on these."""
 
     OK = 0
     FAILURE = 1  # an operation failed (a remote command, a verify, one of several containers)

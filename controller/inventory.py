@@ -183,7 +183,7 @@ def _ifname(v: str | None) -> str | None:
 @dataclass(frozen=True)
 class NcclSpec:
     """`nccl:` on a container (or a job, for all its nodes): the variables NCCL and gloo need to pick the
-    right network on a Proxmox node (README: "Runs across several containers")."""
+    right network on a Proxmox node (docs/guides/multinode.md)."""
 
     socket_ifname: str | None = spec(None, check=_ifname)  # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME: eth0, =eth0
     ib_disable: bool | None = None  # NCCL_IB_DISABLE: no InfiniBand/RoCE in the container

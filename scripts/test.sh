@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it: setup, lint and types, then pytest (unit + payload on CPU + the
-# installed-wheel test + integration tests against the local Proxmox test host, which needs root, LXC and sshd).
+# The whole test suite, as CI runs it: setup, lint and types, the docs build (mkdocs --strict), then pytest (unit +
+# payload on CPU + the installed-wheel test + integration tests against the local Proxmox test host, which needs
+# root, LXC and sshd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/use-venv.sh
 source scripts/use-venv.sh   # setup.sh, then PY = .venv's python and .venv/bin first on PATH (it says why)
 "$PY" -m ruff check controller tests remote_payload bench
 "$PY" -m mypy controller
+# The documentation site (mkdocs.yml, docs/): warnings are errors, so a page left out of the nav, a broken link or
+# a missing anchor fails here; tests/test_docs.py checks the generated references and every `ctl` line in it.
+NO_MKDOCS_2_WARNING=1 "$PY" -m mkdocs build --strict --quiet --site-dir site
 # Two workers (pytest-xdist), a test file per worker at a time: most integration tests wait on sshd, LXC and
 # tmux rather than compute, so two cores run two files side by side; each worker brings up its own Proxmox test
 # host (tests/conftest.py gives each its own port range). CTL_TEST_WORKERS=0 runs everything in one process.

@@ -1,4 +1,4 @@
-"""The layers of controller/ stay apart (docs: "How the code is laid out"), checked on the source's imports.
+"""The layers of controller/ stay apart (docs/concepts/layout.md), checked on the source's imports.
 
 launch starts a command line, cli renders, commands decide, remote speaks to the agent, transport moves bytes,
 core is pure; the bottom (errors, names, settings, lifecycle, inventory, registry, lookup, ...) is usable by all.

@@ -86,6 +86,12 @@ def _global(
 # --- helpers -------------------------------------------------------------------------------------
 
 
+def examples(*lines: str) -> str:
+    """A command's epilog: example command lines under `--help`, kept as typed (click's \\b paragraph), which
+    scripts/gen_docs.py copies into the command reference and tests/test_docs.py parses like any docs line."""
+    return "Examples:\n\n\b\n" + "\n".join(lines)
+
+
 def _inv() -> Inventory:
     from controller import inventory
 

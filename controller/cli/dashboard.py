@@ -28,9 +28,10 @@ def dashboard_cmd(
     log_lines: int = typer.Option(30, "--log-lines", help="Last lines of each run's log to show (0-5000; read "
                                                           "from at most the log's last MiB)."),
 ) -> None:
-    """A local web page of the live runs: step, loss, tok/s against the baseline, ETA, verdict, trend, the last
-    log lines and the events, updated live. Prints its URL once (with a token that every request needs);
-    Ctrl-C stops it. Read-only."""
+    """Serve a local web page of the live runs, updated as they train.
+
+    Step, loss, tok/s against the baseline, ETA, verdict, trend, the last log lines and the events. Prints its
+    URL once (with a token that every request needs); Ctrl-C stops it. Read-only."""
     from controller.commands.dashboard import Board, Settings
     from controller.web.server import Dashboard
 

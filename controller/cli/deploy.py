@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 
+from controller.cli import names as _c
 from controller.cli.app import (
     ONLY_BY_DEFAULT,
     OPTS,
@@ -19,13 +20,20 @@ from controller.cli.app import (
     _registry,
     all_option,
     app,
+    examples,
     session,
     targets_argument,
 )
 from controller.errors import CtlError, ExitCode
 
 
-@app.command("deploy")
+@app.command("deploy", epilog=examples(
+    'ctl deploy ct200 --dry-run     # the plan and the exact command; changes nothing',
+    'ctl deploy ct200               # only changed files travel, verified in place',
+    'ctl deploy ct200 --check       # drift: files changed by hand (exit 8)',
+    'ctl deploy ct200 --rollback    # restore what the last deploy replaced',
+    'ctl deploy pair                # every node of a job, or a group, in parallel',
+))
 def deploy_cmd(
     containers: list[str] = targets_argument(ONLY_BY_DEFAULT),
     all_: bool = all_option("Every container of the inventory (listed first)."),

@@ -53,8 +53,10 @@ def inventory_cmd(ctx: typer.Context) -> None:
 
 @app.command("ping")
 def ping_cmd(containers: list[str] = targets_argument()) -> None:
-    """ctl's agent in each container, reached as every command reaches it: its first answer (the connection, and
-    pct exec unless the host session keeps a staying agent there) and the best round trip of a request."""
+    """Reach ctl's agent in each container as every command does, and time it.
+
+    Its first answer (the connection, and pct exec unless the host session keeps a staying agent there) and the
+    best round trip of a request."""
     from controller.commands.fanout import ping, worst
 
     inv = _inv()

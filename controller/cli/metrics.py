@@ -26,7 +26,7 @@ app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
 _console, _inv, _out, _registry, _warn, session = _cli._console, _cli._inv, _cli._out, _cli._registry, _cli._warn, \
     _cli.session
-_esc, _table = _cli._esc, _cli._table
+_esc, _table, examples = _cli._esc, _cli._table, _cli.examples
 
 metrics_app = typer.Typer(help="Pull a run's metrics (only new log bytes travel) and export them.",
                           no_args_is_help=True)
@@ -183,6 +183,7 @@ def mark_good_cmd(
                                                       "(recorded in the run's note)."),
 ) -> None:
     """Mark a run as known-good: the baseline of later runs (an inventory `baseline:` takes precedence).
+
     Only a run that finished with exit 0, or a live run judged OK against its own baseline, unless --force."""
     from controller.commands import monitor
 
@@ -226,16 +227,21 @@ def _render_status(sts: list[Any]) -> None:
            markup=frozenset({8}))  # every cell but the verdict (ctl's own markup) escaped: names and reasons are text
 
 
-@app.command("status")
+@app.command("status", epilog=examples(
+    'ctl status                     # every live run, judged against its baseline',
+    'ctl status ct200 --slow-ratio 0.9',
+    "ctl --json status pair         # a job's run, judged whole",
+))
 def status_cmd(
     containers: list[str] = targets_argument(),
     slow_ratio: float = typer.Option(0.8, "--slow-ratio", help="SLOW below this fraction of the baseline's tok/s."),
     stall_after: str = typer.Option("10m", "--stall-after", help="STALLED when the log is quiet this long."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=_CHECKPOINTS_HELP),
 ) -> None:
-    """Live runs (else each container's latest run): pull new metrics, show step, loss, tok/s, ETA, trend
-    and the verdict against the baseline. Exit code: the worst verdict's (21 SLOW, 22 STALLED, 5 UNREACHABLE,
-    20 CRASHED)."""
+    """Show the live runs (else each container's latest run), judged against their baseline.
+
+    Pulls new metrics and shows step, loss, tok/s, ETA, trend and the verdict. Exit code: the worst verdict's
+    (21 SLOW, 22 STALLED, 5 UNREACHABLE, 20 CRASHED)."""
     from controller.commands import monitor
     from controller.core.metrics import exit_code_for
 
@@ -335,7 +341,7 @@ def plot_cmd(
     title: str | None = typer.Option(None, "--title"),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing image."),
 ) -> None:
-    """tok/s and loss by step of several runs, with the baseline of the last one as a dashed line."""
+    """Plot tok/s and loss by step of several runs, with the baseline of the last one as a dashed line."""
     from controller.commands import monitor
     from controller.core import plot
 

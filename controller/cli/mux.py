@@ -25,9 +25,11 @@ app.add_typer(mux_app, name="mux")
 
 @mux_app.command("status")
 def status_cmd() -> None:
-    """List this user's sessions: host, address, pid, idle timeout, age, whether it answers, and the agents it
-    keeps in containers (requests they answered); then the command server. With --json: {"sessions": [...],
-    "servers": [...], "servers_failed": [...]}."""
+    """List this user's persistent host sessions, then the command server.
+
+    Host, address, pid, idle timeout, age, whether it answers, and the agents it keeps in containers (requests
+    they answered); then the command server. With --json: {"sessions": [...], "servers": [...],
+    "servers_failed": [...]}."""
     from controller.commands import sessions
     from controller.launch import served
 

@@ -83,7 +83,9 @@ def run_cmd(
     var: list[str] = typer.Option(None, "--var", help=_VAR_HELP),
 ) -> None:
     """Run the runbook's steps in order, one line per step; stop at the first unhandled failure with its exit
-    code. The run is recorded in the registry (`ctl runbook history`)."""
+    code.
+
+    The run is recorded in the registry (`ctl runbook history`)."""
     from controller.commands import runbook
 
     book, variables = _load(file, var)

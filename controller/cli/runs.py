@@ -23,12 +23,17 @@ from controller.cli.app import (
     _table,
     _warn,
     app,
+    examples,
     session,
 )
 from controller.errors import CtlError, ExitCode, InputError
 
 
-@app.command("launch")
+@app.command("launch", epilog=examples(
+    'ctl launch ct200 -f            # the next run of the series, followed to its end',
+    'ctl launch ct200 --run fresh7  # a name of your own',
+    'ctl launch pair -f             # a job: every node, or none',
+))
 def launch_cmd(
     container: str = typer.Argument(..., autocompletion=_c.containers, help="The container to run in."),
     run: str | None = typer.Option(None, "--run", help="Run name (default: next of the inventory's series)."),
@@ -38,8 +43,9 @@ def launch_cmd(
     allow_env_mismatch: bool = typer.Option(
         False, "--allow-env-mismatch", help="Launch although the environment differs from its lock."),
 ) -> None:
-    """Preflight, then start the run in a detached tmux session with its own, never-reused log. A job of the
-    inventory starts on all its nodes (torchrun's c10d rendezvous), or on none."""
+    """Preflight, then start the run in a detached tmux session with its own, never-reused log.
+
+    A job of the inventory starts on all its nodes (torchrun's c10d rendezvous), or on none."""
     from controller.commands import launcher
 
     reg = _registry()
@@ -148,7 +154,11 @@ def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool, *, launched_pi
     return end.exit_code
 
 
-@app.command("tail")
+@app.command("tail", epilog=examples(
+    "ctl tail ct200                 # the last lines of the container's latest run",
+    'ctl tail fresh7 -f             # follow to its exit status or crash signature',
+    'ctl tail fresh7 -f --node ct300  # one node of a run across several containers',
+))
 def tail_cmd(
     container: str = typer.Argument(..., autocompletion=_c.container_or_run,
                                     help="Container or job (its latest run), or a run as CT/NAME or NAME."),
@@ -159,8 +169,10 @@ def tail_cmd(
     node: str | None = typer.Option(None, "--node", help="A run across several containers: only this node "
                                                          "(its container or its index in the job)."),
 ) -> None:
-    """Show the run's log; with -f follow it until the run ends (exit status) or crashes (non-zero). A run
-    across several containers: the nodes' logs merged in the order they were written, each line after [node]."""
+    """Show the run's log; with -f follow it until the run ends (exit status) or crashes (non-zero).
+
+    A run across several containers: the nodes' logs merged in the order they were written, each line after
+    [node]."""
     inv = _inv()
     reg = _registry()
     rec = None
@@ -323,8 +335,9 @@ def attach_cmd(
     node: str | None = typer.Option(None, "--node", help="A run across several containers: the node to attach "
                                                          "to (its container or its index; default: node 0)."),
 ) -> None:
-    """Attach to the run's tmux session interactively (ssh -t + pct exec; detach with C-b d). A run that has
-    ended has no session left: ctl says how it ended and points to `ctl tail`."""
+    """Attach to the run's tmux session interactively (ssh -t + pct exec; detach with C-b d).
+
+    A run that has ended has no session left: ctl says how it ended and points to `ctl tail`."""
     from controller.commands import reconcile
 
     inv = _inv()

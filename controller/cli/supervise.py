@@ -15,11 +15,27 @@ import typer
 
 from controller import settings as ctl_settings
 from controller.cli import names as _c
-from controller.cli.app import OPTS, _console, _inv, _out, _registry, _seconds, app, session, targets_argument
+from controller.cli.app import (
+    OPTS,
+    _console,
+    _inv,
+    _out,
+    _registry,
+    _seconds,
+    app,
+    examples,
+    session,
+    targets_argument,
+)
 from controller.errors import InputError
 
 
-@app.command("supervise")
+@app.command("supervise", epilog=examples(
+    'ctl supervise --restart on-failure:3 --notify https://ops.example/hooks/ctl',
+    "ctl supervise pair --interval 1m  # only this job's runs",
+    'ctl supervise --once           # one poll, then exit (cron)',
+    'ctl supervise --restart on-failure:3 --unit > ~/.config/systemd/user/ctl-supervise.service',
+))
 def supervise_cmd(
     targets: list[str] = targets_argument("Containers or groups to watch (default: all)."),
     interval: str | None = typer.Option(None, "--interval", help="Between polls (default: runs.supervise.interval, "
@@ -36,9 +52,10 @@ def supervise_cmd(
     unit: bool = typer.Option(False, "--unit", help="Print a systemd user unit that runs this command; change "
                                                     "nothing."),
 ) -> None:
-    """Watch every live run: verdict changes become events (`ctl events`) sent to the sinks; with a restart
-    policy a CRASHED or STALLED run is relaunched as the next of its series from its last complete checkpoint.
-    Ctrl-C stops the supervisor; the runs keep training."""
+    """Watch every live run: verdict changes become events (`ctl events`) sent to the sinks.
+
+    With a restart policy a CRASHED or STALLED run is relaunched as the next of its series from its last
+    complete checkpoint. Ctrl-C stops the supervisor; the runs keep training."""
     if unit:
         _print_unit()
         return

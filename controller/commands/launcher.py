@@ -208,8 +208,8 @@ def _judge_rendezvous(job: Job, docs: dict[str, dict[str, Any]]) -> dict[str, Ch
             raise RendezvousUnreachable(
                 f"{job.name}: {ct.name} cannot reach the rendezvous endpoint {endpoint} ({first}'s address and "
                 f"rdzv_port) from inside its container: {why}; nothing was started",
-                hint="check the first node's `address:` and the firewall between the nodes; README: Runs across "
-                     "several containers")
+                hint="check the first node's `address:` and the firewall between the nodes; the ports to open: "
+                     "docs/guides/multinode.md")
         checks[ct.name] = Check("rendezvous", True, f"reaches {endpoint} ({got.get('seconds', 0)}s)")
     return checks
 

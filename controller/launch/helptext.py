@@ -20,13 +20,13 @@ TEXT = (
     '  --help                 Show this message and exit.\n'
     '\n'
     'Commands:\n'
-    '  dashboard  A local web page of the live runs: step, loss, tok/s against...\n'
+    '  dashboard  Serve a local web page of the live runs, updated as they train.\n'
     '  deploy     Pin the payload, push only what changed, verify it inside...\n'
-    "  ping       ctl's agent in each container, reached as every command...\n"
+    "  ping       Reach ctl's agent in each container as every command does,...\n"
     '  mark-good  Mark a run as known-good: the baseline of later runs (an...\n'
-    "  status     Live runs (else each container's latest run): pull new...\n"
+    "  status     Show the live runs (else each container's latest run),...\n"
     '  watch      Pull every few seconds until --until-step or --for is...\n'
-    '  plot       tok/s and loss by step of several runs, with the baseline of...\n'
+    '  plot       Plot tok/s and loss by step of several runs, with the...\n'
     '  launch     Preflight, then start the run in a detached tmux session...\n'
     "  tail       Show the run's log; with -f follow it until the run ends...\n"
     '  runs       List runs from the registry (live ones are refreshed from...\n'
