@@ -8,7 +8,6 @@ from typing import Any
 
 import typer
 
-from controller.cli import names as _c
 from controller.cli.app import (
     ONLY_BY_DEFAULT,
     OPTS,
