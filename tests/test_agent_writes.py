@@ -1,4 +1,4 @@
-"""Writes of ctl's agent (controller/remote/agent.py) on the `local` target: destinations are walked without
+"""Writes of ctl's agent (controller/farside/agent/) on the `local` target: destinations are walked without
 following symlinks, the commit phase either puts every old file back or names what stays replaced (and
 `ctl deploy --rollback` restores it), no temporary file remains, and store copies keep the file's mode."""
 
@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from controller import farside
 from controller.commands import deploy as deploy_mod
 from controller.errors import InputError
 from controller.inventory import load
 from controller.registry import Registry
-from controller.remote import agent as agent_mod
 from controller.transport.pool import Pool
+
+agent_mod = farside.load("agent")
 
 
 def sha(b: bytes) -> str:

@@ -5,7 +5,7 @@ size and mode, plus the git commit and dirty flag of the sources. Plan: one agen
 container for the hashes of every destination; only changed files travel. Apply: one agent call
 receives a tar of the changed files over the exec's stdin, writes each beside its destination,
 verifies it, keeps old and new versions in the container's content-addressed store, and only then
-renames them into place (see controller/remote/agent.py). Plan and apply are one `sync` conversation over
+renames them into place (see controller/farside/agent/). Plan and apply are one `sync` conversation over
 one exec, whatever the file count; with a staying agent (a warm host session) they are one request, and a
 second one only when something changed (a transfer over 1 MiB keeps its exec, with its progress bar).
 """

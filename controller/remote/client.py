@@ -1,4 +1,4 @@
-"""The one client of ctl's agent (controller/remote/agent.py) and of the environment probe (probe_env.py).
+"""The one client of ctl's agent (controller/farside/agent/) and of the environment probe (probe_env.py).
 
 `Agent(t)` speaks to the agent in one container over one exec per verb: it builds the argv (the agent's
 source travels on stdin, so nothing is installed in the container), adds the container's root (`/`, or
@@ -33,10 +33,10 @@ from controller.errors import (
     RemoteCommandError,
     VerifyError,
 )
-from controller.remote import boot, source
+from controller.farside import boot, source
 from controller.transport.base import AgentStart, Duplex, Result, Submitted, Transport
 
-BOOT = boot("agent")  # controller/remote/__init__.py says what it does
+BOOT = boot("agent")  # controller/farside/__init__.py says what it does
 T = TypeVar("T")
 
 #: The agent's refusal codes and what ctl raises for each: (exception, text put before the agent's message).
@@ -71,7 +71,7 @@ class AgentReplyError(CtlError):
 
 
 def agent_source() -> bytes:
-    return source("agent.py")
+    return source("agent")
 
 
 @functools.cache
@@ -164,7 +164,7 @@ class Agent:
     def exec(self, verb: str, argv: list[str], stdin: bytes, timeout: float | None, *,
              reads_only: bool | None = None, limit: int = MAX_REPLY) -> Result:
         """One request, answered by the container's staying agent when its transport keeps one (see
-        controller/remote/hostrelay.py), else by an agent of its own exec: the same Result either way.
+        controller/farside/relay/), else by an agent of its own exec: the same Result either way.
         `reads_only` (default: the verb is in READ_ONLY) lets the relay send it again to a new agent. A reply
         past `limit` bytes is stopped as it arrives and refused in one line: a container never makes ctl hold
         more than that."""
@@ -327,7 +327,7 @@ class Agent:
         """One exec: `python3 - [--venv V] [--cache-dir C]` with the probe on stdin; its JSON document."""
         try:
             res = self.t.run(["python3", "-", *self.env_probe_args(venv=venv, cache_dir=cache_dir)],
-                             stdin=source("probe_env.py"), timeout=120, max_output=MAX_REPLY)
+                             stdin=source("probe_env"), timeout=120, max_output=MAX_REPLY)
         except OutputTooLarge:
             raise self.too_large("env probe", MAX_REPLY) from None
         return self.env_doc(res.stdout, res.returncode, res.err)
@@ -335,7 +335,7 @@ class Agent:
     def env_probe_request(self, *, venv: str | None, cache_dir: str | None) -> tuple[dict[str, Any], bytes]:
         """The `env_probe` argument and payload of the agent's `probe`: the environment probe rides in that round
         trip (the probe's source follows the agent's on stdin) instead of an exec of its own."""
-        src = source("probe_env.py")
+        src = source("probe_env")
         return {"argv": self.env_probe_args(venv=venv, cache_dir=cache_dir), "n": len(src), "timeout": 110}, src
 
     def env_from_probe(self, reply: Any) -> dict[str, Any]:

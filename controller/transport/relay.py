@@ -2,7 +2,7 @@
 
 Each exec channel costs the host a login shell (and its ~/.bashrc) before `pct` even starts; ten
 containers on a host would pay it ten times. `HostRelay` opens one exec per host running
-controller/remote/hostrelay.py (stdlib Python, sent over the exec's stdin) and asks it to start, for each
+controller/farside/relay/ (stdlib Python, sent over the exec's stdin) and asks it to start, for each
 container, the very argv a direct exec would have run (`pct exec VMID -- ...`), with no shell. The
 containers' stdin/stdout/stderr and exit statuses are multiplexed as frames over that one channel,
 so `_RelayDuplex` behaves like a direct exec's duplex: pct's refusals, the agent's answers, exit
@@ -41,13 +41,13 @@ from controller.errors import (
     RelayExited,
     RemoteCommandError,
 )
-from controller.remote import boot, source
+from controller.farside import boot, source
 from controller.transport.base import AgentStart, Answered, Duplex, Result, Transport, limit, too_large
 from controller.transport.ssh import SshEndpoint
 
-HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/remote/hostrelay.py)
+HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/farside/relay/)
 MAX_SID = 0xFFFF  # stream ids are 1..MAX_SID (0 is the hello's)
-BOOT = boot("relay")  # its compiled code is kept on the host (controller/remote/__init__.py)
+BOOT = boot("relay")  # its compiled code is kept on the host (controller/farside/__init__.py)
 # The host's own python3 first: a PATH python3 may be a shim or a venv of the login shell's rc files.
 _START = 'p=/usr/bin/python3; [ -x "$p" ] || p=python3; exec "$p" -I -S -c "$0" "$@"'
 _CHUNK = 1 << 16
@@ -108,7 +108,7 @@ def argv_json(argv: Sequence[str]) -> str:
 
 
 def relay_source() -> bytes:
-    return source("hostrelay.py")
+    return source("relay")
 
 
 def relay_argv() -> list[str]:

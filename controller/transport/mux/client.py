@@ -32,6 +32,7 @@ from typing import Any
 
 from controller import settings
 from controller.errors import ConnectionDropped, ConnectionFailed, CtlError, DeadlineExceeded
+from controller.farside.common import _pid_alive as _alive  # the agent's own test of a pid (zombies are gone)
 from controller.transport.base import AgentStart
 from controller.transport.mux import spare
 from controller.transport.mux.sock import (
@@ -112,20 +113,6 @@ class _SockChan:
 
     def recv_exit_status(self) -> int:
         return -1
-
-
-def _alive(pid: int) -> bool:
-    """pid runs (a zombie, our child that exited, counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 class MuxRelay(HostRelay):
