@@ -19,6 +19,7 @@ from controller.commands import deploy as deploy_mod
 from controller.errors import InputError
 from controller.inventory import load
 from controller.registry import Registry
+from controller.remote.client import ApplyReply
 from controller.transport.pool import Pool
 
 agent_mod = farside.load("agent")
@@ -186,7 +187,7 @@ def test_when_the_undo_fails_too_ctl_names_what_stays_replaced_and_rollback_rest
     assert (root / "root/app/b.txt").read_bytes() == v1["b.txt"]
     assert (root / "root/app/c.txt").read_bytes() == v1["c.txt"]
     assert leftovers(root) == []
-    assert "PARTIAL: /root/app/a.txt stay replaced" in deploy_mod._failure_suffix(doc, "d4")
+    assert "PARTIAL: /root/app/a.txt stay replaced" in deploy_mod._failure_suffix(ApplyReply.of(doc), "d4")
     record = json.loads((root / "var/lib/ctl/deploys/d4.json").read_text())
     assert record["partial"] and [f["dest"] for f in record["files"]] == ["/root/app/a.txt"]
     monkeypatch.setattr(agent_mod.os, "replace", real)
