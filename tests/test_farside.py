@@ -143,3 +143,16 @@ def test_the_loaded_program_is_the_joined_source() -> None:
     assert agent.keep_compiled.__code__.co_filename == "ctl-agent"
     assert agent.__name__ != "__main__" and "serve" in vars(agent) and "_store_dirs" in vars(agent)
     assert farside.load("relay").keep_compiled.__code__ is not agent.keep_compiled.__code__
+
+
+def test_ctl_names_the_relays_frame_kinds_by_its_letters() -> None:
+    """transport/wire.py's Kind spells each frame kind as the relay does (the relay, stdlib and alone, keeps its
+    letters): every letter the relay sends or reads has its name on ctl's side, and no name is a letter it lacks.
+    R is the relay's own frame to a staying agent; STOP, ENDED and NOTHING are the session socket's."""
+    from controller.transport.wire import Kind
+
+    letters = {n.value for n in ast.walk(ast.parse(farside.source("relay"))) if isinstance(n, ast.Constant)
+               and isinstance(n.value, bytes) and len(n.value) == 1 and n.value.isupper()}
+    ours = {v for k, v in vars(Kind).items() if k.isupper()}
+    assert len(ours) == len([k for k in vars(Kind) if k.isupper()]), "two kinds share a letter"
+    assert letters - {b"R"} == ours - {Kind.STOP, Kind.ENDED, Kind.NOTHING}

@@ -27,15 +27,29 @@ from .fs import (
 )
 
 
-def _store_dirs(root, store):
-    """(objects, deploys) directory descriptors of the store, made 0700 (versions of 0600 files live there)."""
-    fd = _opendir(root, _container_path(root, store), (), [], 0o700)
+def _store_dirs(root, store, create=True):
+    """(objects, deploys) directory descriptors of the store. To keep versions in (create): made where missing,
+    and 0700 (versions of 0600 files live there). To read or prune (not create): None for a store that is not
+    there yet, None for either directory that is not."""
+    try:
+        fd = _opendir(root, _container_path(root, store), (), [] if create else None, 0o700)
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
     out = []
     try:
-        os.fchmod(fd, 0o700)
+        if create:
+            os.fchmod(fd, 0o700)
         for sub in ("objects", "deploys"):
-            out.append(_opendir_at(fd, sub))
-            os.fchmod(out[-1], 0o700)
+            if create:
+                out.append(_opendir_at(fd, sub))
+                os.fchmod(out[-1], 0o700)
+                continue
+            try:
+                out.append(os.open(sub, _DIRFLAGS | _NOFOLLOW, dir_fd=fd))
+            except FileNotFoundError:
+                out.append(None)
         return out
     except BaseException:
         _close_all(out)  # a staying agent (serve) would keep them request after request
@@ -282,31 +296,9 @@ def sync(root, store, deploy_id, stream):
 _HEX = frozenset("0123456789abcdef")
 
 
-def _store_open(args):
-    """(objects, deploys) descriptors of an existing store, or None when there is none yet."""
-    root = args["root"]
-    try:
-        fd = _opendir(root, _container_path(root, args["store"]))
-    except FileNotFoundError:
-        return None
-    out = []
-    try:
-        for sub in ("objects", "deploys"):
-            try:
-                out.append(os.open(sub, _DIRFLAGS | _NOFOLLOW, dir_fd=fd))
-            except FileNotFoundError:
-                out.append(None)
-        return out
-    except BaseException:
-        _close_all(out)  # a staying agent (serve) would keep them request after request
-        raise
-    finally:
-        os.close(fd)
-
-
 def storelist(args):
     """Every object of the store (bytes, mode, mtime; stray temporary copies apart) and every deploy record."""
-    fds = _store_open(args)
+    fds = _store_dirs(args["root"], args["store"], create=False)
     out = {"ok": True, "now": time.time(), "objects": {}, "temps": {}, "deploys": []}
     if fds is None:
         return out
@@ -343,7 +335,7 @@ def storelist(args):
 
 def storeprune(args):
     """Delete the named objects (and stray temporary copies) of the store; the controller decides which."""
-    fds = _store_open(args)
+    fds = _store_dirs(args["root"], args["store"], create=False)
     if fds is None or fds[0] is None:
         return {"ok": True, "deleted": [], "bytes": 0}
     ofd, dfd = fds

@@ -26,6 +26,7 @@ onto its one relay channel.
                       D (stream 0) the session ended, then it closes the socket: JSON {"kind", "why"}, kind
                         one of ENDS (ConnectionDropped, RelayExited, SessionEnded)
 The spawn handshake (daemon's stdout, one JSON line) reports errors the same way: {"error", "hint", "type"}.
+Each kind's name in ctl's code: transport/wire.py (Kind).
 """
 
 from __future__ import annotations
