@@ -59,7 +59,7 @@ POSITIONAL = frozenset({"hashes", "sync", "apply"})
 READ_ONLY = frozenset({"hello", "hashes", "probe", "runstate", "tailinfo", "logread", "poll", "storelist", "cachestat",
                        "envfacts", "ckptscan"})
 #: Requests with more input than this (an apply's tar, a checkpoint) run as their own exec: a staying agent
-#: takes its whole input before it starts (the relay's own limit is larger: hostrelay.RESIDENT_MAX_INPUT).
+#: takes its whole input before it starts (the relay's own is larger: farside/relay/agents.py RESIDENT_MAX_INPUT).
 STAYING_MAX_INPUT = 1 << 20
 VERB_AT = 6  # agent_argv(): python3 -I -S -c BOOT N VERB ...
 

@@ -546,9 +546,10 @@ class HostRelay:
 
     def _source_went(self, agent: AgentStart | None) -> None:
         """A request with the agent's source has gone out: the requests after it leave the source out. The relay
-        keeps a source as soon as the request that carries it is all in (hostrelay.py: AgentRequest.close_stdin),
-        before it reads the frames behind it, so a command's first requests in flight together need it only
-        once; were it lost on the way (that request cut short), the next ones are told U and send it again."""
+        keeps a source as soon as the request that carries it is all in (farside/relay/agents.py:
+        AgentRequest.close_stdin), before it reads the frames behind it, so a command's first requests in flight
+        together need it only once; were it lost on the way (that request cut short), the next ones are told U and
+        send it again."""
         if agent is not None and agent.sha and agent.n:
             with self._cond:
                 self.sources_sent.add(agent.sha)
