@@ -50,7 +50,7 @@ def _kind(cmd: bytes) -> str:
         return "session"
     if program in (b"sshd", b"sshd:"):
         return "sshd"
-    if b"/relay-%s" in cmd:  # ctl's BOOT of the relay (controller/remote/__init__.py)
+    if b"/relay-%s" in cmd:  # ctl's BOOT of the relay (controller/farside/__init__.py)
         return "relay"
     if b"/agent-%s" in cmd:
         return "agent"

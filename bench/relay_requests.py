@@ -1,4 +1,4 @@
-"""What one agent request costs ctl's host relay (controller/remote/hostrelay.py): its CPU, and its threads'
+"""What one agent request costs ctl's host relay (controller/farside/relay/): its CPU, and its threads'
 context switches, per request, with the real agent answering `hello` from staying agents, as on a host.
 
     python3 bench/relay_requests.py [--containers 20] [--rounds 300] [--repeat 3] [--against DIR]
@@ -33,17 +33,24 @@ from controller.transport.relay import HEADER, frames  # noqa: E402
 
 
 def _read(tree: Path, name: str) -> bytes:
-    return (tree / "controller" / "remote" / name).read_bytes()
+    """The source `tree` ships of a program (`agent`, `relay`): as its far-side loader joins it, or the one file of
+    a tree from before the far side was written in parts."""
+    single = tree / "controller" / "remote" / {"agent": "agent.py", "relay": "hostrelay.py"}[name]
+    if single.exists():
+        return single.read_bytes()
+    code = f"import sys;sys.path.insert(0, {str(tree)!r});from controller import farside;" \
+           f"sys.stdout.buffer.write(farside.source({name!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout
 
 
 class Relay:
     """One relay process of `tree`'s source, its answers collected per stream id."""
 
     def __init__(self, tree: Path, code_dir: str) -> None:
-        self.src = _read(tree, "agent.py")
+        self.src = _read(tree, "agent")
         self.sha = hashlib.sha256(self.src).hexdigest()
         python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
-        self.p = subprocess.Popen([python, "-I", "-S", "-c", _read(tree, "hostrelay.py").decode()],
+        self.p = subprocess.Popen([python, "-I", "-S", "-c", _read(tree, "relay").decode()],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                                   env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CTL_AGENT_CODE_DIR": code_dir})
         self.cond = threading.Condition()

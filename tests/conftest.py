@@ -140,10 +140,10 @@ def pvehost() -> Iterator[PveHost]:
 
 # --------------------------------------------------------------------------------------------
 # Fake venvs with real dist-info (python -m venv --without-pip, metadata written as an installer would),
-# and controller/remote/probe_env.py run against them
+# and controller/farside/probe_env.py run against them
 
 
-PROBE = REPO / "controller" / "remote" / "probe_env.py"
+PROBE = REPO / "controller" / "farside" / "probe_env.py"
 
 
 def site_packages(venv: Path) -> Path:

@@ -1,4 +1,4 @@
-"""The agent's own glob for checkpoint scans (controller/remote/agent.py, _glob and _wild): the same paths as
+"""The agent's own glob for checkpoint scans (controller/farside/agent/, _glob and _wild): the same paths as
 glob.glob(recursive=True) on a real directory tree, hidden names, symlinks and names with wildcard characters in
 them included; patterns it does not handle go to glob itself."""
 
@@ -15,7 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.remote import agent as agent_mod
+from controller import farside
+
+agent_mod = farside.load("agent")
 
 FILES = ["checkpoints/a.pt", "checkpoints/b.pth", "checkpoints/.x.pt", "checkpoints/star*.pt", "checkpoints/q?.pt",
          "checkpoints/weird\nname.pt", "checkpoints/step_1/model.pt", "checkpoints/step_1/opt.pt",
@@ -96,7 +98,8 @@ def test_a_status_poll_imports_neither_glob_nor_hashlib(base: str, tmp_path: Pat
         known[os.path.relpath(p, base)] = [st_.st_size, st_.st_mtime_ns, "0" * 64]
     args = {"root": "/", "log": str(log), "offset": 0, "ident": "1:2:3", "known": known,
             "checkpoints": {"dir": base, "glob": "checkpoints/**/*.pt"}}
-    code = (f"import sys; sys.argv = ['agent']; sys.path.insert(0, {str(Path(agent_mod.__file__).parent)!r});"
+    (tmp_path / "agent.py").write_bytes(farside.source("agent"))  # the agent as it ships, importable there
+    code = (f"import sys; sys.argv = ['agent']; sys.path.insert(0, {str(tmp_path)!r});"
             f"import agent; head, data = agent._logread({args!r});"
             f"assert sorted(head['checkpoints']) == {sorted(known)!r}, head;"
             "print(' '.join(m for m in ('glob', 'fnmatch', 're', 'hashlib', '_hashlib') if m in sys.modules))")

@@ -1,4 +1,4 @@
-"""The agent's json (controller/remote/agent.py, _Json): the C accelerator's scanner and encoder without importing
+"""The agent's json (controller/farside/agent/, _Json): the C accelerator's scanner and encoder without importing
 json, so every answer and every reading must be exactly json's, errors included."""
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.remote import agent as agent_mod
+from controller import farside
 from controller.remote.client import agent_source
 from tests.conftest import REPO
+
+agent_mod = farside.load("agent")
 
 AJ = agent_mod._Json()
 
@@ -62,7 +64,7 @@ def test_bad_documents_raise_jsons_error(bad: str) -> None:
 def test_bad_documents_raise_jsons_error_where_json_was_never_imported() -> None:
     """The C scanner raises its errors through json.decoder, which an agent has not imported: json's own error
     still comes out, not a SystemError."""
-    code = ("import sys;from controller.remote import agent as a\n"
+    code = ("import sys;from controller import farside;a=farside.load('agent')\n"
             "assert 'json' not in sys.modules\n"
             "for bad in ('{not json', '{\"a\"', '[1,'):\n"
             " try:a.json.loads(bad)\n"

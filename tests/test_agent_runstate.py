@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.remote import agent as agent_mod
+from controller import farside
+
+agent_mod = farside.load("agent")
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 

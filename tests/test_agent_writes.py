@@ -1,4 +1,4 @@
-"""Writes of ctl's agent (controller/remote/agent.py) on the `local` target: destinations are walked without
+"""Writes of ctl's agent (controller/farside/agent/) on the `local` target: destinations are walked without
 following symlinks, the commit phase either puts every old file back or names what stays replaced (and
 `ctl deploy --rollback` restores it), no temporary file remains, and store copies keep the file's mode."""
 
@@ -14,13 +14,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from controller import farside
 from controller.commands import deploy as deploy_mod
 from controller.commands.pins import pin
 from controller.errors import InputError
 from controller.inventory import load
 from controller.registry import Registry
-from controller.remote import agent as agent_mod
+from controller.remote.client import ApplyReply
 from controller.transport.pool import Pool
+
+agent_mod = farside.load("agent")
 
 
 def sha(b: bytes) -> str:
@@ -185,7 +188,7 @@ def test_when_the_undo_fails_too_ctl_names_what_stays_replaced_and_rollback_rest
     assert (root / "root/app/b.txt").read_bytes() == v1["b.txt"]
     assert (root / "root/app/c.txt").read_bytes() == v1["c.txt"]
     assert leftovers(root) == []
-    assert "PARTIAL: /root/app/a.txt stay replaced" in deploy_mod._failure_suffix(doc, "d4")
+    assert "PARTIAL: /root/app/a.txt stay replaced" in deploy_mod._failure_suffix(ApplyReply.of(doc), "d4")
     record = json.loads((root / "var/lib/ctl/deploys/d4.json").read_text())
     assert record["partial"] and [f["dest"] for f in record["files"]] == ["/root/app/a.txt"]
     monkeypatch.setattr(agent_mod.os, "replace", real)

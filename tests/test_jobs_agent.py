@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.remote import agent as agent_mod
+from controller import farside
+
+agent_mod = farside.load("agent")
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,12 +10,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from controller import farside
 from controller.commands.reconcile import aggregate, culprit, exit_text
 from controller.core.metrics import MetricPoint, combine_nodes
 from controller.core.rundiff import diff_nodes
 from controller.lifecycle import Lifecycle
 from controller.registry import RunRecord
-from controller.remote import agent as agent_mod
+
+agent_mod = farside.load("agent")
 
 
 def node(ct: str, rank: int, state: Lifecycle, *, exit_status: int | None = None, ended: float | None = None,

@@ -1,4 +1,4 @@
-"""controller/remote/probe_env.py against real venvs (python -m venv --without-pip) with real dist-info.
+"""controller/farside/probe_env.py against real venvs (python -m venv --without-pip) with real dist-info.
 
 The helpers that build the venvs live in tests/conftest.py; tests/test_envpin.py and others use them too.
 """

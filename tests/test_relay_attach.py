@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from controller.remote import hostrelay
-from controller.remote.hostrelay import PVE_PATH, StartFailed, attach_argv
+from controller import farside
+
+hostrelay = farside.load("relay")
+PVE_PATH, StartFailed, attach_argv = hostrelay.PVE_PATH, hostrelay.StartFailed, hostrelay.attach_argv
 
 AGENT = ["python3", "-I", "-S", "-c", "BOOT", "123", "serve"]
 
@@ -162,8 +164,9 @@ def test_a_start_abandoned_while_the_attach_fails_is_not_retried_through_pct(mon
 def test_the_relay_passes_on_the_session_s_lc_ctype_not_its_own_coercion(tmp_path: Path) -> None:
     """Python coerces a C locale (PEP 538) by setting LC_CTYPE in its own environment; the relay's children (pct,
     lxc-attach, the agents and what they launch) get the session's LC_CTYPE as it was, whichever start wins."""
+    (tmp_path / "relay.py").write_bytes(farside.source("relay"))  # the relay as it ships
     probe = ("import os; g = {'__name__': 'relay'}; "
-             f"exec(compile(open({str(Path(hostrelay.__file__))!r}).read(), 'relay', 'exec'), g); "
+             f"exec(compile(open({str(tmp_path / 'relay.py')!r}).read(), 'relay', 'exec'), g); "
              "g['_uncoerce_locale'](); print(repr(os.environ.get('LC_CTYPE')))")
     base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     for env, want in (({"LC_ALL": "", "LANG": ""}, None),  # C locale: coerced inside, nothing to pass on

@@ -1,4 +1,4 @@
-"""The host relay's compiled code kept on the host (BOOT from controller/remote/__init__.py, hostrelay.py
+"""The host relay's compiled code kept on the host (BOOT from controller/farside/__init__.py, hostrelay.py
 keep_compiled), as the agent keeps its own in a container: written once after the hello, read back by the next
 session's relay, never taken from a file that someone else could have written, and old ones pruned. The relay runs
 here as it runs on a host (python3 -I -S -c BOOT N, its source on stdin); CTL_AGENT_CODE_DIR stands for /run/ctl."""
@@ -13,8 +13,10 @@ import time
 import types
 from pathlib import Path
 
-from controller.remote.hostrelay import COMPILED_KEEP
+from controller import farside
 from controller.transport.relay import BOOT, relay_source
+
+COMPILED_KEEP = farside.load("relay").COMPILED_KEEP
 
 PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
 

@@ -1,7 +1,7 @@
 """Stream ids of ctl's host relay are 16 bits: a long-lived relay (a persistent session) wraps around them.
 
 Both ends run here, over a local socket pair instead of SSH: controller/transport/relay.py's HostRelay and
-controller/remote/hostrelay.py, started with the very argv ctl sends a host. Thousands of tiny commands
+controller/farside/relay/, started with the very argv ctl sends a host. Thousands of tiny commands
 through one relay, across the wrap, must all finish: the relay forgets an id when its stream ends, and HostRelay
 reuses free ids.
 """

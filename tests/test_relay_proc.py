@@ -1,4 +1,4 @@
-"""The host relay without json and subprocess (controller/remote/hostrelay.py: Proc, loads, dumps): its children
+"""The host relay without json and subprocess (controller/farside/relay/: Proc, loads, dumps): its children
 start, end and report as subprocess.Popen's would, and its documents read and write as json's. Real processes,
 pipes and signals."""
 
@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 
-from controller.remote import hostrelay
-from controller.remote.hostrelay import Proc, TimeoutExpired, dumps, loads
+from controller import farside
 from controller.transport.relay import relay_source
 from tests.test_agent_json import values as json_values
+
+hostrelay = farside.load("relay")
+Proc, TimeoutExpired, dumps, loads = hostrelay.Proc, hostrelay.TimeoutExpired, hostrelay.dumps, hostrelay.loads
 
 PY = sys.executable
 

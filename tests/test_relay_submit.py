@@ -1,4 +1,4 @@
-"""Requests submitted without waiting (HostRelay.submit): ctl's real host relay (controller/remote/hostrelay.py),
+"""Requests submitted without waiting (HostRelay.submit): ctl's real host relay (controller/farside/relay/),
 run here over a socket pair as tests/test_relay_ids.py does, with the real agent and the failure-mode stand-in of
 tests/test_staying_agent.py. Each request's callback is called once, whatever ends it: its answer, a source the
 relay lacks (sent again), a deadline, a cap, the relay's end."""

@@ -1,4 +1,4 @@
-"""Staying agents: ctl's real host relay (controller/remote/hostrelay.py, run here as on a host) answering agent
+"""Staying agents: ctl's real host relay (controller/farside/relay/, run here as on a host) answering agent
 requests (A frames) with agents that stay, spoken to frame by frame. The real agent's answers are compared with
 the ones of its own exec; misbehaving agents (sources written here) die, hang, flood or lie."""
 
@@ -393,7 +393,9 @@ def test_an_agent_that_never_reads_is_given_up_at_k(relay: Relay) -> None:
 
 def _in_process(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[tuple[bytes, int, bool]]]:
     """hostrelay imported here, its frames recorded with whether their stream id was still known as they went."""
-    from controller.remote import hostrelay as hr
+    from controller import farside
+
+    hr = farside.load("relay")
 
     sent: list[tuple[bytes, int, bool]] = []
 
@@ -578,7 +580,9 @@ def test_a_large_answer_and_a_request_its_agent_s_pipe_cannot_hold(relay: Relay)
 def test_what_the_loop_emits_for_one_poll_goes_out_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
     """Frames the reading loop emits while it handles one poll's events are held and written together (one SSH
     packet for several answers); another thread's frames are written as they come."""
-    from controller.remote import hostrelay as hr
+    from controller import farside
+
+    hr = farside.load("relay")
 
     writes: list[bytes] = []
 

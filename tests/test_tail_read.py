@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.remote import agent
+from controller import farside
+
+agent = farside.load("agent")
 
 
 def whole_window(path: Path, n: int) -> dict[str, object]:

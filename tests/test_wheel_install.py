@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from controller.farside import PROGRAMS
 from tests.conftest import REPO, make_venv
 
 pytestmark = pytest.mark.slow  # ~1.5 min: wheel build, dependency install, a 20-step CPU run
@@ -42,8 +43,9 @@ def installed_ctl(ctl_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def test_wheel_holds_the_remote_scripts_and_nothing_of_the_checkout(ctl_wheel: Path) -> None:
     names = set(zipfile.ZipFile(ctl_wheel).namelist())
-    for script in ("agent.py", "hostrelay.py", "probe_env.py"):
-        assert f"controller/remote/{script}" in names
+    for program in PROGRAMS.values():  # the far side's parts, joined when they ship
+        for part in program:
+            assert f"controller/farside/{part}" in names
     for page in ("index.html", "dashboard.js", "dashboard.css"):  # ctl dashboard's page, read from the package
         assert f"controller/web/static/{page}" in names
     # remote_payload/ and templates/ are the user's payload, named by their inventory; tests/ is ours. ctl needs none.

@@ -7,7 +7,7 @@ which torch build filled it, saves are tarballs with a sidecar (sha256 + torch b
 overwritten, a restore verifies the sha256, refuses another torch build unless forced, and moves the current
 cache aside (kept) instead of deleting it. Nothing here deletes a cache. Warm-up runs one GPU at a time.
 
-Each operation is one agent exec (controller/remote/agent.py: cachestat, cachesave, cacherestore, cachemark), plus
+Each operation is one agent exec (controller/farside/agent/: cachestat, cachesave, cacherestore, cachemark), plus
 one probe exec where the live torch build matters.
 """
 

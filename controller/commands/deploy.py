@@ -4,9 +4,10 @@ Pin (pins.py): what the container is to hold. Plan: one agent call asks the
 container for the hashes of every destination; only changed files travel. Apply: one agent call
 receives a tar of the changed files over the exec's stdin, writes each beside its destination,
 verifies it, keeps old and new versions in the container's content-addressed store, and only then
-renames them into place (see controller/remote/agent.py). Plan and apply are one `sync` conversation over
+renames them into place (see controller/farside/agent/). Plan and apply are one `sync` conversation over
 one exec, whatever the file count; with a staying agent (a warm host session) they are one request, and a
-second one only when something changed (a transfer over 1 MiB keeps its exec, with its progress bar).
+second one only when something changed (a transfer over 1 MiB keeps its exec, with its progress bar). The
+agent's client holds that conversation (remote/client.py: Sync); this module decides what travels and records it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import io
 import json
 import os
 import shlex
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,9 +27,9 @@ from controller.commands.pins import STORE, PinnedFile, pin
 from controller.errors import ClobberError, CtlError, DriftError, InputError
 from controller.inventory import Container, Inventory
 from controller.registry import DeployRecord, Registry
-from controller.remote.client import STAYING_MAX_INPUT, Agent, agent_source
+from controller.remote.client import Agent, ApplyReply
 from controller.settings import private_dir, private_file, state_dir
-from controller.transport.base import Duplex, Transport
+from controller.transport.base import Transport
 from controller.transport.pool import Pool
 
 
@@ -81,10 +81,10 @@ class DeployResult:
 # --- plan ----------------------------------------------------------------------------------------
 
 
-def remote_hashes(t: Transport, dests: list[str], follow: list[str] | None = None
+def remote_hashes(t: Transport | Agent, dests: list[str], follow: list[str] | None = None
                   ) -> dict[str, dict[str, Any] | None]:
     """sha256/size/mode of each destination, walked without following symlinks except under `follow`."""
-    agent = Agent(t)
+    agent = t if isinstance(t, Agent) else Agent(t)
     args = [f"--follow={json.dumps(follow)}", *dests] if follow else dests
     files: dict[str, dict[str, Any] | None] = agent.need(agent.call("hashes", args), "files")
     return files
@@ -123,66 +123,6 @@ def _new_id() -> str:
 Progress = Callable[[str, int, int], None]  # (container, bytes sent, bytes total)
 
 
-class _Opening:
-    """The way to the container's agent, opened on a thread of its own while pinning runs here: with a staying
-    agent (Transport.keeps_agents) a `hello` request that starts it, else the exec of the `sync` conversation.
-    session() waits for it (and raises what it raised): the Duplex, or None for the staying agent."""
-
-    def __init__(self, t: Transport, agent: Agent, argv: list[str]) -> None:
-        self._t, self._agent, self._argv = t, agent, argv
-        self._value: Duplex | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"open-{t.name}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            if self._t.keeps_agents():
-                self._agent.call("hello", {})
-            else:
-                self._value = self._t.open(self._argv)
-        except BaseException as e:  # handed to session()
-            self._error = e
-
-    def session(self) -> Duplex | None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    def discard(self) -> None:
-        """Pinning failed: end the exec if it opened (the agent reads no source and exits); never wait on a
-        connection that is still being made (the pool closes it)."""
-        if self._thread.is_alive() or self._value is None:
-            return
-        with contextlib.suppress(CtlError):
-            self._value.finish(timeout=10)
-
-
-class _Conversation:
-    """`sync` over one exec: the header out, the plan back, then (or not) "apply" and the tar, in one exec."""
-
-    def __init__(self, agent: Agent, session: Duplex) -> None:
-        self.agent, self.session = agent, session
-
-    def plan(self, header: bytes) -> dict[str, Any]:
-        self.session.send(agent_source() + header)
-        first = Agent.json_line(self.session.readline(timeout=120))
-        if first is None:
-            self.agent.fail("sync", self.session.finish(timeout=30))
-        return first
-
-    def end(self) -> None:
-        self.session.finish(timeout=30)  # stdin closed: the agent applies nothing
-
-    def apply(self, data: bytes, progress: Callable[[int], None]) -> dict[str, Any]:
-        step = 1 << 20
-        for pos in range(0, len(data), step):
-            self.session.send(data[pos:pos + step])
-            progress(min(pos + step, len(data)))
-        return self.agent.parse("sync", self.session.finish(timeout=600))
-
-
 def deploy(
     inv: Inventory, ct: Container, t: Transport, reg: Registry | None, *, dry_run: bool = False,
     allow_dirty: bool = False, progress: Progress | None = None,
@@ -192,10 +132,9 @@ def deploy(
     t0 = time.monotonic()
     deploy_id = _new_id()
     agent = Agent(t)
-    args = (t.path(STORE), deploy_id)
-    # The way to the agent does not depend on the pins: open it in the background, so that the SSH handshake and
-    # the host's start of pct + agent overlap with pinning (templates, hashes, git state) here.
-    opening = _Opening(t, agent, agent.argv("sync", args))
+    # The way to the agent does not depend on the pins: it opens in the background (Sync), so that the SSH handshake
+    # and the host's start of pct + agent overlap with pinning (templates, hashes, git state) here.
+    sync = agent.begin_sync(t.path(STORE), deploy_id)
     try:
         manifest = pin(inv, ct)
         if manifest.dirty and not allow_dirty and not dry_run:
@@ -205,29 +144,24 @@ def deploy(
                 "(the deploy record will say so)"
             )
     except BaseException:
-        opening.discard()
+        sync.discard()
         raise
     entries = [{"index": i, "dest": f.dest, "sha256": f.sha256, "mode": f.mode, "size": f.size}
                for i, f in enumerate(manifest.files)]
-    session = opening.session()
-    conv = None if session is None else _Conversation(agent, session)
     follow = list(ct.spec.follow_symlinks)
     header = json.dumps({"files": entries, "dry_run": dry_run, "follow": follow}).encode() + b"\n"
-    first = agent.sync(args, header)[0] if conv is None else conv.plan(header)
-    have = agent.need(first, "have")
+    first = sync.plan(header)
     try:
-        fplan = [_file_plan(f, have.get(f.dest), ct.name) for f in manifest.files]
+        fplan = [_file_plan(f, first.have.get(f.dest), ct.name) for f in manifest.files]
     except CtlError:
-        if conv is not None:
-            with contextlib.suppress(CtlError):
-                conv.end()
+        with contextlib.suppress(CtlError):
+            sync.end()
         raise
     changed = [(e, f) for e, f, p in zip(entries, manifest.files, fplan, strict=True) if p.action != "same"]
     bodies = [f.content for _e, f in changed]
     tar = bundle([e for e, _f in changed], bodies, manifest=False) if changed else b""  # (tarfile: only then)
     if dry_run or not changed:
-        if conv is not None:
-            conv.end()
+        sync.end()
         commands: tuple[str, ...] = ()
         if dry_run and changed:
             # The exact exec, runnable by hand: its stdin (agent, pinned files, "apply", tar) is kept here.
@@ -235,53 +169,40 @@ def deploy(
             private_dir(stdin_file.parent.parent)
             private_dir(stdin_file.parent)
             header = json.dumps({"files": entries, "dry_run": False, "follow": follow}).encode() + b"\n"
-            private_file(stdin_file).write_bytes(agent_source() + header + b"apply\n" + tar)  # rendered scripts: 0600
-            commands = (f"{agent.shell_line('sync', *args)} < {shlex.quote(str(stdin_file))}",)
+            line, stdin = sync.by_hand(header, tar)
+            private_file(stdin_file).write_bytes(stdin)  # rendered scripts: 0600
+            commands = (f"{line} < {shlex.quote(str(stdin_file))}",)
         return DeployResult(ct.name, tuple(fplan), None, time.monotonic() - t0, 0, commands=commands,
                             dry_run=dry_run)
-    data = b"apply\n" + tar
 
-    def sent(n: int) -> None:
+    def sent(n: int, of: int) -> None:
         if progress is not None:
-            progress(ct.name, n, len(data))
+            progress(ct.name, n, of)
 
-    again = first  # the plan the agent applies by: made again when plan and apply are two requests
-    if conv is None and len(tar) > STAYING_MAX_INPUT:  # a large transfer: an exec of its own, with progress
-        conv = _Conversation(agent, t.open(agent.argv("sync", args)))
-        again = conv.plan(header)
-    if conv is None:
-        again, doc = agent.sync(args, header, tar, timeout=600)
-        sent(len(data))
-    else:
-        doc = conv.apply(data, sent)
-    need = again.get("need")
+    again, reply = sync.apply(header, tar, sent)
     want = {i for i, p in enumerate(fplan) if p.action != "same"}  # the indices of `changed`
-    moved: list[int] = sorted({i for i in need if isinstance(i, int)} ^ want) if isinstance(need, list) else []
-    prev_modes = {r["dest"]: r.get("previous_mode") for r in doc.get("files", [])}
+    moved: list[int] = sorted(set(again.need) ^ want) if again.need is not None else []
     files = [{"dest": p.dest, "sha256": p.want, "mode": f.mode, "previous": p.have, "action": p.action,
-              "previous_mode": prev_modes.get(p.dest)} for f, p in zip(manifest.files, fplan, strict=True)]
-    ok = bool(doc.get("ok"))
-    partial = not ok and bool(doc.get("partial"))
-    if partial:  # what stays replaced, and only that: `ctl deploy --rollback` restores it
-        replaced = set(doc.get("replaced") or [])
-        files = [f for f in files if f["dest"] in replaced]
+              "previous_mode": reply.previous_modes.get(p.dest)} for f, p in zip(manifest.files, fplan, strict=True)]
+    if reply.partial:  # what stays replaced, and only that: `ctl deploy --rollback` restores it
+        files = [f for f in files if f["dest"] in set(reply.replaced)]
     if reg is not None:
-        reg.add_deploy(DeployRecord(deploy_id, ct.name, "partial" if partial else "deploy", time.time(),
-                                    manifest.commit, manifest.dirty, ok, files, doc.get("error")))
-    if not ok and moved and not partial:
+        reg.add_deploy(DeployRecord(deploy_id, ct.name, "partial" if reply.partial else "deploy", time.time(),
+                                    manifest.commit, manifest.dirty, reply.ok, files, reply.error))
+    if not reply.ok and moved and not reply.partial:
         shown = ", ".join(str(entries[i]["dest"]) for i in moved if 0 <= i < len(entries))
         raise DriftError(f"{ct.name}: files in the container changed while this deploy ran ({shown or '?'}); "
                          "nothing was replaced", hint="run the deploy again (`ctl deploy --check` shows drift)")
-    if not ok:
-        raise agent.error(doc, suffix=_failure_suffix(doc, deploy_id))
+    if not reply.ok:
+        raise reply.refusal(agent, _failure_suffix(reply, deploy_id))
     return DeployResult(ct.name, tuple(fplan), deploy_id, time.monotonic() - t0, sum(len(b) for b in bodies))
 
 
-def _failure_suffix(doc: dict[str, Any], deploy_id: str) -> str:
+def _failure_suffix(reply: ApplyReply, deploy_id: str) -> str:
     """What a failed apply left: nothing replaced, or exactly the files that stay replaced (partial)."""
-    if not doc.get("partial"):
+    if not reply.partial:
         return "; nothing was replaced"
-    names = ", ".join(str(d) for d in doc.get("replaced") or [])
+    names = ", ".join(str(d) for d in reply.replaced)
     return (f"; PARTIAL: {names} stay replaced (recorded as deploy {deploy_id}; "
             "`ctl deploy --rollback` restores their previous versions)")
 
@@ -341,7 +262,8 @@ def rollback(ct: Container, t: Transport, reg: Registry) -> DeployResult:
             "rolling back would mean deleting them, which ctl never does"
         )
     follow = list(ct.spec.follow_symlinks)
-    have = remote_hashes(t, [f["dest"] for f in restore], follow)
+    agent = Agent(t)  # one client for the rollback's two requests
+    have = remote_hashes(agent, [f["dest"] for f in restore], follow)
     drifted = [f["dest"] for f in restore if (have.get(f["dest"]) or {}).get("sha256") != f["sha256"]]
     if drifted:
         raise DriftError(f"{ct.name}: {', '.join(drifted)} changed since deploy {last.id}; "
@@ -349,20 +271,16 @@ def rollback(ct: Container, t: Transport, reg: Registry) -> DeployResult:
     deploy_id = _new_id()
     entries = [{"index": i, "dest": f["dest"], "sha256": f["previous"], "mode": f.get("previous_mode") or f["mode"],
                 "from": "store"} for i, f in enumerate(restore)]
-    agent = Agent(t)
-    doc = agent.call("apply", (t.path(STORE), deploy_id), payload=bundle(entries, [], follow=follow), check=False)
-    prev_modes = {r["dest"]: r.get("previous_mode") for r in doc.get("files", [])}
+    reply = agent.apply(t.path(STORE), deploy_id, bundle(entries, [], follow=follow))
     files = [{"dest": e["dest"], "sha256": e["sha256"], "mode": e["mode"], "previous": f["sha256"],
-              "action": "update", "previous_mode": prev_modes.get(e["dest"]) or f["mode"]}
+              "action": "update", "previous_mode": reply.previous_modes.get(e["dest"]) or f["mode"]}
              for e, f in zip(entries, restore, strict=True)]
-    ok = bool(doc.get("ok"))
-    partial = not ok and bool(doc.get("partial"))
-    if partial:
-        files = [f for f in files if f["dest"] in set(doc.get("replaced") or [])]
-    reg.add_deploy(DeployRecord(deploy_id, ct.name, "partial" if partial else "rollback", time.time(),
-                                last.commit_sha, last.dirty, ok, files, doc.get("error")))
-    if not ok:
-        raise agent.error(doc, suffix=_failure_suffix(doc, deploy_id))
+    if reply.partial:
+        files = [f for f in files if f["dest"] in set(reply.replaced)]
+    reg.add_deploy(DeployRecord(deploy_id, ct.name, "partial" if reply.partial else "rollback", time.time(),
+                                last.commit_sha, last.dirty, reply.ok, files, reply.error))
+    if not reply.ok:
+        raise reply.refusal(agent, _failure_suffix(reply, deploy_id))
     fplan = tuple(FilePlan(e["dest"], "update", e["sha256"], f["sha256"], 0)
                   for e, f in zip(entries, restore, strict=True))
     return DeployResult(ct.name, fplan, deploy_id, time.monotonic() - t0, 0, kind="rollback")

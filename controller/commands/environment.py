@@ -1,7 +1,7 @@
 """`ctl env ...`: probe a container, check it against its lock, write a lock, diff two states, sync a venv.
 
 The seeds' failure was silent drift (SGLang in the training venv, torch swapped cu128 <-> cu130, the compile
-cache deleted). The probe (envprobe.py) runs controller/remote/probe_env.py inside the container in ONE exec;
+cache deleted). The probe (envprobe.py) runs controller/farside/probe_env.py inside the container in ONE exec;
 its JSON goes to envlock (pure logic) to check, diff, lock or plan a sync.
 A sync builds a NEW venv beside the old one, verifies it with the probe and only then switches the symlink;
 the old venv is kept.

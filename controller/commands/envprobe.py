@@ -1,5 +1,5 @@
 """A container's environment as launches and the env verbs see it: the inventory's settings for it, the probe
-(controller/remote/probe_env.py, run by the container's python3 in one exec, or inside the launch preflight's
+(controller/farside/probe_env.py, run by the container's python3 in one exec, or inside the launch preflight's
 round trip) and its lock. A launch refuses an environment that differs from its lock (exit 11).
 """
 

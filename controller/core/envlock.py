@@ -2,7 +2,7 @@
 
 In the seeds the training venv was polluted (SGLang, flashinfer), torch was swapped between
 2.11.0+cu128 and +cu130, the compile cache in /tmp was deleted, and nobody could say what changed.
-`controller/remote/probe_env.py` records the environment as JSON; this module turns that into a lock,
+`controller/farside/probe_env.py` records the environment as JSON; this module turns that into a lock,
 says in one line per package what differs from it, diffs two probes, and plans a rebuild that
 never touches the old venv. Pure logic: no I/O, no clock, no torch; the commands do the transport.
 

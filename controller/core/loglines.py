@@ -1,7 +1,7 @@
 """Log lines as a reader sees them (pure): split on `\\n` and on `\\r` (tqdm redraws its bar with `\\r`, so
 one "line" of a log can be a whole run of progress updates), each cut to LINE_CAP bytes with a marker.
 
-The agent's `tailinfo` (controller/remote/agent.py, stdlib only, so it keeps its own copy of these rules)
+The agent's `tailinfo` (controller/farside/agent/, stdlib only, so it keeps its own copy of these rules)
 does the same on the last TAIL_WINDOW bytes of a log; `ctl tail -f` feeds what arrives to `LineSplitter`,
 which never holds more than LINE_CAP bytes of an unfinished line.
 """

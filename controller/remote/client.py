@@ -1,4 +1,4 @@
-"""The one client of ctl's agent (controller/remote/agent.py) and of the environment probe (probe_env.py).
+"""The one client of ctl's agent (controller/farside/agent/) and of the environment probe (probe_env.py).
 
 `Agent(t)` speaks to the agent in one container over one exec per verb: it builds the argv (the agent's
 source travels on stdin, so nothing is installed in the container), adds the container's root (`/`, or
@@ -10,15 +10,18 @@ The agent's wire format: `python3 -I -S -c BOOT N VERB ARGS...`; stdin is N byte
 the verb's input. Positional verbs (hashes, sync, apply) take ROOT first; the others take one JSON
 argument that holds "root". Each answers one JSON document on stdout ({"ok": bool, "error": text,
 "code": name, ...}), except logread and poll (a JSON header line, then raw bytes) and sync (a conversation:
-one JSON line each way, then a tar).
+one JSON line each way, then a tar; `Sync` holds it, and answers with frozen replies: SyncPlan, ApplyReply).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 from controller.errors import (
@@ -33,10 +36,10 @@ from controller.errors import (
     RemoteCommandError,
     VerifyError,
 )
-from controller.remote import boot, source
+from controller.farside import boot, source
 from controller.transport.base import AgentStart, Duplex, Result, Submitted, Transport
 
-BOOT = boot("agent")  # controller/remote/__init__.py says what it does
+BOOT = boot("agent")  # controller/farside/__init__.py says what it does
 T = TypeVar("T")
 
 #: The agent's refusal codes and what ctl raises for each: (exception, text put before the agent's message).
@@ -56,7 +59,7 @@ POSITIONAL = frozenset({"hashes", "sync", "apply"})
 READ_ONLY = frozenset({"hello", "hashes", "probe", "runstate", "tailinfo", "logread", "poll", "storelist", "cachestat",
                        "envfacts", "ckptscan"})
 #: Requests with more input than this (an apply's tar, a checkpoint) run as their own exec: a staying agent
-#: takes its whole input before it starts (the relay's own limit is larger: hostrelay.RESIDENT_MAX_INPUT).
+#: takes its whole input before it starts (the relay's own is larger: farside/relay/agents.py RESIDENT_MAX_INPUT).
 STAYING_MAX_INPUT = 1 << 20
 VERB_AT = 6  # agent_argv(): python3 -I -S -c BOOT N VERB ...
 
@@ -71,7 +74,7 @@ class AgentReplyError(CtlError):
 
 
 def agent_source() -> bytes:
-    return source("agent.py")
+    return source("agent")
 
 
 @functools.cache
@@ -164,7 +167,7 @@ class Agent:
     def exec(self, verb: str, argv: list[str], stdin: bytes, timeout: float | None, *,
              reads_only: bool | None = None, limit: int = MAX_REPLY) -> Result:
         """One request, answered by the container's staying agent when its transport keeps one (see
-        controller/remote/hostrelay.py), else by an agent of its own exec: the same Result either way.
+        controller/farside/relay/), else by an agent of its own exec: the same Result either way.
         `reads_only` (default: the verb is in READ_ONLY) lets the relay send it again to a new agent. A reply
         past `limit` bytes is stopped as it arrives and refused in one line: a container never makes ctl hold
         more than that."""
@@ -262,6 +265,15 @@ class Agent:
         """Start a conversation verb (sync); the caller sends `agent_source()` first."""
         return self.t.open(self.argv(verb, args))
 
+    def begin_sync(self, store: str, deploy_id: str) -> Sync:
+        """Verb sync into `store` as deploy `deploy_id`: the way to the agent starts opening now, on a thread of
+        its own (see Sync)."""
+        return Sync(self, (store, deploy_id))
+
+    def apply(self, store: str, deploy_id: str, bundle: bytes) -> ApplyReply:
+        """Verb apply of a bundle (a tar of manifest.json and the bodies it sends): its answer, a refusal too."""
+        return ApplyReply.of(self.call("apply", (store, deploy_id), payload=bundle, check=False))
+
     # --- answers -------------------------------------------------------------------------------------
 
     def parse(self, verb: str, res: Result) -> dict[str, Any]:
@@ -327,7 +339,7 @@ class Agent:
         """One exec: `python3 - [--venv V] [--cache-dir C]` with the probe on stdin; its JSON document."""
         try:
             res = self.t.run(["python3", "-", *self.env_probe_args(venv=venv, cache_dir=cache_dir)],
-                             stdin=source("probe_env.py"), timeout=120, max_output=MAX_REPLY)
+                             stdin=source("probe_env"), timeout=120, max_output=MAX_REPLY)
         except OutputTooLarge:
             raise self.too_large("env probe", MAX_REPLY) from None
         return self.env_doc(res.stdout, res.returncode, res.err)
@@ -335,7 +347,7 @@ class Agent:
     def env_probe_request(self, *, venv: str | None, cache_dir: str | None) -> tuple[dict[str, Any], bytes]:
         """The `env_probe` argument and payload of the agent's `probe`: the environment probe rides in that round
         trip (the probe's source follows the agent's on stdin) instead of an exec of its own."""
-        src = source("probe_env.py")
+        src = source("probe_env")
         return {"argv": self.env_probe_args(venv=venv, cache_dir=cache_dir), "n": len(src), "timeout": 110}, src
 
     def env_from_probe(self, reply: Any) -> dict[str, Any]:
@@ -354,3 +366,124 @@ class Agent:
                                "needs it)")
             raise RemoteCommandError(self.name, ["python3", "<probe_env.py>"], rc, err, what="env probe")
         return doc
+
+
+# --- the deploy's sync: a plan, then an apply or the end -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """The agent's plan line: what it has of the pinned files, and which of them it needs."""
+
+    have: Mapping[str, Any]  # dest -> {"sha256", "size", "mode"} (or {"error", "code"}), None when missing
+    need: tuple[int, ...] | None  # the indices of the files it needs; None when the line held no list
+
+
+@dataclass(frozen=True)
+class ApplyReply:
+    """The agent's answer to an apply (verb apply, or sync's once it was sent "apply" and the tar)."""
+
+    ok: bool
+    partial: bool  # it failed during the renames, and `replaced` stay replaced
+    replaced: tuple[str, ...]
+    previous_modes: Mapping[str, Any]  # dest -> its mode before (the files the answer lists)
+    error: str | None
+    code: str | None
+
+    @classmethod
+    def of(cls, doc: Mapping[str, Any]) -> ApplyReply:
+        ok = bool(doc.get("ok"))
+        error, code = doc.get("error"), doc.get("code")
+        return cls(ok, not ok and bool(doc.get("partial")), tuple(doc.get("replaced") or ()),
+                   {r["dest"]: r.get("previous_mode") for r in doc.get("files", [])},
+                   None if error is None else str(error), None if code is None else str(code))
+
+    def refusal(self, agent: Agent, suffix: str = "") -> CtlError:
+        """The exception its code names (Agent.error)."""
+        return agent.error({"code": self.code, "error": self.error}, suffix=suffix)
+
+
+class Sync:
+    """Verb sync with one container's agent: the deploy's plan, then its apply or its end. Over an exec of its own
+    it is one conversation (the pinned files' header line out, the plan line back, then "apply" and the tar, or
+    the end of stdin: nothing applied); with a staying agent (Transport.keeps_agents) it is requests (the plan:
+    one that changes nothing; the apply: one with the header, "apply" and the tar, whose plan comes again), and a
+    tar too large for a staying agent gets an exec of its own. The way there (a `hello` that starts the staying
+    agent, or that exec) opens on a thread of its own from the start, so that the SSH handshake and the host's
+    start of pct and the agent overlap what the caller does meanwhile (pinning)."""
+
+    def __init__(self, agent: Agent, args: tuple[str, str]) -> None:
+        self.agent, self.args = agent, args
+        self._duplex: Duplex | None = None
+        self._error: BaseException | None = None
+        self._plan: Mapping[str, Any] | None = None
+        self._thread = threading.Thread(target=self._open, name=f"open-{agent.name}", daemon=True)
+        self._thread.start()
+
+    def _open(self) -> None:
+        try:
+            if self.agent.t.keeps_agents():
+                self.agent.call("hello", {})
+            else:
+                self._duplex = self.agent.t.open(self.agent.argv("sync", self.args))
+        except BaseException as e:  # raised by plan()
+            self._error = e
+
+    def discard(self) -> None:
+        """The caller gave up before its plan: end the exec if it opened (the agent reads no source and exits);
+        never wait on a connection that is still being made (the pool closes it)."""
+        if self._thread.is_alive() or self._duplex is None:
+            return
+        with contextlib.suppress(CtlError):
+            self._duplex.finish(timeout=10)
+
+    def plan(self, header: bytes) -> SyncPlan:
+        """Send the header line ({"files", "dry_run", "follow"}); the agent's plan. Raises what opening raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        doc = self.agent.sync(self.args, header)[0] if self._duplex is None else self._converse(self._duplex, header)
+        self._plan = doc
+        return SyncPlan(self.agent.need(doc, "have"), _indices(doc))
+
+    def _converse(self, duplex: Duplex, header: bytes) -> dict[str, Any]:
+        duplex.send(agent_source() + header)
+        first = Agent.json_line(duplex.readline(timeout=120))
+        if first is None:
+            self.agent.fail("sync", duplex.finish(timeout=30))
+        return first
+
+    def end(self) -> None:
+        """Apply nothing: the exec's stdin closed (a staying agent was asked nothing that changes anything)."""
+        if self._duplex is not None:
+            self._duplex.finish(timeout=30)
+
+    def apply(self, header: bytes, tar: bytes, progress: Callable[[int, int], None]) -> tuple[SyncPlan, ApplyReply]:
+        """After plan(header): send "apply" and the tar (`progress(bytes sent, of)` as it goes). The plan the agent
+        applied by (made again where plan and apply were two requests) and its answer."""
+        data = b"apply\n" + tar
+        again = self._plan
+        if self._duplex is None and len(tar) > STAYING_MAX_INPUT:  # a large transfer: an exec of its own
+            self._duplex = self.agent.open("sync", *self.args)
+            again = self._converse(self._duplex, header)
+        if self._duplex is None:
+            again, doc = self.agent.sync(self.args, header, tar, timeout=600)
+            progress(len(data), len(data))
+        else:
+            step = 1 << 20
+            for pos in range(0, len(data), step):
+                self._duplex.send(data[pos:pos + step])
+                progress(min(pos + step, len(data)), len(data))
+            doc = self.agent.parse("sync", self._duplex.finish(timeout=600))
+        assert again is not None, "Sync.apply before its plan"
+        have = again.get("have")
+        return SyncPlan(have if isinstance(have, dict) else {}, _indices(again)), ApplyReply.of(doc)
+
+    def by_hand(self, header: bytes, tar: bytes) -> tuple[str, bytes]:
+        """The exec a user could run to apply it (--dry-run): its command line, and what its stdin must hold."""
+        return self.agent.shell_line("sync", *self.args), agent_source() + header + b"apply\n" + tar
+
+
+def _indices(doc: Mapping[str, Any]) -> tuple[int, ...] | None:
+    need = doc.get("need")
+    return tuple(i for i in need if isinstance(i, int)) if isinstance(need, list) else None

@@ -2,7 +2,7 @@
 
 Each exec channel costs the host a login shell (and its ~/.bashrc) before `pct` even starts; ten
 containers on a host would pay it ten times. `HostRelay` opens one exec per host running
-controller/remote/hostrelay.py (stdlib Python, sent over the exec's stdin) and asks it to start, for each
+controller/farside/relay/ (stdlib Python, sent over the exec's stdin) and asks it to start, for each
 container, the very argv a direct exec would have run (`pct exec VMID -- ...`), with no shell. The
 containers' stdin/stdout/stderr and exit statuses are multiplexed as frames over that one channel,
 so `_RelayDuplex` behaves like a direct exec's duplex: pct's refusals, the agent's answers, exit
@@ -41,13 +41,14 @@ from controller.errors import (
     RelayExited,
     RemoteCommandError,
 )
-from controller.remote import boot, source
+from controller.farside import boot, source
 from controller.transport.base import AgentStart, Answered, Duplex, Result, Transport, limit, too_large
 from controller.transport.ssh import SshEndpoint
+from controller.transport.wire import Kind, RelayState
 
-HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/remote/hostrelay.py)
+HEADER = struct.Struct(">cHI")  # kind, stream id, length (controller/farside/relay/)
 MAX_SID = 0xFFFF  # stream ids are 1..MAX_SID (0 is the hello's)
-BOOT = boot("relay")  # its compiled code is kept on the host (controller/remote/__init__.py)
+BOOT = boot("relay")  # its compiled code is kept on the host (controller/farside/__init__.py)
 # The host's own python3 first: a PATH python3 may be a shim or a venv of the login shell's rc files.
 _START = 'p=/usr/bin/python3; [ -x "$p" ] || p=python3; exec "$p" -I -S -c "$0" "$@"'
 _CHUNK = 1 << 16
@@ -108,7 +109,7 @@ def argv_json(argv: Sequence[str]) -> str:
 
 
 def relay_source() -> bytes:
-    return source("hostrelay.py")
+    return source("relay")
 
 
 def relay_argv() -> list[str]:
@@ -171,7 +172,7 @@ class HostRelay:
         self._lock = threading.Lock()  # start-up
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._state = "new"  # new | up | unavailable
+        self._state = RelayState.NEW
         self._chan: Any = None
         self._reader: threading.Thread | None = None
         self._streams: dict[int, _Stream] = {}
@@ -195,11 +196,11 @@ class HostRelay:
         reader thread (a submitted request's callback asking the next) never waits here: the lock may be held
         by a thread replacing an ended session, which waits for that reader to end."""
         if threading.current_thread() is self._reader:
-            return self._state == "up"
+            return self._state is RelayState.UP
         with self._lock:
-            if self._state == "new":
+            if self._state is RelayState.NEW:
                 self._start()
-            return self._state == "up"
+            return self._state is RelayState.UP
 
     def _start(self) -> None:
         chan = self.host.exec_channel(relay_argv())
@@ -222,13 +223,13 @@ class HostRelay:
                 raise ConnectionDropped(f"{self.host.name}: SSH connection dropped while starting ctl's relay")
             last = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit status {status}"]
             why = "no python3 on the host" if status == 127 else f"relay did not start ({last[0]})"
-            self._state = "unavailable"
+            self._state = RelayState.UNAVAILABLE
             self.why_unavailable = why
             if self.note is not None:
                 self.note(f"{self.host.name}: {why}; falling back to one exec per container")
             return
         self._chan = chan
-        self._state = "up"
+        self._state = RelayState.UP
         self.python = str(hello.get("python"))
         self.staying = speaks_agent(hello)
         self._reader = threading.Thread(target=self._read_loop, name=f"relay-{self.host.name}", daemon=True)
@@ -244,7 +245,7 @@ class HostRelay:
         while True:
             if len(buf) >= HEADER.size:
                 kind, _sid, n = HEADER.unpack(buf[:HEADER.size])
-                if kind != b"H" or n > MAX_FRAME:
+                if kind != Kind.HELLO or n > MAX_FRAME:
                     return None
                 if len(buf) >= HEADER.size + n:
                     rest = buf[HEADER.size + n:]
@@ -349,26 +350,27 @@ class HostRelay:
         if st is None:
             return
         if st.abandoned:
-            if kind == b"X":  # the relay forgot the id: it is free again
+            if kind == Kind.EXIT:  # the relay forgot the id: it is free again
                 del self._streams[sid]
             return
-        if kind in (b"O", b"E") and st.cap is not None and len(st.out) + len(st.err) + len(payload) > st.cap:
+        if (kind in (Kind.STDOUT, Kind.STDERR) and st.cap is not None
+                and len(st.out) + len(st.err) + len(payload) > st.cap):
             st.over = True
             st.tell()
             if st.on_done is not None:  # stopped here, as finish() does
                 self._stop(st)
                 self._end_due(st, too_large(self.host.name, st.argv, st.cap))
-        elif kind == b"O":
+        elif kind == Kind.STDOUT:
             st.out += payload
-        elif kind == b"E":
+        elif kind == Kind.STDERR:
             st.err += payload
-        elif kind == b"X":
+        elif kind == Kind.EXIT:
             st.code = int(payload.decode() or "-1")
             st.tell()
             if st.on_done is not None:
                 del self._streams[sid]
                 self._end_due(st, st.result())
-        elif kind == b"U":
+        elif kind == Kind.NO_SOURCE:
             st.unknown_source = True
 
     def _still_running(self, st: _Stream) -> bool:
@@ -403,7 +405,7 @@ class HostRelay:
     def _tell_k(self, sid: int) -> None:
         try:
             with contextlib.suppress(ConnectionFailed):
-                self._send(b"K", sid)
+                self._send(Kind.ABANDON, sid)
         finally:
             with self._cond:
                 self._k_owed(sid, -1)
@@ -451,14 +453,14 @@ class HostRelay:
             self._streams[sid] = _Stream(tuple(argv), max_output, sid)
         self.streams_opened += 1
         if agent is not None:
-            kind, start = b"A", (f'{{"argv": {argv_json(argv)}, "at": {int(agent.at)}, "n": {int(agent.n)}, '
+            kind, start = Kind.AGENT, (f'{{"argv": {argv_json(argv)}, "at": {int(agent.at)}, "n": {int(agent.n)}, '
                                  f'"retry": {"true" if agent.retry else "false"}, "sha": {json.dumps(agent.sha)}}}')
         else:
-            kind, start = b"S", json.dumps(list(argv))
+            kind, start = Kind.START, json.dumps(list(argv))
         sent = [(kind, sid, start.encode())]
         if stdin is not None:
-            sent += [(b"I", sid, stdin)] if stdin else []
-            sent.append((b"C", sid, b""))
+            sent += [(Kind.STDIN, sid, stdin)] if stdin else []
+            sent.append((Kind.CLOSE, sid, b""))
         try:
             self._send_frames(sent)  # one write: if it fails, no frame of it reached the relay whole
         except ConnectionFailed:
@@ -544,9 +546,10 @@ class HostRelay:
 
     def _source_went(self, agent: AgentStart | None) -> None:
         """A request with the agent's source has gone out: the requests after it leave the source out. The relay
-        keeps a source as soon as the request that carries it is all in (hostrelay.py: AgentRequest.close_stdin),
-        before it reads the frames behind it, so a command's first requests in flight together need it only
-        once; were it lost on the way (that request cut short), the next ones are told U and send it again."""
+        keeps a source as soon as the request that carries it is all in (farside/relay/agents.py:
+        AgentRequest.close_stdin), before it reads the frames behind it, so a command's first requests in flight
+        together need it only once; were it lost on the way (that request cut short), the next ones are told U and
+        send it again."""
         if agent is not None and agent.sha and agent.n:
             with self._cond:
                 self.sources_sent.add(agent.sha)
@@ -715,12 +718,12 @@ class _RelayDuplex(Duplex):
     def send(self, data: bytes) -> None:
         view = memoryview(data)
         for pos in range(0, len(view), _CHUNK):
-            self.relay._send(b"I", self.sid, bytes(view[pos:pos + _CHUNK]))
+            self.relay._send(Kind.STDIN, self.sid, bytes(view[pos:pos + _CHUNK]))
 
     def close_stdin(self) -> None:
         if not self.closed:
             self.closed = True
-            self.relay._send(b"C", self.sid)
+            self.relay._send(Kind.CLOSE, self.sid)
 
     def abandon(self) -> None:
         """The caller stops here: drop the stream's output; the relay closes the child's pipes (K). Its id stays

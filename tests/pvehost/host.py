@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controller.farside.common import _pid_alive  # a zombie (an API process not reaped yet) counts as gone
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_DIR = "/tmp/ctl-pvehost"
 DEFAULT_PORT = 2222
@@ -124,16 +126,6 @@ def find_free_port(addresses: Sequence[str], start: int = DEFAULT_PORT) -> int:
         if port_free(port, addresses):
             return port
     raise PveHostError(f"no free port from {start} on {', '.join(addresses)}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _process_table() -> dict[int, tuple[int, str]]:

@@ -6,7 +6,7 @@ Without one, each `ctl` command pays, before its agent says a word, paramiko's i
 exec request and the host's login shell (~0.3 s). With it, the first command that needs host H starts the
 session process for H (daemon.py, `python -m controller.transport.mux.daemon`): it opens the SSH connection
 (host keys verified as always: known_hosts, unknown keys refused) and ONE long-running exec of ctl's host
-relay (controller/remote/hostrelay.py), then listens on a Unix socket. Later commands connect to that socket,
+relay (controller/farside/relay/), then listens on a Unix socket. Later commands connect to that socket,
 import no paramiko, do no handshake, and send the relay's own frames for the exact argv they would have run
 (`pct exec VMID -- python3 ... agent ...`, `pct status`, `tail -F`, the `cat` of a download); the session
 renumbers stream ids between its clients and the one relay channel. `MuxRelay` (client.py) is the client: a

@@ -32,6 +32,7 @@ from typing import Any
 
 from controller import settings
 from controller.errors import ConnectionDropped, ConnectionFailed, CtlError, DeadlineExceeded
+from controller.farside.common import _pid_alive as _alive  # the agent's own test of a pid (zombies are gone)
 from controller.transport.base import AgentStart
 from controller.transport.mux import spare
 from controller.transport.mux.sock import (
@@ -53,6 +54,7 @@ from controller.transport.mux.sock import (
 from controller.transport.mux.spare import session_env
 from controller.transport.relay import HostRelay, StreamEnded, Submission, _RelayDuplex, speaks_agent
 from controller.transport.ssh import SshEndpoint
+from controller.transport.wire import Kind, RelayState
 
 ENV = settings.PERSIST
 
@@ -112,20 +114,6 @@ class _SockChan:
 
     def recv_exit_status(self) -> int:
         return -1
-
-
-def _alive(pid: int) -> bool:
-    """pid runs (a zombie, our child that exited, counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 class MuxRelay(HostRelay):
@@ -189,7 +177,7 @@ class MuxRelay(HostRelay):
                                    hint=f"`ctl mux stop`, or remove {path}")
         self.hello = hello
         self._chan = chan
-        self._state = "up"
+        self._state = RelayState.UP
         self.python = str(hello.get("python"))
         self.staying = speaks_agent(hello)
         self._reader = threading.Thread(target=self._read_loop, name=f"mux-{self.host.name}", daemon=True)
@@ -214,8 +202,8 @@ class MuxRelay(HostRelay):
             raise DeadlineExceeded(f"{self.host.name}: ctl's session did not start in {wait:g}s")
         if isinstance(early.outcome, Exception):
             raise early.outcome
-        if early.outcome is None or early.outcome[0] != "up":
-            self._state = "unavailable"
+        if early.outcome is None or early.outcome[0] is not RelayState.UP:
+            self._state = RelayState.UNAVAILABLE
             self.why_unavailable = early.outcome[1] if early.outcome is not None else "ctl's relay did not start"
             if self.note is not None:
                 self.note(f"{self.host.name}: {self.why_unavailable}; falling back to one exec per container")
@@ -250,7 +238,7 @@ class MuxRelay(HostRelay):
         if self.warn is not None:
             self.warn(line)
         with contextlib.suppress(OSError):
-            send_frame(sock, b"Q", 0, json.dumps({"grace": grace}).encode())
+            send_frame(sock, Kind.STOP, 0, json.dumps({"grace": grace}).encode())
         sock.close()
         ident = _ident(path)
         for sig in (None, signal.SIGTERM, signal.SIGKILL):
@@ -351,7 +339,7 @@ class MuxRelay(HostRelay):
             return True
         rc = started.wait(30)
         if doc.get("unavailable"):
-            self._state = "unavailable"
+            self._state = RelayState.UNAVAILABLE
             self.why_unavailable = str(doc["unavailable"])
             if self.note is not None:
                 self.note(f"{ep.name}: {doc['unavailable']}; falling back to one exec per container")
@@ -381,7 +369,7 @@ class MuxRelay(HostRelay):
 
     def _dispatch_batch(self, batch: list[tuple[bytes, int, bytes]]) -> None:
         for i, (kind, sid, payload) in enumerate(batch):
-            if sid == 0 and kind == b"D":  # the session ended: what came before it is delivered, then the end
+            if sid == 0 and kind == Kind.ENDED:  # the session ended: what came before it is delivered, then the end
                 super()._dispatch_batch(batch[:i])
                 self._fail(end_from(payload))
                 return
@@ -418,13 +406,13 @@ class MuxRelay(HostRelay):
             self.closing = False
             with self._cond:
                 self._dead = None
-            self._state = "new"
+            self._state = RelayState.NEW
             self.started_session = False
             with self._cond:
                 self.sources_sent.clear()  # a new session: a new relay
                 self.sources_missing.clear()
             self._start()
-            if self._state != "up":
+            if self._state is not RelayState.UP:
                 raise ConnectionFailed(f"{self.host.name}: ctl's session ended and no new one could start")
 
     def open(self, argv: Sequence[str], *, agent: AgentStart | None = None,
@@ -463,20 +451,21 @@ class MuxRelay(HostRelay):
 
 
 class _Early:
-    """A session start begun in the background (start_early); `outcome`, once the thread ends: ("up", whether it
-    started the session process), ("unavailable", why), or the exception it met (of any type: the command raises
-    it as its own start would have; the thread prints nothing)."""
+    """A session start begun in the background (start_early); `outcome`, once the thread ends: (RelayState.UP,
+    whether it started the session process), (RelayState.UNAVAILABLE, why), or the exception it met (of any type:
+    the command raises it as its own start would have; the thread prints nothing)."""
 
     def __init__(self, ep: SshEndpoint, idle: int, warn: Callable[[str], None] | None) -> None:
         self.ep, self.idle, self.warn = ep, idle, warn
-        self.outcome: tuple[str, Any] | Exception | None = None
+        self.outcome: tuple[RelayState, Any] | Exception | None = None
         self.thread = threading.Thread(target=self._run, name=f"early-{ep.name}", daemon=True)
 
     def _run(self) -> None:
         relay = MuxRelay(self.ep, self.idle, warn=self.warn)
         try:
             up = relay.available()
-            self.outcome = ("up", relay.started_session) if up else ("unavailable", relay.why_unavailable)
+            self.outcome = ((RelayState.UP, relay.started_session) if up
+                            else (RelayState.UNAVAILABLE, relay.why_unavailable))
         except Exception as e:  # the command raises it (_early_outcome)
             self.outcome = e
         finally:
@@ -548,9 +537,9 @@ def _agents(sock: socket.socket) -> list[dict[str, Any]] | None:
     when it does not say within 2 s."""
     try:
         sock.settimeout(2.0)
-        send_frame(sock, b"T", 0)
+        send_frame(sock, Kind.AGENTS, 0)
         for kind, sid, data in recv_frames(sock):
-            if kind == b"T" and sid == 0:
+            if kind == Kind.AGENTS and sid == 0:
                 doc = json.loads(data)
                 break
         else:
@@ -579,7 +568,7 @@ def stop(host: str | None = None, timeout: float = 10.0, grace: float = 0.0,
             continue
         pid = peer(sock)[0]
         with contextlib.suppress(OSError):
-            send_frame(sock, b"Q", 0, json.dumps({"grace": grace}).encode())
+            send_frame(sock, Kind.STOP, 0, json.dumps({"grace": grace}).encode())
             sock.settimeout(timeout)
             for _ in recv_frames(sock):  # until the session closes us
                 pass

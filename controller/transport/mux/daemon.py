@@ -47,6 +47,7 @@ from controller.transport.mux.sock import (
 )
 from controller.transport.relay import MAX_SID, HostRelay, pack
 from controller.transport.ssh import SshEndpoint
+from controller.transport.wire import Kind
 
 STOP_GRACE = 10.0  # seconds clients still running get after SIGTERM
 
@@ -95,18 +96,18 @@ class _Mux(HostRelay):
         """The relay's frames of one read, to the clients that own their streams: one write per client."""
         out: dict[_Client, list[tuple[bytes, int, bytes]]] = {}
         for kind, sid, payload in batch:
-            if kind == b"T" and sid == 0:
+            if kind == Kind.AGENTS and sid == 0:
                 with self.map_lock:
                     asker = self.asking.pop(0) if self.asking else None
                 if asker is not None:
-                    out.setdefault(asker, []).append((b"T", 0, payload))
+                    out.setdefault(asker, []).append((Kind.AGENTS, 0, payload))
                 continue
             with self.map_lock:
                 entry = self.owner.get(sid)
                 if entry is None:
                     continue
                 client, csid = entry
-                if kind == b"X":  # forgotten before the client reads X: it may reuse the id at once
+                if kind == Kind.EXIT:  # forgotten before the client reads X: it may reuse the id at once
                     del self.owner[sid]
                     client.streams.pop(csid, None)
                     self.last_busy = time.monotonic()
@@ -129,7 +130,7 @@ class _Mux(HostRelay):
             live = list(client.streams.values())
         for gsid in live:
             with contextlib.suppress(CtlError):
-                self._send(b"K", gsid)
+                self._send(Kind.ABANDON, gsid)
 
     def _fail(self, end: ConnectionFailed) -> None:
         super()._fail(end)
@@ -158,7 +159,7 @@ class _Mux(HostRelay):
     def serve_client(self, client: _Client) -> None:
         sock = client.sock
         try:
-            client.send(b"H", 0, json.dumps({"mux": PROTOCOL, "build": build(), "pid": os.getpid(),
+            client.send(Kind.HELLO, 0, json.dumps({"mux": PROTOCOL, "build": build(), "pid": os.getpid(),
                                              "host": self.host.name, "python": self.python or "?",
                                              "connects": self.host.connects, "idle": self.idle,
                                              "relay": 3 if self.staying else 2,
@@ -177,12 +178,12 @@ class _Mux(HostRelay):
                 self.last_busy = time.monotonic()
             # Ended its input only (a command closing while its streams finish), or gone? A frame it ignores
             # (N) tells: the kernel refuses it when the peer closed its socket.
-            if live and not client.send(b"N", 0):
+            if live and not client.send(Kind.NOTHING, 0):
                 self._abandon(client)
             else:
                 for gsid in live:  # its children see the end of their stdin, as over SSH
                     with contextlib.suppress(CtlError):
-                        self._send(b"C", gsid)
+                        self._send(Kind.CLOSE, gsid)
             if not live and not sending:
                 with contextlib.suppress(OSError):
                     sock.close()
@@ -200,7 +201,7 @@ class _Mux(HostRelay):
     def _collect(self, client: _Client, batch: list[tuple[bytes, int, bytes]], out: list[tuple[bytes, int, bytes]]
                  ) -> bool:
         for kind, csid, data in batch:
-            if kind == b"Q":
+            if kind == Kind.STOP:
                 if out:  # what came before it goes first
                     self._send_frames(out)
                     out.clear()
@@ -210,20 +211,20 @@ class _Mux(HostRelay):
                     grace = STOP_GRACE
                 self.ask_stop("stopped by `ctl mux stop`", grace)
                 return False
-            if kind == b"T" and csid == 0:
+            if kind == Kind.AGENTS and csid == 0:
                 if self.staying:
                     with self.map_lock:
                         self.asking.append(client)
-                    out.append((b"T", 0, b""))
+                    out.append((Kind.AGENTS, 0, b""))
                 else:
-                    client.send(b"T", 0, b'{"agents": []}')
+                    client.send(Kind.AGENTS, 0, b'{"agents": []}')
                 continue
-            if kind in (b"S", b"A"):
+            if kind in (Kind.START, Kind.AGENT):
                 if csid in client.streams:
-                    client.send(b"E", csid, b"ctl mux: stream id reused\n")
+                    client.send(Kind.STDERR, csid, b"ctl mux: stream id reused\n")
                     continue
                 out.append((kind, self._alloc(client, csid), data))
-            elif kind in (b"I", b"C", b"K"):
+            elif kind in (Kind.STDIN, Kind.CLOSE, Kind.ABANDON):
                 gsid = client.streams.get(csid)
                 if gsid is not None:
                     out.append((kind, gsid, data))
@@ -252,7 +253,7 @@ class _Mux(HostRelay):
         with self.map_lock:
             clients = list(self.clients) + [c for c, _ in self.owner.values()]
         for c in set(clients):
-            c.send(b"D", 0, end_payload(end))
+            c.send(Kind.ENDED, 0, end_payload(end))
             with contextlib.suppress(OSError):
                 c.sock.close()
         with contextlib.suppress(Exception):

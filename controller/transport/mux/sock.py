@@ -14,7 +14,7 @@ directory has its own sessions and a changed inventory gets a new one. Beside th
 The key holds no version: a newer ctl finds a session of an older one at the same path, reads its hello, and
 replaces it (BUILD or PROTOCOL differ), as it does a session whose host key known_hosts no longer lists.
 
-Frames: the host relay's (controller/remote/hostrelay.py): 7-byte header (kind: 1 byte, stream id: 2 bytes,
+Frames: the host relay's (controller/farside/relay/): 7-byte header (kind: 1 byte, stream id: 2 bytes,
 length: 4 bytes, big-endian), then the data. Stream ids are the client's own; the session renumbers them
 onto its one relay channel.
   client -> session   S start (JSON argv)   I stdin data   C close that stdin   K abandon that stream
@@ -26,6 +26,7 @@ onto its one relay channel.
                       D (stream 0) the session ended, then it closes the socket: JSON {"kind", "why"}, kind
                         one of ENDS (ConnectionDropped, RelayExited, SessionEnded)
 The spawn handshake (daemon's stdout, one JSON line) reports errors the same way: {"error", "hint", "type"}.
+Each kind's name in ctl's code: transport/wire.py (Kind).
 """
 
 from __future__ import annotations
