@@ -703,12 +703,15 @@ class Registry:
             rid = rec.parent_id
         return chain[::-1]
 
-    def take_lease(self, name: str, holder: str, ttl: float) -> tuple[bool, dict[str, Any] | None]:
-        """Hold lease `name` for ttl seconds (renewed by calling again): (held, the current holder's row)."""
+    def take_lease(self, name: str, holder: str, ttl: float, *, replacing: str | None = None
+                   ) -> tuple[bool, dict[str, Any] | None]:
+        """Hold lease `name` for ttl seconds (renewed by calling again): (held, the current holder's row).
+        `replacing`: a holder known to be gone (its process no longer exists), whose lease is taken over before it
+        expires; only that holder's, so two supervisors that both saw it die cannot both take it."""
         now = time.time()
         with self.tx() as db:
             row = db.execute("SELECT * FROM leases WHERE name=?", (name,)).fetchone()
-            if row is not None and row["holder"] != holder and row["expires"] > now:
+            if row is not None and row["holder"] not in (holder, replacing) and row["expires"] > now:
                 return False, dict(row)
             since = row["since"] if row is not None and row["holder"] == holder else now
             db.execute("INSERT INTO leases VALUES (?,?,?,?) ON CONFLICT(name) DO UPDATE SET holder=excluded.holder, "

@@ -95,7 +95,9 @@ def supervise_cmd(
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        sup.acquire(standby=standby, stop=stop)
+        gone = sup.acquire(standby=standby, stop=stop)
+        if gone is not None:
+            sys.stderr.write(f"ctl: took over the supervisor lease of {gone}: that process is gone\n")
         if not OPTS.json:
             con.print(f"supervising {', '.join(c.name for c in cts)} every {settings.interval_s:.0f}s "
                       f"({settings.policy.describe()}; {len(sinks)} sink(s)); Ctrl-C stops watching, runs keep "

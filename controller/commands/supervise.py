@@ -81,7 +81,7 @@ class Supervisor:
         # A run across several containers is watched when all its job's nodes are (and restarted whole)
         self.targets |= {j for j, spec in inv.model.jobs.items() if set(spec.nodes) <= self.targets}
         self.on_event = on_event
-        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.holder = lease_holder(os.getpid())
         self.deliverer = Deliverer(list(settings.sinks), settings.secret, self._delivery_failed)
         self.watching: set[int] = {rid for rid, ct in reg.live_ids() if ct in self.targets}
         self.watching |= {rid for rid, ct in reg.unsettled_runs(TERMINAL) if ct in self.targets}
@@ -92,12 +92,20 @@ class Supervisor:
         """Three missed polls (at least 10 s) before a standby may take over."""
         return max(3 * self.s.interval_s, 10.0)
 
-    def acquire(self, *, standby: bool = False, stop: threading.Event | None = None) -> None:
+    def acquire(self, *, standby: bool = False, stop: threading.Event | None = None) -> str | None:
+        """Take the lease (a standby waits for it). The holder it took over from when that one's process is gone
+        (a supervisor killed on this machine: no need to wait out its lease), else None."""
         while True:
             held, row = self.reg.take_lease(LEASE, self.holder, self.lease_ttl())
             if held:
-                return
+                return None
             assert row is not None
+            gone = str(row["holder"])
+            if holder_gone(gone):
+                held, row = self.reg.take_lease(LEASE, self.holder, self.lease_ttl(), replacing=gone)
+                if held:
+                    return gone
+                assert row is not None
             who = (f"{row['holder']} (since {time.strftime('%H:%M:%S', time.localtime(row['since']))}, lease "
                    f"expires in {row['expires'] - time.time():.0f}s)")
             if not standby:
@@ -391,3 +399,31 @@ def lineages(reg: Registry, recs: list[RunRecord]) -> Iterator[list[RunRecord]]:
         while children.get(chain[-1].id):
             chain.append(min(children[chain[-1].id], key=lambda x: x.created))
         yield chain
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): with the pid, what tells
+    a process from a later one that got the same pid. None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def lease_holder(pid: int) -> str:
+    """How a supervisor names itself in the lease: host, pid, the pid's start time, and a random part."""
+    return f"{socket.gethostname()}:{pid}:{_start_time(pid) or '?'}:{uuid.uuid4().hex[:6]}"
+
+
+def holder_gone(holder: str) -> bool:
+    """The lease's holder is a process of this machine that no longer exists (killed -9, the machine's OOM
+    killer): its lease may be taken over at once. Another machine's holder, or one whose name does not say
+    enough (an older ctl's, without the start time), is never judged gone: its lease expires as before."""
+    parts = holder.split(":")
+    if len(parts) != 4 or parts[0] != socket.gethostname() or not parts[1].isdigit() or parts[2] == "?":
+        return False
+    return _start_time(int(parts[1])) != parts[2]
+
