@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.noskip import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (CI: skips fail)
 from tests.pvehost import DEFAULT_NODES, DEFAULT_PORT, PveHost, down, find_free_port, missing_prerequisites, owner_alive
 
 REPO = Path(__file__).resolve().parents[1]
