@@ -16,6 +16,7 @@ from controller.core.rundiff import diff_nodes
 from controller.lifecycle import Lifecycle
 from controller.registry import RunRecord
 from controller.remote import agent as agent_mod
+from tests.helpers import free_port
 
 
 def node(ct: str, rank: int, state: Lifecycle, *, exit_status: int | None = None, ended: float | None = None,
@@ -67,12 +68,6 @@ def test_diff_compares_node_by_node() -> None:
 
 
 # --- the agent's rendezvous check, on this machine's loopback ----------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def in_thread(fn, *args):  # type: ignore[no-untyped-def]
@@ -162,3 +157,4 @@ def test_only_nodes_that_log_metrics_can_stall_a_run(tmp_path: Path) -> None:
     assert state == RunState.OK, why
     state, why = judge(idle0=3600, idle1=2)
     assert state == RunState.STALLED and "ct200" in why, why
+

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from controller.remote import hostrelay
 from controller.remote.hostrelay import Proc, TimeoutExpired, dumps, loads
 from controller.transport.relay import relay_source
-from tests.test_agent_json import values as json_values
+from tests.relay_fakes import json_values
 
 PY = sys.executable
 

@@ -24,7 +24,7 @@ from controller.transport.base import Transport
 from controller.transport.counting import Counting
 from controller.transport.local import LocalContainer
 from controller.transport.pool import Pool
-from tests.conftest import Env
+from tests.conftest import LocalEnv
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
@@ -43,7 +43,7 @@ class CountingPool(Pool):
 
 
 @pytest.fixture
-def live3(env: Env, monkeypatch: pytest.MonkeyPatch) -> Env:
+def live3(env: LocalEnv, monkeypatch: pytest.MonkeyPatch) -> LocalEnv:
     """Three live runs and a finished one in the one container `loc`; this process sees their tmux server."""
     monkeypatch.setenv("TMUX_TMPDIR", env.env["TMUX_TMPDIR"])
     monkeypatch.setenv("CTL_STATE_DIR", env.env["CTL_STATE_DIR"])
@@ -53,7 +53,7 @@ def live3(env: Env, monkeypatch: pytest.MonkeyPatch) -> Env:
     return env
 
 
-def _wait_steps(env: Env, reg: Registry, runs: list[str], n: int = 3) -> None:
+def _wait_steps(env: LocalEnv, reg: Registry, runs: list[str], n: int = 3) -> None:
     deadline = time.monotonic() + 20
     while True:
         logs = [env.root / "workspace" / f"train_stdout_{r}.log" for r in runs]
@@ -63,7 +63,7 @@ def _wait_steps(env: Env, reg: Registry, runs: list[str], n: int = 3) -> None:
         time.sleep(0.1)
 
 
-def test_status_of_three_live_runs_of_one_container_is_one_agent_call(live3: Env) -> None:
+def test_status_of_three_live_runs_of_one_container_is_one_agent_call(live3: LocalEnv) -> None:
     env = live3
     inv = load(str(env.inventory))
     reg = Registry()
@@ -96,7 +96,7 @@ def test_status_of_three_live_runs_of_one_container_is_one_agent_call(live3: Env
     assert reg.cursor(victim.id)[0] == log.stat().st_size  # everything it printed before it died
 
 
-def test_a_log_longer_than_the_budget_reads_on_and_the_others_are_not_starved(live3: Env) -> None:
+def test_a_log_longer_than_the_budget_reads_on_and_the_others_are_not_starved(live3: LocalEnv) -> None:
     env = live3
     inv = load(str(env.inventory))
     reg = Registry()
@@ -121,7 +121,7 @@ def test_a_log_longer_than_the_budget_reads_on_and_the_others_are_not_starved(li
 
 
 def test_a_poll_whose_run_states_are_malformed_fails_its_container_and_stores_nothing(
-        live3: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+        live3: LocalEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     """The container's answer is checked before anything of it is recorded: states that are not the agent's make
     the container's call a failure (one line, each run's pull says it), and no state, point or cursor moves."""
     env = live3

@@ -21,6 +21,7 @@ import pytest
 
 from controller.remote.client import VERB_AT, agent_argv, agent_source
 from controller.transport.relay import BOOT, HEADER, frames, relay_source
+from tests.relay_fakes import FAKE, FAKE_AT, fake
 
 Answer = tuple[bytes, bytes, int]  # stdout, stderr, exit status
 
@@ -218,66 +219,6 @@ if __name__ == "__main__":''')
     assert [a["requests"] for a in relay.agents()] == [3]
 
 
-# A stand-in agent for the failure modes: one-shot it answers {"via": "exec"}; under `serve` it does MODE.
-FAKE = br'''
-import json, os, struct, sys, time
-F = struct.Struct(">cHI")
-MODE = sys.argv[3] if len(sys.argv) > 3 else ""
-def put(k, d=b""):
-    os.write(1, F.pack(k, 0, len(d)) + d)
-def take(n):
-    b = b""
-    while len(b) < n:
-        c = os.read(0, n - len(b))
-        if not c:
-            sys.exit(0)
-        b += c
-    return b
-if sys.argv[2] != "serve":
-    sys.stdout.write(json.dumps({"ok": True, "via": "exec", "pid": os.getpid()}))
-    sys.exit(0)
-put(b"H", b"{}")
-if MODE == "deaf":  # said hello, then never reads again
-    time.sleep(3600)
-pipe = None
-if MODE == "small-pipe":  # its stdin holds one page: a request of more reaches it in several writes
-    import fcntl
-    fcntl.fcntl(0, 1031, 4096)  # F_SETPIPE_SZ
-    pipe = fcntl.fcntl(0, 1032)  # F_GETPIPE_SZ
-count = 0
-while True:
-    k, _, n = F.unpack(take(F.size))
-    body = take(n)
-    count += 1
-    mode = (MODE[6:] if count > 1 else "") if MODE.startswith("later-") else MODE  # later-M: M from the 2nd on
-    if mode == "die":
-        os._exit(3)
-    if mode == "hang":
-        time.sleep(3600)
-    if mode == "slow":
-        time.sleep(1.5)
-    if mode == "minus":  # an exit status that only looks like a number
-        put(b"X", b"--5")
-        continue
-    if mode == "lie":
-        put(b"O", b'{"ok": tr')
-        put(b"Z", b"?")
-        continue
-    if mode == "big":  # one frame of more than the relay reads at once
-        put(b"O", b"x" * 300000)
-    put(b"O", json.dumps({"ok": True, "via": "serve", "pid": os.getpid(), "got": len(body), "pipe": pipe}).encode())
-    put(b"E")
-    put(b"X", b"0")
-'''
-
-
-def fake(mode: str) -> list[str]:
-    """A request to the fake agent. MODE rides in the prefix (`sh -c 'exec "$0" "$@" MODE'`), so the staying
-    agent the relay starts from that prefix (`... N serve`) gets it too."""
-    return ["sh", "-c", f'exec "$0" "$@" {mode}', sys.executable, "-I", "-S", "-c", BOOT, str(len(FAKE)), "verb"]
-
-
-FAKE_AT = 9  # fake(): sh -c SCRIPT python -I -S -c BOOT N VERB
 
 
 def test_an_agent_that_ends_is_replaced_for_a_read_and_reported_for_a_write(relay: Relay) -> None:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import pytest
 
 from controller.errors import ExitCode
-from tests.conftest import Env, faulthandler_env, interrupt
+from tests.conftest import LocalEnv, faulthandler_env, interrupt
 
 pytestmark = pytest.mark.skipif(subprocess.run(["which", "tmux"], capture_output=True).returncode != 0,
                                 reason="tmux is not installed")
@@ -35,7 +35,7 @@ LONG = "--tok-s 12800 --steps 100000 --interval 0.05 --jitter 0"
 
 
 @pytest.fixture
-def sup(env: Env) -> Env:
+def sup(env: LocalEnv) -> LocalEnv:
     (env.dir / "start_training.sh.j2").write_text(START)
     env.ok("deploy", "--allow-dirty")
     for run in ("fresh1", "fresh2", "fresh3", "fresh4"):
@@ -44,18 +44,18 @@ def sup(env: Env) -> Env:
     return env
 
 
-def supervise(env: Env, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def supervise(env: LocalEnv, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     interval = [] if "--interval" in args else ["--interval", "1s"]  # a lease lasts 3 intervals (>= 10 s)
     cmd = [sys.executable, "-m", "controller", "-i", str(env.inventory), "supervise", "--once", *interval, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=env.dir,
                           env={**env.env, "CTL_NOTIFY_RETRIES": "0.1", **(extra_env or {})})
 
 
-def events(env: Env, run: str | None = None) -> list[dict[str, Any]]:
+def events(env: LocalEnv, run: str | None = None) -> list[dict[str, Any]]:
     return json.loads(env.ok("--json", "events", *([run] if run else [])))
 
 
-def checkpoint(env: Env, run: str, step: int, *, complete: bool = True, bad_hash: bool = False) -> Path:
+def checkpoint(env: LocalEnv, run: str, step: int, *, complete: bool = True, bad_hash: bool = False) -> Path:
     d = env.root / "workspace" / "runs" / run / "checkpoints" / f"step_{step}"
     d.mkdir(parents=True)
     (d / "drafter.pt").write_bytes(f"weights {step}".encode())
@@ -66,7 +66,7 @@ def checkpoint(env: Env, run: str, step: int, *, complete: bool = True, bad_hash
     return d
 
 
-def kill_trainer(env: Env, run: str) -> None:
+def kill_trainer(env: LocalEnv, run: str) -> None:
     pid = int((env.root / "workspace" / f"train_stdout_{run}.log.pid").read_text())
     os.killpg(pid, signal.SIGKILL)
 
@@ -79,7 +79,7 @@ def wait_for(cond: Any, what: str, timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
-def test_a_killed_run_is_relaunched_from_its_last_complete_checkpoint(sup: Env) -> None:
+def test_a_killed_run_is_relaunched_from_its_last_complete_checkpoint(sup: LocalEnv) -> None:
     sup.ok("launch", "loc", "--run", "fresh1")
     first = supervise(sup, "--restart", "on-failure:2", "--backoff", "1s")
     assert first.returncode == 0, first.stdout + first.stderr
@@ -119,7 +119,7 @@ def test_a_killed_run_is_relaunched_from_its_last_complete_checkpoint(sup: Env) 
 
 
 @pytest.mark.parametrize("step", ["planned", "launching", "launched"])
-def test_a_supervisor_killed_mid_restart_relaunches_exactly_once(sup: Env, step: str) -> None:
+def test_a_supervisor_killed_mid_restart_relaunches_exactly_once(sup: LocalEnv, step: str) -> None:
     sup.ok("launch", "loc", "--run", "fresh1")
     supervise(sup, "--restart", "on-failure", "--backoff", "1s")
     kill_trainer(sup, "fresh1")
@@ -143,7 +143,7 @@ def test_a_supervisor_killed_mid_restart_relaunches_exactly_once(sup: Env, step:
     sup.ctl("stop", "fresh2", "--grace", "1")
 
 
-def test_restarts_end_with_gave_up(sup: Env) -> None:
+def test_restarts_end_with_gave_up(sup: LocalEnv) -> None:
     sup.ok("launch", "loc", "--run", "fresh1")
     supervise(sup, "--restart", "on-failure:1", "--backoff", "0.1s")
     for run in ("fresh1", "fresh2"):
@@ -157,7 +157,7 @@ def test_restarts_end_with_gave_up(sup: Env) -> None:
     assert [r["name"] for r in json.loads(sup.ok("--json", "runs"))] == ["fresh2", "fresh1"]
 
 
-def test_one_supervisor_per_state_directory(sup: Env) -> None:
+def test_one_supervisor_per_state_directory(sup: LocalEnv) -> None:
     cmd = [sys.executable, "-m", "controller", "-i", str(sup.inventory), "supervise", "--interval", "1s"]
     holder = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=sup.dir,
                               env=faulthandler_env(sup.env))
@@ -220,7 +220,7 @@ def test_webhooks_are_signed_and_a_hanging_sink_delays_no_other() -> None:
         slow.shutdown()
 
 
-def test_a_command_sink_gets_each_transition_once_and_failures_become_events(sup: Env) -> None:
+def test_a_command_sink_gets_each_transition_once_and_failures_become_events(sup: LocalEnv) -> None:
     out = sup.dir / "notified.jsonl"
     prog = sup.dir / "notify.sh"
     prog.write_text(f"#!/bin/sh\ncat >> {out}\necho >> {out}\n")
@@ -241,7 +241,7 @@ def test_a_command_sink_gets_each_transition_once_and_failures_become_events(sup
     assert failed and "pager down" in failed[0]["summary"]
 
 
-def test_the_systemd_unit_runs_this_inventory(sup: Env) -> None:
+def test_the_systemd_unit_runs_this_inventory(sup: LocalEnv) -> None:
     unit = sup.ok("supervise", "--unit", "--restart", "on-failure:3")
     assert "[Service]" in unit and f"-i {sup.inventory}" in unit and "supervise --restart on-failure:3" in unit
     assert "--unit" not in unit.split("ExecStart=")[1].splitlines()[0]

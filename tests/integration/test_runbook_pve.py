@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import Env
+from tests.integration.conftest import PveEnv
 
 pytestmark = pytest.mark.pvehost
 
@@ -26,7 +26,7 @@ steps:
 """
 
 
-def test_deploy_launch_watch_mark_good_over_pct(pve_env: Env) -> None:
+def test_deploy_launch_watch_mark_good_over_pct(pve_env: PveEnv) -> None:
     pve_env.write(vars={**pve_env.base_extra["vars"], "steps": 40, "interval": 0.05})
     rb = pve_env.dir / "pve.yaml"
     rb.write_text(RUNBOOK)
