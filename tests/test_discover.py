@@ -13,7 +13,7 @@ import pytest
 from controller import inventory
 from controller.commands.discover import discover, plan, write
 from controller.core.discover import Discovery, FoundCt, FoundNode, gpus_from_config
-from controller.errors import ApiError
+from controller.errors import ApiError, InventoryError
 
 
 def test_gpus_from_dev_keys_and_mount_entries() -> None:
@@ -196,6 +196,6 @@ def test_invalid_result_leaves_the_file_alone(tmp_path: Path) -> None:
     inv.write_text(INVENTORY.replace("runs: {series: fresh}", "runs: {series: fresh}\nbogus: 1"))
     before = inv.read_text()
     p = plan(inv, cluster(), api_spec=API, prune=False, has_runs=lambda ct: False)
-    with pytest.raises(Exception, match="unknown key"):
+    with pytest.raises(InventoryError, match=r": bogus: unknown key$"):
         write(p)
     assert inv.read_text() == before and [f.name for f in tmp_path.iterdir()] == ["inventory.yaml"]

@@ -16,6 +16,7 @@ import pytest
 
 from controller.commands import monitor
 from controller.core.metrics import RunState
+from controller.errors import ConnectionFailed, CtlError, RemoteCommandError
 from controller.inventory import Container, load
 from controller.lifecycle import Lifecycle
 from controller.registry import Registry
@@ -162,27 +163,28 @@ def _poll(agent: Agent, ask: list[dict[str, Any]], max_bytes: int) -> Any:
     return agent.poll_answer(ask, agent.read("poll", Agent.poll_args(ask, max_bytes)))
 
 
-@pytest.mark.parametrize("reply, says", [
+@pytest.mark.parametrize("reply, says, error", [
     (b'{"ok": true, "runs": [{"state": {}, "read": {"ok": true, "length": 9}}, {"state": null, "read": '
-     b'{"ok": true, "length": 0}}], "length": 4}\nabcd', "claims 9 log bytes"),
+     b'{"ok": true, "length": 0}}], "length": 4}\nabcd', "claims 9 log bytes", AgentReplyError),
     (b'{"ok": true, "runs": [{"state": {}, "read": {"ok": true, "length": 2}}, {"state": null, "read": '
-     b'{"ok": true, "length": 1}}], "length": 4}\nabcd', "1 log bytes belong to no run"),
-    (b'{"ok": true, "runs": [{"state": {}, "read": {"ok": true, "length": 0}}], "length": 0}\n', "1 answers for 2"),
+     b'{"ok": true, "length": 1}}], "length": 4}\nabcd', "1 log bytes belong to no run", AgentReplyError),
+    (b'{"ok": true, "runs": [{"state": {}, "read": {"ok": true, "length": 0}}], "length": 0}\n', "1 answers for 2",
+     AgentReplyError),
     (b'{"ok": true, "runs": [{"state": null, "read": {"length": 0}}, {"state": null, "read": {"length": 0}}], '
-     b'"length": 0}\n', "malformed answer for run 'r1'"),
-    (b'{"ok": true, "runs": [7, 8], "length": 0}\n', "malformed answer"),
+     b'"length": 0}\n', "malformed answer for run 'r1'", AgentReplyError),
+    (b'{"ok": true, "runs": [7, 8], "length": 0}\n', "malformed answer", AgentReplyError),
     (b'{"ok": true, "runs": [{"state": {}, "read": {"length": -1}}, {"state": null, "read": {"length": 1}}], '
-     b'"length": 0}\n', "claims -1 log bytes"),
-    (b'{"ok": true, "runs": [], "length": 5}\nabc', "cut short"),
-    (b"x" * (MAX_REPLY + 100), "refused"),
+     b'"length": 0}\n', "claims -1 log bytes", AgentReplyError),
+    (b'{"ok": true, "runs": [], "length": 5}\nabc', "cut short", ConnectionFailed),
+    (b"x" * (MAX_REPLY + 100), "refused", AgentReplyError),
 ])
 def test_a_poll_reply_that_is_not_the_agents_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         reply: bytes, says: str) -> None:
+                                                         reply: bytes, says: str, error: type[CtlError]) -> None:
     agent = _agent_in(tmp_path, monkeypatch, reply)
-    with pytest.raises(Exception) as e:
+    with pytest.raises(error) as e:  # a reply cut short is a connection's fault, any other the agent's
         _poll(agent, ASK, 10)
+    assert type(e.value) is error
     assert says in str(e.value) and str(e.value).startswith("ct9") and "\n" not in str(e.value)
-    assert isinstance(e.value, AgentReplyError) or "cut short" in says
 
 
 def test_poll_answers_states_then_each_runs_bytes_within_the_budget(tmp_path: Path) -> None:
@@ -219,6 +221,6 @@ def test_the_env_probe_inside_the_agents_probe_answers_as_the_probe_alone(tmp_pa
         with pytest.raises(AgentReplyError) as e:
             agent.env_from_probe(bad)
         assert str(e.value) == "loc: agent probe: malformed 'env_probe' in its reply"
-    with pytest.raises(Exception) as e2:
+    with pytest.raises(RemoteCommandError) as e2:
         agent.env_from_probe({"rc": 1, "stdout": "not json", "stderr": "Traceback: boom"})
     assert str(e2.value).startswith("loc") and "\n" not in str(e2.value) and "env probe" in str(e2.value)
