@@ -20,6 +20,7 @@ from controller.remote.client import VERB_AT, Agent, agent_argv, agent_sha, agen
 from controller.transport.base import AgentStart, Result
 from controller.transport.mux.client import MuxRelay
 from controller.transport.relay import HostRelay
+from tests.helpers import wait_for
 from tests.relay_fakes import FAKE, FAKE_AT, LocalHost, fake
 
 
@@ -73,7 +74,8 @@ def test_forty_requests_in_flight_from_one_thread_are_each_answered_once_by_the_
         r.submit(HELLO, agent=hello_start(), stdin=SOURCE, on_done=calls.cb(i))
     assert threading.active_count() <= threads + 1  # nothing per request (at most a K sender)
     calls.wait(40)
-    time.sleep(0.2)
+    # every stream ended and its id freed: no frame can reach a callback again, so a second answer would be here
+    wait_for("every stream's end", lambda: not r._streams, 30)
     assert sorted(calls.got) == list(range(40)) and all(len(v) == 1 for v in calls.got.values())
     for (got, thread), in calls.got.values():
         assert isinstance(got, Result) and got.returncode == 0, got
@@ -159,7 +161,7 @@ def test_a_source_the_relay_does_not_keep_goes_again_and_is_answered_once(relay:
     calls = Calls()
     r.submit(HELLO, agent=hello_start(), stdin=SOURCE, on_done=calls.cb(0))
     calls.wait(1)
-    time.sleep(0.3)
+    wait_for("the stream's end", lambda: not r._streams, 30)  # after it, no second answer can come
     ((got, _thread),) = calls.got[0]
     assert isinstance(got, Result) and json.loads(got.stdout)["staying"] is True
     assert agent_sha() in r.sources_missing
