@@ -97,6 +97,13 @@ while True:
         time.sleep(3600)
     if mode == "slow":
         time.sleep(1.5)
+    if mode.startswith("gate:"):  # arrives (a file named after its pid in DIR), then waits for DIR/go (60 s at most)
+        gate = mode[len("gate:"):]
+        open(os.path.join(gate, str(os.getpid())), "w").close()
+        for _ in range(6000):
+            if os.path.exists(os.path.join(gate, "go")):
+                break
+            time.sleep(0.01)
     if mode == "minus":  # an exit status that only looks like a number
         put(b"X", b"--5")
         continue

@@ -21,6 +21,7 @@ import pytest
 
 from controller.remote.client import VERB_AT, agent_argv, agent_source
 from controller.transport.relay import BOOT, HEADER, frames, relay_source
+from tests.helpers import wait_for
 from tests.relay_fakes import FAKE, FAKE_AT, fake
 
 Answer = tuple[bytes, bytes, int]  # stdout, stderr, exit status
@@ -253,8 +254,7 @@ def test_an_agent_that_sends_a_malformed_exit_status_is_ended(relay: Relay) -> N
 
 def test_a_stuck_request_given_up_ends_its_agent_and_the_relay_still_exits(relay: Relay) -> None:
     sid = relay.start(fake("hang"), FAKE, n=len(FAKE), at=FAKE_AT)
-    time.sleep(1.0)
-    assert [a["busy"] for a in relay.agents()] == [True]
+    wait_for("the request in its agent", lambda: [a["busy"] for a in relay.agents()] == [True], 30)
     relay.send(b"K", sid)  # ctl's deadline passed
     relay.wait(sid, lambda fs: any(k == b"X" for k, _ in fs), 10)  # its X still comes: the id is free again
     assert relay.agents() == []
@@ -415,20 +415,26 @@ def _tasks(pid: int) -> set[str]:
     return set(os.listdir(f"/proc/{pid}/task"))
 
 
-def test_the_threads_that_answer_are_kept_and_a_hung_request_holds_back_no_other(relay: Relay) -> None:
+def test_the_threads_that_answer_are_kept_and_a_hung_request_holds_back_no_other(relay: Relay, tmp_path: Path) -> None:
     """A thread per request cost the relay's reading loop its start each time: threads that answered wait for the
     next requests instead, and one stuck in a request never makes another wait."""
     hung = relay.start(fake("hang"), FAKE, n=len(FAKE), at=FAKE_AT)
-    time.sleep(0.5)
-    burst = [relay.start(fake(f"slow #{i}"), FAKE, n=len(FAKE), at=FAKE_AT) for i in range(4)]  # 4 containers
-    t0 = time.monotonic()
+    wait_for("the hung request in its agent", lambda: [a["busy"] for a in relay.agents()] == [True], 30)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    burst = [relay.start(fake(f"gate:{gate} #{i}"), FAKE, n=len(FAKE), at=FAKE_AT) for i in range(4)]  # 4 CTs
+    # side by side, past the hung one: all 4 are in their agents at once (each waits there for the gate)
+    wait_for("4 requests in their agents at once", lambda: len(list(gate.iterdir())) == 4, 60)
+    (gate / "go").touch()
     assert {json.loads(relay.answer(s)[0])["via"] for s in burst} == {"serve"}
-    assert time.monotonic() - t0 < 6  # side by side (1.5 s each), past the hung one
     time.sleep(0.2)  # a worker sends its X, then counts itself idle: let the last ones get there
     kept = _tasks(relay.p.pid)
-    again = [relay.start(fake(f"slow #{i}"), FAKE, n=len(FAKE), at=FAKE_AT) for i in range(4)]
-    time.sleep(0.5)  # the 4 requests are being answered (1.5 s each)
+    for f in gate.iterdir():  # the gate closed again; the same 4 agents take the next 4 requests
+        f.unlink()
+    again = [relay.start(fake(f"gate:{gate} #{i}"), FAKE, n=len(FAKE), at=FAKE_AT) for i in range(4)]
+    wait_for("the 4 requests in their agents", lambda: len(list(gate.iterdir())) == 4, 60)
     assert _tasks(relay.p.pid) == kept  # by the threads that answered before: none started
+    (gate / "go").touch()
     assert {json.loads(relay.answer(s)[0])["via"] for s in again} == {"serve"}
     relay.send(b"K", hung)
     relay.wait(hung, lambda fs: any(k == b"X" for k, _ in fs), 10)
@@ -449,15 +455,17 @@ def _kept(relay: Relay, mode: str) -> tuple[list[str], str]:
     return argv, sha
 
 
-def test_requests_to_idle_staying_agents_are_answered_without_a_thread(relay: Relay) -> None:
-    kept = [_kept(relay, f"later-slow {i}") for i in range(4)]  # 4 containers; one worker answered them in turn
+def test_requests_to_idle_staying_agents_are_answered_without_a_thread(relay: Relay, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    kept = [_kept(relay, f"later-gate:{gate} {i}") for i in range(4)]  # 4 containers; one worker answered them
     threads = _tasks(relay.p.pid)
-    t0 = time.monotonic()
     sids = [relay.start(argv, b"", n=0, at=FAKE_AT, sha=sha) for argv, sha in kept]
-    time.sleep(0.5)  # all 4 are being answered (1.5 s each): as workers, 3 more threads would run now
+    # side by side: all 4 are in their agents at once (as workers, 3 more threads would run now)
+    wait_for("4 requests in their agents at once", lambda: len(list(gate.iterdir())) == 4, 60)
     assert _tasks(relay.p.pid) == threads
+    (gate / "go").touch()
     assert [json.loads(relay.answer(s)[0])["via"] for s in sids] == ["serve"] * 4
-    assert time.monotonic() - t0 < 4  # side by side
     assert relay.close() == 0
 
 
