@@ -29,6 +29,7 @@ from controller.inventory import load
 from controller.transport import mux
 from controller.transport.mux.sock import session_key, socket_dir
 from controller.transport.pool import Pool
+from tests.helpers import wait_for
 from tests.integration.conftest import REPO, PveEnv, children, sshd_sessions
 
 pytestmark = pytest.mark.pvehost
@@ -163,11 +164,19 @@ def test_stop_and_sigterm_let_a_request_in_flight_finish_and_new_commands_get_a_
             res = t.run(["sh", "-c", "sleep 3; echo done"])
             print(res.returncode, res.out.strip(), flush=True)
         """)
+    def sleeping_3() -> bool:
+        """The request's `sleep 3` is running (containers share this machine's kernel: its /proc shows it)."""
+        for d in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                if d.name.isdigit() and (d / "cmdline").read_bytes() == b"sleep\x003\x00":
+                    return True
+        return False
+
     for how in ("mux stop", "SIGTERM"):
         proc = subprocess.Popen([sys.executable, "-c", long_request], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env.env, cwd=REPO)
         assert proc.stdout is not None and proc.stdout.readline() == "connected\n"
-        time.sleep(0.5)  # the request is running on the host
+        wait_for("the request running in the container", sleeping_3, 30)
         if how == "mux stop":
             stopper = _ctl(env, "mux", "stop")
         else:
