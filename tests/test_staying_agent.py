@@ -4,13 +4,16 @@ the ones of its own exec; misbehaving agents (sources written here) die, hang, f
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import resource
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Sequence
@@ -316,15 +319,40 @@ def test_a_large_input_starts_its_exec_before_it_has_all_arrived(relay: Relay) -
     assert relay.close() == 0
 
 
+def _agent_stdin_full(relay: Relay, marker: bytes) -> bool:
+    """A process under the relay whose command line holds `marker` has a pipe for stdin that holds all it can: the
+    relay's write into it is blocked (the pipe's fill read through /proc, FIONREAD, never its bytes)."""
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or marker not in (d / "cmdline").read_bytes():
+                continue
+            pid = int(d.name)
+            while pid > 1 and pid != relay.p.pid:
+                pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(") ", 1)[1].split()[1])
+            if pid != relay.p.pid:
+                continue
+            fd = os.open(d / "fd" / "0", os.O_RDONLY | os.O_NONBLOCK)
+        except (OSError, ValueError, IndexError):
+            continue
+        try:
+            held = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+            return bool(held >= fcntl.fcntl(fd, 1032))  # F_GETPIPE_SZ
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+    return False
+
+
 def test_an_agent_that_never_reads_is_given_up_at_k(relay: Relay) -> None:
     """A staying agent that does not take its source (pct hangs) or its request (a frozen container) holds the
     relay's writes: a K still ends it at once, its X comes, and the relay exits at the end of its input."""
     big = FAKE + b"#" * (1 << 20)  # more than a pipe holds
     hung = ["sh", "-c", "exec sleep 3600", *fake("")[3:]]
     deaf = fake("deaf")
-    for argv, src, data in ((hung, big, b""), (deaf, FAKE, b"y" * (1 << 20))):
+    for argv, src, data, marker in ((hung, big, b"", b"sleep\x003600\x00"), (deaf, FAKE, b"y" * (1 << 20), b"deaf")):
         sid = relay.start(argv, src + data, n=len(src), at=FAKE_AT, retry=False)
-        time.sleep(1.0)
+        wait_for("the relay blocked on the agent's full stdin", lambda m=marker: _agent_stdin_full(relay, m), 30)  # type: ignore[misc]
         relay.send(b"K", sid)
         relay.wait(sid, lambda fs: any(k == b"X" for k, _ in fs), 5)
     t0 = time.monotonic()
