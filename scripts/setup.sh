@@ -3,7 +3,11 @@
 #   system: openssh (the test host's sshd and `ssh -t` for attach), lxc (the test host's containers), tmux,
 #           nftables (a test drops the test host's loopback traffic; skipped without nft or iptables),
 #           chromium (the headless browser the dashboard's tests drive; skipped without it),
-#           python3-venv where the interpreter cannot make a venv (stock Debian)
+#           python3-venv where the interpreter cannot make a venv (stock Debian), python3 at /usr/bin (the
+#           containers' interpreter), util-linux's setsid (the local agent's tests)
+#   CI (CTL_NO_SKIP=1, set by .ci/run, where any skipped test fails the run) needs all of it: setup then fails, naming
+#   why, where it is not root or a package cannot be installed. Elsewhere a missing one is a warning, and the tests
+#   that need it skip, saying why.
 #   python: a project venv at .venv (CTL_VENV overrides) holding ctl (editable) with its dev tools and the
 #           payload's torch/transformers. Nothing is installed into the system interpreter: Debian 12 refuses
 #           that (PEP 668, externally managed), and a project venv keeps the checkout's tools apart.
@@ -14,9 +18,24 @@ PY=${PYTHON:-python3}
 VENV=${CTL_VENV:-.venv}
 
 need_apt=()
-for bin in sshd:openssh-server ssh:openssh-client lxc-start:lxc tmux:tmux git:git ps:procps chromium:chromium; do
+ci=
+[ -n "${CTL_NO_SKIP:-}" ] && [ "${CTL_NO_SKIP}" != 0 ] && ci=1
+if [ -n "$ci" ] && [ "$(id -u)" -ne 0 ]; then
+  echo "setup: CTL_NO_SKIP is set (CI: a skipped test fails the run) but this is not root: the Proxmox test host's" \
+       "tests need root (LXC containers, sshd, nftables); run as root" >&2
+  exit 1
+fi
+for bin in sshd:openssh-server ssh:openssh-client lxc-start:lxc tmux:tmux git:git ps:procps chromium:chromium \
+           setsid:util-linux; do
   command -v "${bin%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${bin%%:*}" ] || need_apt+=("${bin##*:}")
 done
+[ -x /usr/bin/python3 ] || need_apt+=(python3)
+# the test host's sshd sees a Proxmox host's / through an overlay (tests/integration/test_pvehost_pct.py skips
+# without): the module may just not be loaded yet
+if [ -n "$ci" ] && ! grep -qw overlay /proc/filesystems && ! modprobe overlay; then
+  echo "setup: CTL_NO_SKIP is set (CI) but this kernel has no overlayfs (modprobe overlay failed)" >&2
+  exit 1
+fi
 if ! command -v nft >/dev/null 2>&1 && ! command -v iptables >/dev/null 2>&1 && [ ! -x /usr/sbin/nft ]; then
   need_apt+=(nftables)
 fi

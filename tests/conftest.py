@@ -14,7 +14,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.noskip import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (CI: skips fail)
 from tests.pvehost import DEFAULT_NODES, DEFAULT_PORT, PveHost, down, find_free_port, missing_prerequisites, owner_alive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -309,18 +309,6 @@ exec python3 {{ root }}{{ payload["emit_metrics.py"] }} --no-preamble $(cat {{ r
 """
 
 
-def wait_for(what: str, cond: Any, timeout: float = 120, every: float = 0.5) -> Any:
-    """cond()'s first truthy answer, polled every `every` s; fails naming `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
-
-
 def write_inventory(tmp_path: Path, text: str) -> Path:
     p = tmp_path / "inventory.yaml"
     p.write_text(text)
@@ -364,7 +352,7 @@ def faulthandler_env(env: dict[str, str]) -> dict[str, str]:
 
 
 @dataclass
-class Env:
+class LocalEnv:
     dir: Path
     root: Path
     inventory: Path
@@ -401,13 +389,13 @@ class Env:
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Iterator[Env]:
+def env(tmp_path: Path) -> Iterator[LocalEnv]:
     """Deployed and ready to launch; its tmux server is killed afterwards. Needs tmux: its users skip without."""
     shutil.copy(FAKE, tmp_path / "emit_metrics.py")
     (tmp_path / "start_training.sh.j2").write_text(START)
     tmux_dir = tmp_path / "tmux"
     tmux_dir.mkdir()
-    e = Env(tmp_path, tmp_path / "root", tmp_path / "inventory.yaml", dict(
+    e = LocalEnv(tmp_path, tmp_path / "root", tmp_path / "inventory.yaml", dict(
         os.environ, CTL_STATE_DIR=str(tmp_path / "state"), TMUX_TMPDIR=str(tmux_dir), PYTHONPATH=str(REPO)))
     e.root.mkdir()
     e.write_inventory()

@@ -14,20 +14,17 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from controller import farside
 from controller.remote.client import agent_source
 from tests.conftest import REPO
+from tests.relay_fakes import json_values
 
 agent_mod = farside.load("agent")
 
 AJ = agent_mod._Json()
 
-values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
-    max_leaves=30)
+values = json_values
 
 
 @settings(max_examples=300, deadline=None)

@@ -4,7 +4,6 @@ following symlinks, the commit phase either puts every old file back or names wh
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -22,12 +21,9 @@ from controller.inventory import load
 from controller.registry import Registry
 from controller.remote.client import ApplyReply
 from controller.transport.pool import Pool
+from tests.helpers import sha_bytes
 
 agent_mod = farside.load("agent")
-
-
-def sha(b: bytes) -> str:
-    return hashlib.sha256(b).hexdigest()
 
 
 @pytest.fixture
@@ -77,7 +73,7 @@ def test_agent_apply_refuses_a_symlink_even_without_the_plan(box: tuple[Path, Pa
     _src, root, elsewhere = box
     (root / "root" / "app" / "sub").symlink_to(elsewhere)
     body = b"* * * * * root id\n"
-    tar = deploy_mod.bundle([{"index": 0, "dest": "/root/app/sub/x", "sha256": sha(body), "mode": "0644",
+    tar = deploy_mod.bundle([{"index": 0, "dest": "/root/app/sub/x", "sha256": sha_bytes(body), "mode": "0644",
                               "from": "tar"}], [body])
     out = agent_mod.apply(str(root), str(root / "var/lib/ctl"), "d1", io.BytesIO(tar))
     assert not out["ok"] and out["code"] == "symlink" and "/root/app/sub is a symlink" in out["error"]
@@ -126,7 +122,7 @@ def _v1_then_v2(src: Path, root: Path) -> tuple[Path, dict[str, bytes], list[dic
     for i, n in enumerate(("a.txt", "b.txt", "c.txt")):
         body = v1[n] + b" v2"
         (src / n).write_bytes(body)
-        entries.append({"index": i, "dest": f"/root/app/{n}", "sha256": sha(body), "mode": "0644", "from": "tar"})
+        entries.append({"index": i, "dest": f"/root/app/{n}", "sha256": sha_bytes(body), "mode": "0644", "from": "tar"})
         bodies.append(body)
     return inv, v1, entries, deploy_mod.bundle(entries, bodies)
 
@@ -151,7 +147,7 @@ def test_read_back_mismatch_is_rolled_back_not_reported_as_nothing_replaced(
 
     def lying(fd: int, name: str, where: str, follow: object = ()) -> object:
         got = real(fd, name, where, follow)
-        if name == "c.txt" and got and got.get("sha256") == sha(v1["c.txt"] + b" v2"):
+        if name == "c.txt" and got and got.get("sha256") == sha_bytes(v1["c.txt"] + b" v2"):
             return dict(got, sha256="0" * 64)
         return got
 
@@ -194,7 +190,7 @@ def test_when_the_undo_fails_too_ctl_names_what_stays_replaced_and_rollback_rest
     monkeypatch.setattr(agent_mod.os, "replace", real)
     # What the controller records for such an answer; then `ctl deploy --rollback` restores a.txt.
     files = [{"dest": "/root/app/a.txt", "sha256": doc["files"][0]["sha256"], "mode": "0644",
-              "previous": sha(v1["a.txt"]), "action": "update", "previous_mode": "0644"}]
+              "previous": sha_bytes(v1["a.txt"]), "action": "update", "previous_mode": "0644"}]
     reg.add_deploy(deploy_mod.DeployRecord("d4", "loc", "partial", 1e12, None, True, False, files, doc["error"]))
     with Pool(inv) as pool:
         res = deploy_mod.rollback(ct, pool.container(ct), reg)
@@ -209,7 +205,7 @@ def test_store_copies_keep_the_file_mode_and_the_store_is_private(box: tuple[Pat
     doc["payload"][0]["mode"] = "0600"
     inv.write_text(yaml.safe_dump(doc))
     run_deploy(inv, src / "state")
-    obj = root / "var/lib/ctl/objects" / sha((src / "a.txt").read_bytes())
+    obj = root / "var/lib/ctl/objects" / sha_bytes((src / "a.txt").read_bytes())
     assert stat.S_IMODE(obj.stat().st_mode) == 0o600
     assert stat.S_IMODE((root / "var/lib/ctl/objects").stat().st_mode) == 0o700
     assert stat.S_IMODE((root / "var/lib/ctl").stat().st_mode) == 0o700

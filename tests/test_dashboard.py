@@ -26,7 +26,8 @@ import yaml
 from controller.lifecycle import Lifecycle
 from controller.registry import Registry
 from tests.browser import Browser, chromium
-from tests.conftest import REPO, Env, wait_for
+from tests.conftest import REPO, LocalEnv
+from tests.helpers import wait_for
 
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 needs_chromium = pytest.mark.skipif(chromium() is None, reason="chromium is not installed (scripts/setup.sh "
@@ -48,7 +49,7 @@ ANSI = "\x1b]0;pwned title\x07\x1b[31mred text\x1b[0m"
 class Dash:
     """`ctl dashboard` in a process of its own: its URL, and plain HTTP requests to it."""
 
-    def __init__(self, env: Env, *args: str, inventory: Path | None = None,
+    def __init__(self, env: LocalEnv, *args: str, inventory: Path | None = None,
                  extra_env: dict[str, str] | None = None) -> None:
         argv = [sys.executable, "-m", "controller", "-i", str(inventory or env.inventory), "dashboard", "--port",
                 "0", "--interval", "1s", *args]
@@ -96,7 +97,7 @@ class Dash:
 
 
 @contextlib.contextmanager
-def dashboard(env: Env, *args: str, **kw: Any) -> Iterator[Dash]:
+def dashboard(env: LocalEnv, *args: str, **kw: Any) -> Iterator[Dash]:
     d = Dash(env, *args, **kw)
     try:
         yield d
@@ -109,7 +110,7 @@ def row(snap: dict[str, Any], ref: str) -> dict[str, Any] | None:
 
 
 @pytest.fixture
-def runs(env: Env) -> Env:
+def runs(env: LocalEnv) -> LocalEnv:
     """fresh1 finished at 12.8K tok/s and marked good; fresh2 running at 4.6K, its log opening with HTML and
     escape sequences; one poll of `ctl supervise` has recorded events."""
     (env.dir / "start_training.sh.j2").write_text(START)
@@ -128,7 +129,7 @@ def runs(env: Env) -> Env:
 @pytest.mark.slow  # about a minute: two runs, a supervisor poll, a browser
 @needs_tmux
 @needs_chromium
-def test_the_page_shows_live_runs_their_verdicts_and_log_lines_as_text(runs: Env, tmp_path: Path) -> None:
+def test_the_page_shows_live_runs_their_verdicts_and_log_lines_as_text(runs: LocalEnv, tmp_path: Path) -> None:
     with dashboard(runs, "--log-lines", "5000") as d, Browser() as b:
         b.goto(d.url)
         # The token went into an HttpOnly cookie and out of the address bar.
@@ -193,7 +194,7 @@ def test_the_page_shows_live_runs_their_verdicts_and_log_lines_as_text(runs: Env
     assert d.proc.returncode == 0
 
 
-def test_every_request_needs_the_token_and_the_host_it_was_served_on(env_noruns: Env) -> None:
+def test_every_request_needs_the_token_and_the_host_it_was_served_on(env_noruns: LocalEnv) -> None:
     with dashboard(env_noruns) as d:
         p = d.port
         for path in ("/", "/api/snapshot", "/api/stream", "/static/dashboard.js", "/api/run/1", "/nothing"):
@@ -231,7 +232,7 @@ def test_the_page_puts_no_text_into_the_dom_as_markup() -> None:
 
 
 @needs_tmux
-def test_a_silent_host_reads_unreachable_and_never_holds_up_the_page(env: Env, tmp_path: Path) -> None:
+def test_a_silent_host_reads_unreachable_and_never_holds_up_the_page(env: LocalEnv, tmp_path: Path) -> None:
     # A "host" that accepts TCP connections and never says a word: the SSH banner never comes.
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -281,7 +282,7 @@ def test_a_silent_host_reads_unreachable_and_never_holds_up_the_page(env: Env, t
         silent.close()
 
 
-def test_bind_refuses_what_is_not_one_loopback_address_without_the_flag(env_noruns: Env) -> None:
+def test_bind_refuses_what_is_not_one_loopback_address_without_the_flag(env_noruns: LocalEnv) -> None:
     def refused(*args: str) -> str:
         r = env_noruns.ctl("dashboard", *args, timeout=30)
         assert r.returncode == 4, r.stdout + r.stderr
@@ -306,11 +307,11 @@ def test_bind_refuses_what_is_not_one_loopback_address_without_the_flag(env_noru
 
 
 @pytest.fixture
-def env_noruns(tmp_path: Path) -> Env:
+def env_noruns(tmp_path: Path) -> LocalEnv:
     """An inventory of one local container and an empty registry: nothing to deploy, no tmux."""
     root = tmp_path / "root"
     root.mkdir()
-    e = Env(tmp_path, root, tmp_path / "inventory.yaml",
+    e = LocalEnv(tmp_path, root, tmp_path / "inventory.yaml",
             dict(os.environ, CTL_STATE_DIR=str(tmp_path / "state"), PYTHONPATH=str(REPO)))
     e.inventory.write_text(yaml.safe_dump({"containers": {"loc": {"transport": "local", "root": str(root)}}}))
     return e

@@ -114,3 +114,52 @@ def test_discover_diff_write(cluster: PveHost, tmp_path: Path) -> None:
     assert r.stdout.strip() == "- ct251 (vmid 251 on pve2: no longer in the cluster)"
     r = ctl(tmp_path, env, "inventory", "discover", "--host", "pve1", "--write", "--prune")
     assert r.returncode == 0 and "ct251" not in inventory.load(inv).model.containers
+
+
+@pytest.fixture
+def with_vms_and_templates(cluster: PveHost) -> Iterator[PveHost]:
+    """Beside the containers: a QEMU VM on pve1, a QEMU template on pve2, and an LXC template on pve1 (a config
+    with `template: 1` and no container behind it: a template never runs)."""
+    made = [cluster.node_dir("pve1") / "etc-pve" / "nodes" / "pve1" / "qemu-server" / "150.conf",
+            cluster.node_dir("pve2") / "etc-pve" / "nodes" / "pve2" / "qemu-server" / "9000.conf",
+            cluster.node_dir("pve1") / "etc-pve" / "nodes" / "pve1" / "lxc" / "260.conf"]
+    texts = ["boot: order=scsi0\ncores: 4\nmemory: 8192\nname: winvm\nscsi0: local-lvm:vm-150-disk-0,size=32G\n",
+             "cores: 2\nmemory: 2048\nname: debian-tmpl\ntemplate: 1\n",
+             "arch: amd64\ncores: 2\nhostname: tmpl260\nmemory: 1024\nostype: debian\ntemplate: 1\n"]
+    try:
+        for f, text in zip(made, texts, strict=True):
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(text)
+        yield cluster
+    finally:
+        for f in made:
+            f.unlink(missing_ok=True)
+
+
+def test_discover_leaves_out_qemu_guests_and_templates(with_vms_and_templates: PveHost, tmp_path: Path) -> None:
+    cluster = with_vms_and_templates
+    s = requests.Session()
+    s.verify = str(cluster.api_ca)
+    s.trust_env = False
+    s.headers["Authorization"] = f"PVEAPIToken=root@pam!ctl={cluster.api_token[1]}"
+    vms = s.get(f"{cluster.api_url}/api2/json/cluster/resources", params={"type": "vm"}, timeout=10).json()["data"]
+    # the stand-in lists them as PVE does: the guests of both kinds, templates flagged
+    assert {(c["id"], c["type"], c["node"], c["name"], c["template"]) for c in vms
+            if c["vmid"] in (150, 9000, 260)} == {("qemu/150", "qemu", "pve1", "winvm", 0),
+                                                   ("qemu/9000", "qemu", "pve2", "debian-tmpl", 1),
+                                                   ("lxc/260", "lxc", "pve1", "tmpl260", 1)}
+
+    env = {"CTL_TEST_PVE_TOKEN": cluster.api_token[1], "CTL_STATE_DIR": str(tmp_path / "state")}
+    inv = tmp_path / "inventory.yaml"
+    cluster.write_inventory(inv, hosts={"pve1": {"api": cluster.api_spec("pve1", secret_env="CTL_TEST_PVE_TOKEN")}})
+    r = ctl(tmp_path, env, "--json", "inventory", "discover", "--host", "pve1", "--diff")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["requests"] == 2 + 4 and not doc["errors"]  # no config asked for a VM or a template
+    assert {c["vmid"] for c in doc["containers"] if not c.get("template")} == {200, 201, 300, 301}
+    assert not [c for c in doc["changes"] if c["vmid"] in (150, 9000, 260)], doc["changes"]
+    r = ctl(tmp_path, env, "inventory", "discover", "--host", "pve1", "--write")
+    assert r.returncode == 0, r.stderr
+    m = inventory.load(inv).model
+    assert not {c.vmid for c in m.containers.values()} & {150, 9000, 260}
+    assert {c.vmid for c in m.containers.values()} == {200, 201, 300, 301}

@@ -4,6 +4,7 @@ sockets (listen + nonce, refused, something else answering, port in use) and the
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ from controller.core.metrics import MetricPoint, combine_nodes
 from controller.core.rundiff import diff_nodes
 from controller.lifecycle import Lifecycle
 from controller.registry import RunRecord
+from tests.helpers import free_port
 
 agent_mod = farside.load("agent")
 
@@ -69,12 +71,6 @@ def test_diff_compares_node_by_node() -> None:
 
 
 # --- the agent's rendezvous check, on this machine's loopback ----------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def in_thread(fn, *args):  # type: ignore[no-untyped-def]
@@ -164,3 +160,45 @@ def test_only_nodes_that_log_metrics_can_stall_a_run(tmp_path: Path) -> None:
     assert state == RunState.OK, why
     state, why = judge(idle0=3600, idle1=2)
     assert state == RunState.STALLED and "ct200" in why, why
+
+
+def test_the_merged_tail_of_a_job_is_in_the_order_its_nodes_wrote(tmp_path: Path) -> None:
+    """`ctl tail JOB`'s history (runs.history): two nodes' lines interleaved by their LOG.times (over the agent,
+    through the local transport), a line without a sample after the one before it on its node, a tie broken by the
+    node's rank. Plain concatenation (all of ct-a, then all of ct-b) or a sort by text fails here."""
+    import yaml
+
+    from controller.commands.runs import history
+    from controller.inventory import load
+    from controller.transport.pool import Pool
+
+    written = {  # node -> [(line, when it reached the log)]; None: written after the last sample
+        "ct-a": [("a1 step=1", 100.0), ("a2 step=2", 102.0), ("a3 step=3", 104.0), ("a4 step=4", 106.0)],
+        "ct-b": [("b1 step=1", 101.0), ("b2 step=2", 102.0), ("b3 step=3", 105.0), ("b4 no sample", None)],
+    }
+    for ct, lines in written.items():
+        w = tmp_path / ct / "w"
+        w.mkdir(parents=True)
+        text, samples = b"", []
+        for line, when in lines:
+            text += line.encode() + b"\n"
+            if when is not None:
+                samples.append(f"{len(text)} {when}\n")
+        (w / "r1.log").write_bytes(text)
+        (w / "r1.log.times").write_text("".join(samples))
+        os.utime(w / "r1.log", (200.0, 200.0))  # the mtime stands for the last line's time
+    inv_path = tmp_path / "inventory.yaml"
+    inv_path.write_text(yaml.safe_dump({"containers": {ct: {"transport": "local", "root": str(tmp_path / ct)}
+                                                       for ct in written}}))
+    inv = load(inv_path)
+    members = [replace(node("ct-a", 0, R), id=10), replace(node("ct-b", 1, R), id=11)]
+    with Pool(inv) as pool:
+        merged, sizes = history(inv, pool, members, 10)
+        assert [text for _n, text in merged] == ["a1 step=1", "b1 step=1", "a2 step=2", "b2 step=2", "a3 step=3",
+                                                 "b3 step=3", "a4 step=4", "b4 no sample"]
+        assert [n for n, _t in merged] == ["ct-a", "ct-b"] * 4
+        assert sizes == {10: (tmp_path / "ct-a" / "w" / "r1.log").stat().st_size,
+                         11: (tmp_path / "ct-b" / "w" / "r1.log").stat().st_size}
+        # the last 2 lines of each node, still merged by time
+        last, _ = history(inv, pool, members, 2)
+        assert [text for _n, text in last] == ["a3 step=3", "b3 step=3", "a4 step=4", "b4 no sample"]

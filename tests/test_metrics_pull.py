@@ -25,25 +25,16 @@ from controller.settings import checkpoint_glob
 from controller.transport.base import Result
 from controller.transport.counting import Counting
 from controller.transport.local import LocalContainer
-from tests.conftest import Env  # the `env` fixture (local inventory, tmux, state dir) is in conftest
+from tests.conftest import LocalEnv  # the `env` fixture (local inventory, tmux, state dir) is in conftest
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-
-
-def wait_for(pred: Any, timeout: float = 20, every: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError("condition not met in time")
 
 
 # --- verdicts end to end -------------------------------------------------------------------------
 
 
-def test_slow_run_is_reported_against_the_marked_good_baseline_within_the_first_window(env: Env) -> None:
+def test_slow_run_is_reported_against_the_marked_good_baseline_within_the_first_window(env: LocalEnv) -> None:
     env.launch("fresh1", "--tok-s 12800 --steps 12 --interval 0.02 --jitter 0", follow=True)
     assert "marked good" in env.ok("mark-good", "fresh1")
     env.launch("fresh2", "--tok-s 4600 --steps 600 --interval 0.2 --jitter 0")
@@ -56,7 +47,7 @@ def test_slow_run_is_reported_against_the_marked_good_baseline_within_the_first_
             seen.append(rows[0])
             return (rc, rows[0]) if rows[0]["verdict"] != "warmup" else None
 
-        rc, row = wait_for(judged)
+        rc, row = wait_for("a judged status", judged, 20)
         # The first judgement after the warm-up already says SLOW, with the ratio to the baseline.
         assert row["verdict"] == "slow" and rc == ExitCode.SLOW
         assert row["baseline"] == "loc/fresh1" and row["ratio"] == pytest.approx(4.6 / 12.8, abs=0.02)
@@ -70,10 +61,10 @@ def test_slow_run_is_reported_against_the_marked_good_baseline_within_the_first_
     assert rc == 0 and rows[0]["verdict"] == "finished" and "stopped by ctl stop" in rows[0]["reason"]
 
 
-def test_a_log_that_stops_growing_is_stalled(env: Env) -> None:
+def test_a_log_that_stops_growing_is_stalled(env: LocalEnv) -> None:
     env.launch("quiet", "--tok-s 12800 --steps 100 --interval 0.02 --stall-after 5")
     try:
-        wait_for(lambda: env.status("--stall-after", "1h")[1][0]["step"] == 5)
+        wait_for("step 5 in ctl status", lambda: env.status("--stall-after", "1h")[1][0]["step"] == 5, 20)
         time.sleep(2.2)
         rc, rows = env.status("--stall-after", "2s")
         assert rc == ExitCode.STALLED and rows[0]["verdict"] == "stalled"
@@ -83,7 +74,7 @@ def test_a_log_that_stops_growing_is_stalled(env: Env) -> None:
         env.ctl("stop", "quiet", "--grace", "1")
 
 
-def test_watch_ends_when_the_run_crashes_or_reaches_the_step(env: Env) -> None:
+def test_watch_ends_when_the_run_crashes_or_reaches_the_step(env: LocalEnv) -> None:
     env.launch("boom", "--tok-s 12800 --steps 8 --interval 0.05 --crash cuda-oom")
     r = env.ctl("watch", "boom", "--until-step", "100000", "--every", "0.3s")
     assert r.returncode == ExitCode.RUN_FAILED, r.stdout + r.stderr
@@ -102,7 +93,7 @@ def test_watch_ends_when_the_run_crashes_or_reaches_the_step(env: Env) -> None:
     assert env.ctl("watch", "long").returncode == ExitCode.INPUT  # neither --until-step nor --for
 
 
-def test_export_plot_and_pull_through_the_cli(env: Env) -> None:
+def test_export_plot_and_pull_through_the_cli(env: LocalEnv) -> None:
     env.launch("fresh1", "--tok-s 21500 --steps 15 --interval 0.01", follow=True)
     ckpt = env.root / "workspace" / "runs" / "fresh1" / "checkpoints"
     ckpt.mkdir(parents=True)
@@ -133,7 +124,7 @@ def test_export_plot_and_pull_through_the_cli(env: Env) -> None:
     assert env.ctl("metrics", "pull", "nosuch").returncode == ExitCode.INPUT
 
 
-def test_export_several_runs_to_tensorboard_and_files(env: Env) -> None:
+def test_export_several_runs_to_tensorboard_and_files(env: LocalEnv) -> None:
     pytest.importorskip("tensorboardX")
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     env.launch("tb1", "--tok-s 12800 --steps 6 --interval 0.01 --json", follow=True)  # JSON lines carry `time`
@@ -337,7 +328,7 @@ def test_baseline_precedence_inventory_then_latest_marked_good(tmp_path: Path) -
         monitor.resolve_baseline(load(str(inv_path)), reg, me)
 
 
-def test_mark_good_cli_and_unset(env: Env) -> None:
+def test_mark_good_cli_and_unset(env: LocalEnv) -> None:
     env.launch("fresh1", "--tok-s 12800 --steps 3 --interval 0", follow=True)
     assert json.loads(env.ok("--json", "mark-good", "fresh1")) == {"run": "loc/fresh1", "good": True, "forced": False,
                                                                    "why": "finished with exit 0"}
@@ -347,7 +338,7 @@ def test_mark_good_cli_and_unset(env: Env) -> None:
     assert env.ctl("mark-good", "nosuch").returncode == ExitCode.INPUT
 
 
-def test_bad_options_are_one_clear_line(env: Env) -> None:
+def test_bad_options_are_one_clear_line(env: LocalEnv) -> None:
     for args, words in ((["status", "--slow-ratio", "1.5"], "--slow-ratio"),
                         (["status", "--stall-after", "soon"], "--stall-after: 'soon' is not a duration"),
                         (["status", "--checkpoints", "../x/*.pt"], "relative pattern"),

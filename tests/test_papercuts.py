@@ -9,12 +9,12 @@ import shutil
 import pytest
 
 from controller.errors import ExitCode
-from tests.conftest import Env
+from tests.conftest import LocalEnv
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
 
-def test_mark_good_refuses_a_run_stopped_for_being_slow_unless_forced(env: Env) -> None:
+def test_mark_good_refuses_a_run_stopped_for_being_slow_unless_forced(env: LocalEnv) -> None:
     env.launch("fresh1", "--tok-s 12800 --steps 6 --interval 0.01 --jitter 0", follow=True)
     env.launch("fresh2", "--tok-s 4600 --steps 100000 --interval 0.05 --jitter 0")
     env.ok("stop", "fresh2", "--grace", "2")
@@ -32,7 +32,7 @@ def test_mark_good_refuses_a_run_stopped_for_being_slow_unless_forced(env: Env) 
     assert done == {"run": "loc/fresh1", "good": True, "forced": False, "why": "finished with exit 0"}
 
 
-def test_mark_good_takes_a_live_run_judged_ok(env: Env) -> None:
+def test_mark_good_takes_a_live_run_judged_ok(env: LocalEnv) -> None:
     env.launch("fresh1", "--tok-s 12800 --steps 100000 --interval 0.02 --jitter 0")
     try:
         for _ in range(50):  # past the warm-up window, the run is judged (no baseline: OK on its own)
@@ -45,7 +45,7 @@ def test_mark_good_takes_a_live_run_judged_ok(env: Env) -> None:
         env.ctl("stop", "fresh1", "--grace", "1")
 
 
-def test_env_lock_without_a_venv_names_the_inventory_key(env: Env) -> None:
+def test_env_lock_without_a_venv_names_the_inventory_key(env: LocalEnv) -> None:
     env.env.pop("VIRTUAL_ENV", None)
     r = env.ctl("env", "lock", "loc", "-o", str(env.dir / "loc.lock"))
     assert r.returncode == ExitCode.INPUT, r.stdout + r.stderr
@@ -53,14 +53,14 @@ def test_env_lock_without_a_venv_names_the_inventory_key(env: Env) -> None:
     assert "--venv" not in r.stderr and not (env.dir / "loc.lock").exists()
 
 
-def test_runs_of_an_unknown_container_is_refused_like_status(env: Env) -> None:
+def test_runs_of_an_unknown_container_is_refused_like_status(env: LocalEnv) -> None:
     r = env.ctl("--json", "runs", "ct999")
     s = env.ctl("--json", "status", "ct999")
     assert r.returncode == s.returncode == ExitCode.INPUT
     assert "unknown container 'ct999'" in r.stderr and r.stdout == ""
 
 
-def test_attach_to_an_ended_run_says_so_and_points_to_tail(env: Env) -> None:
+def test_attach_to_an_ended_run_says_so_and_points_to_tail(env: LocalEnv) -> None:
     env.launch("fresh1", "--tok-s 12800 --steps 3 --interval 0", follow=True)
     r = env.ctl("attach", "fresh1")
     assert r.returncode == ExitCode.INPUT
@@ -69,7 +69,7 @@ def test_attach_to_an_ended_run_says_so_and_points_to_tail(env: Env) -> None:
     assert "no sessions" not in r.stderr + r.stdout and "Pseudo-terminal" not in r.stderr
 
 
-def test_attach_without_a_terminal_is_refused(env: Env) -> None:
+def test_attach_without_a_terminal_is_refused(env: LocalEnv) -> None:
     env.launch("fresh1", "--tok-s 12800 --steps 100000 --interval 0.05")
     try:
         r = env.ctl("attach", "fresh1")
@@ -78,7 +78,7 @@ def test_attach_without_a_terminal_is_refused(env: Env) -> None:
         env.ctl("stop", "fresh1", "--grace", "1")
 
 
-def test_deploy_without_names_needs_all_when_the_inventory_has_several(env: Env) -> None:
+def test_deploy_without_names_needs_all_when_the_inventory_has_several(env: LocalEnv) -> None:
     (env.dir / "root2").mkdir()
     doc = env.inventory.read_text().replace("containers:\n", f"containers:\n  loc2: {{transport: local, root: "
                                                                 f"{env.dir / 'root2'}}}\n", 1)

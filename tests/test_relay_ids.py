@@ -9,65 +9,19 @@ reuses free ids.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from controller.transport.mux.client import _SockChan
 from controller.transport.relay import MAX_SID, HostRelay
-
-
-class _LocalChan(_SockChan):
-    """The session socket's channel (the few paramiko channel methods HostRelay uses) over a socket pair whose
-    other end is the relay's stdin and stdout, and the relay process's exit status."""
-
-    def __init__(self, argv: list[str]) -> None:
-        ours, theirs = socket.socketpair()
-        super().__init__(ours)
-        self.proc = subprocess.Popen(argv, stdin=theirs, stdout=theirs, stderr=subprocess.PIPE, close_fds=True)
-        theirs.close()
-
-    def exit_status_ready(self) -> bool:
-        return self.proc.poll() is not None
-
-    def recv_exit_status(self) -> int:
-        return self.proc.wait()
-
-    def recv_stderr_ready(self) -> bool:
-        return False
-
-    def recv_stderr(self, n: int) -> bytes:
-        return b""
-
-
-class _LocalHost:
-    """What HostRelay needs of an SshEndpoint: a name and an exec channel (here: a local process)."""
-
-    name = "local"
-    request_timeout: float | None = 60.0  # the deadline an SshEndpoint would give each request
-
-    def __init__(self) -> None:
-        self.chans: list[_LocalChan] = []
-
-    def exec_channel(self, argv: list[str]) -> _LocalChan:
-        chan = _LocalChan(argv)
-        self.chans.append(chan)
-        return chan
-
-    def close(self) -> None:
-        pass
-
-    def _why(self) -> str:
-        return ""  # an SshEndpoint's reason for a dropped connection (its keepalive's); none here
+from tests.relay_fakes import LocalHost
 
 
 @pytest.fixture
-def relay() -> Iterator[tuple[HostRelay, _LocalHost]]:
-    host = _LocalHost()
+def relay() -> Iterator[tuple[HostRelay, LocalHost]]:
+    host = LocalHost()
     r = HostRelay(host)  # type: ignore[arg-type]
     assert r.available(), r.why_unavailable
     yield r, host
@@ -82,7 +36,7 @@ def _threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
-def test_twelve_thousand_commands_through_one_relay_across_the_id_wrap(relay: tuple[HostRelay, _LocalHost]) -> None:
+def test_twelve_thousand_commands_through_one_relay_across_the_id_wrap(relay: tuple[HostRelay, LocalHost]) -> None:
     """Every 100th command is a real process; the others are commands that cannot start (the relay answers
     E and X 127 without a process, as a shell would), so thousands of them take seconds. The first 5,000 use ids
     1..5000; the allocator is then moved close to the wrap, so the next 7,000 run up to MAX_SID and wrap onto
@@ -120,7 +74,7 @@ def test_twelve_thousand_commands_through_one_relay_across_the_id_wrap(relay: tu
     assert _threads(relay_pid) <= early + 8
 
 
-def test_ids_in_use_are_never_handed_out_twice(relay: tuple[HostRelay, _LocalHost]) -> None:
+def test_ids_in_use_are_never_handed_out_twice(relay: tuple[HostRelay, LocalHost]) -> None:
     r, _host = relay
     r._next = MAX_SID - 2  # close to the wrap
     held = [r.open(["cat"]) for _ in range(5)]  # open streams straddling the wrap: MAX_SID-2 .. 2
@@ -136,7 +90,7 @@ def test_ids_in_use_are_never_handed_out_twice(relay: tuple[HostRelay, _LocalHos
         assert d.finish(timeout=30).stdout == f"stream {i}\n".encode()
 
 
-def test_a_wrapped_id_meets_no_stale_child_on_the_relay(relay: tuple[HostRelay, _LocalHost]) -> None:
+def test_a_wrapped_id_meets_no_stale_child_on_the_relay(relay: tuple[HostRelay, LocalHost]) -> None:
     """The relay side alone: the same id, started again right after its X frame, runs the new command."""
     r, _host = relay
     for i in range(200):
@@ -147,7 +101,7 @@ def test_a_wrapped_id_meets_no_stale_child_on_the_relay(relay: tuple[HostRelay, 
         assert (res.returncode, res.stdout, res.err) == (0, f"{i}\n".encode(), ""), i
 
 
-def test_relay_exits_after_its_input_ends_with_streams_open(relay: tuple[HostRelay, _LocalHost]) -> None:
+def test_relay_exits_after_its_input_ends_with_streams_open(relay: tuple[HostRelay, LocalHost]) -> None:
     r, host = relay
     d = r.open(["cat"])
     d.send(b"last words\n")

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 
 from controller import farside
 from controller.transport.relay import relay_source
-from tests.test_agent_json import values as json_values
+from tests.relay_fakes import json_values
 
 hostrelay = farside.load("relay")
 Proc, TimeoutExpired, dumps, loads = hostrelay.Proc, hostrelay.TimeoutExpired, hostrelay.dumps, hostrelay.loads

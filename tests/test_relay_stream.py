@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from controller.transport.relay import HostRelay, frames
-from tests.test_relay_ids import _LocalHost
+from tests.relay_fakes import LocalHost
 
 
 @pytest.fixture
 def relay() -> Iterator[HostRelay]:
-    host = _LocalHost()
+    host = LocalHost()
     r = HostRelay(host)  # type: ignore[arg-type]
     assert r.available(), r.why_unavailable
     yield r

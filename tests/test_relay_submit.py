@@ -20,13 +20,13 @@ from controller.remote.client import VERB_AT, Agent, agent_argv, agent_sha, agen
 from controller.transport.base import AgentStart, Result
 from controller.transport.mux.client import MuxRelay
 from controller.transport.relay import HostRelay
-from tests.test_relay_ids import _LocalHost
-from tests.test_staying_agent import FAKE, FAKE_AT, fake
+from tests.helpers import wait_for
+from tests.relay_fakes import FAKE, FAKE_AT, LocalHost, fake
 
 
 @pytest.fixture
-def relay() -> Iterator[tuple[HostRelay, _LocalHost]]:
-    host = _LocalHost()
+def relay() -> Iterator[tuple[HostRelay, LocalHost]]:
+    host = LocalHost()
     r = HostRelay(host)  # type: ignore[arg-type]
     assert r.available() and r.staying, r.why_unavailable
     yield r, host
@@ -66,7 +66,7 @@ def hello_start() -> AgentStart:
 
 
 def test_forty_requests_in_flight_from_one_thread_are_each_answered_once_by_the_reader(
-        relay: tuple[HostRelay, _LocalHost]) -> None:
+        relay: tuple[HostRelay, LocalHost]) -> None:
     r, _host = relay
     calls = Calls()
     threads = threading.active_count()
@@ -74,7 +74,8 @@ def test_forty_requests_in_flight_from_one_thread_are_each_answered_once_by_the_
         r.submit(HELLO, agent=hello_start(), stdin=SOURCE, on_done=calls.cb(i))
     assert threading.active_count() <= threads + 1  # nothing per request (at most a K sender)
     calls.wait(40)
-    time.sleep(0.2)
+    # every stream ended and its id freed: no frame can reach a callback again, so a second answer would be here
+    wait_for("every stream's end", lambda: not r._streams, 30)
     assert sorted(calls.got) == list(range(40)) and all(len(v) == 1 for v in calls.got.values())
     for (got, thread), in calls.got.values():
         assert isinstance(got, Result) and got.returncode == 0, got
@@ -84,7 +85,7 @@ def test_forty_requests_in_flight_from_one_thread_are_each_answered_once_by_the_
     assert agent_sha() in r.sources_sent  # the next requests leave the source out
 
 
-def test_requests_in_flight_together_carry_the_agents_source_once(relay: tuple[HostRelay, _LocalHost]) -> None:
+def test_requests_in_flight_together_carry_the_agents_source_once(relay: tuple[HostRelay, LocalHost]) -> None:
     """A fresh relay, 40 requests at once: the first carries the 77 KB source, the relay keeps it as soon as that
     request is all in, and the 39 behind it leave it out (none is told U)."""
     r, _host = relay
@@ -106,7 +107,7 @@ def test_requests_in_flight_together_carry_the_agents_source_once(relay: tuple[H
 
 
 def test_a_request_that_leaves_the_source_out_after_one_that_carries_it_is_never_told_u(
-        relay: tuple[HostRelay, _LocalHost]) -> None:
+        relay: tuple[HostRelay, LocalHost]) -> None:
     """run() with the source (more than one frame) counts it as sent: a request after that point leaves it out,
     so the carrying request must be closed by then (the relay keeps a source at its close), or the one behind
     it is told U and sent again. Here the second request runs right at that point, before the first waits."""
@@ -128,7 +129,7 @@ def test_a_request_that_leaves_the_source_out_after_one_that_carries_it_is_never
 
 
 def test_a_deadline_met_twice_sends_one_k_and_one_met_after_the_end_frees_the_id(
-        relay: tuple[HostRelay, _LocalHost]) -> None:
+        relay: tuple[HostRelay, LocalHost]) -> None:
     r, _host = relay
     ks: list[int] = []
     send = r._send
@@ -154,19 +155,19 @@ def test_a_deadline_met_twice_sends_one_k_and_one_met_after_the_end_frees_the_id
     assert quick.sid not in r._streams and ks == [hung.sid]  # type: ignore[attr-defined]
 
 
-def test_a_source_the_relay_does_not_keep_goes_again_and_is_answered_once(relay: tuple[HostRelay, _LocalHost]) -> None:
+def test_a_source_the_relay_does_not_keep_goes_again_and_is_answered_once(relay: tuple[HostRelay, LocalHost]) -> None:
     r, _host = relay
     r.sources_sent.add(agent_sha())  # believed kept: the request leaves it out, the relay answers U
     calls = Calls()
     r.submit(HELLO, agent=hello_start(), stdin=SOURCE, on_done=calls.cb(0))
     calls.wait(1)
-    time.sleep(0.3)
+    wait_for("the stream's end", lambda: not r._streams, 30)  # after it, no second answer can come
     ((got, _thread),) = calls.got[0]
     assert isinstance(got, Result) and json.loads(got.stdout)["staying"] is True
     assert agent_sha() in r.sources_missing
 
 
-def test_a_request_past_its_deadline_is_told_once_and_the_relay_goes_on(relay: tuple[HostRelay, _LocalHost]) -> None:
+def test_a_request_past_its_deadline_is_told_once_and_the_relay_goes_on(relay: tuple[HostRelay, LocalHost]) -> None:
     r, _host = relay
     calls = Calls()
     hung = r.submit(fake("hang"), agent=AgentStart(FAKE_AT, len(FAKE), True, ""), stdin=FAKE, on_done=calls.cb(0))
@@ -182,7 +183,7 @@ def test_a_request_past_its_deadline_is_told_once_and_the_relay_goes_on(relay: t
     assert isinstance(calls.got[1][0][0], Result) and len(calls.got[0]) == 1
 
 
-def test_an_id_whose_k_has_not_gone_yet_is_not_handed_out_again(relay: tuple[HostRelay, _LocalHost]) -> None:
+def test_an_id_whose_k_has_not_gone_yet_is_not_handed_out_again(relay: tuple[HostRelay, LocalHost]) -> None:
     """A request past its deadline gets a K from a thread of its own. Were that K held up (here: the channel's send
     lock held, as a relay that stopped reading would hold it) while the request's X came, the id would be free
     again; after a wrap a new stream would take it and the late K would end that stream instead. The id stays
@@ -216,7 +217,7 @@ def test_an_id_whose_k_has_not_gone_yet_is_not_handed_out_again(relay: tuple[Hos
     assert isinstance(calls.got[1][0][0], Result)
 
 
-def test_a_callback_that_raises_is_shown_and_the_reader_goes_on(relay: tuple[HostRelay, _LocalHost],
+def test_a_callback_that_raises_is_shown_and_the_reader_goes_on(relay: tuple[HostRelay, LocalHost],
                                                                   capfd: pytest.CaptureFixture[str]) -> None:
     r, _host = relay
     calls = Calls()
@@ -237,7 +238,7 @@ def test_a_callback_that_raises_is_shown_and_the_reader_goes_on(relay: tuple[Hos
     assert "KeyError: 'a bug in the caller'" in err
 
 
-def test_an_answer_past_its_cap_is_refused_once(relay: tuple[HostRelay, _LocalHost]) -> None:
+def test_an_answer_past_its_cap_is_refused_once(relay: tuple[HostRelay, LocalHost]) -> None:
     r, _host = relay
     calls = Calls()
     r.submit(fake("big"), agent=AgentStart(FAKE_AT, len(FAKE), True, ""), stdin=FAKE, on_done=calls.cb(0),
@@ -248,7 +249,7 @@ def test_an_answer_past_its_cap_is_refused_once(relay: tuple[HostRelay, _LocalHo
     assert isinstance(got, OutputTooLarge)
 
 
-def test_every_request_in_flight_is_told_once_when_the_relay_ends(relay: tuple[HostRelay, _LocalHost]) -> None:
+def test_every_request_in_flight_is_told_once_when_the_relay_ends(relay: tuple[HostRelay, LocalHost]) -> None:
     r, host = relay
     calls = Calls()
     for i in range(3):
@@ -301,7 +302,7 @@ class _Hanging(_Here):
                                  on_done=on_done, max_output=max_output)
 
 
-def _flows_over(relay: HostRelay, host: _LocalHost, n: int, per_host: int, *, end_first: bool) -> list[Any]:
+def _flows_over(relay: HostRelay, host: LocalHost, n: int, per_host: int, *, end_first: bool) -> list[Any]:
     cts = [SimpleNamespace(name=f"ct{i}", host_name="h", spec=SimpleNamespace(transport="pct")) for i in range(n)]
 
     def flow(_ct: Any, _agent: Any) -> Any:
@@ -328,7 +329,7 @@ def test_flows_under_a_relay_that_ends_fail_each_container_and_start_the_queued_
     """per_host 1: each failure starts the next queued container from the reader thread, whose request then
     fails as it is asked; a session's reader must not try to replace its own session (it would wait for
     itself)."""
-    host = _LocalHost()
+    host = LocalHost()
     r = cls(host, 60) if cls is _LocalMux else cls(host)  # type: ignore[call-arg]
     assert r.available() and r.staying
     try:
@@ -339,7 +340,7 @@ def test_flows_under_a_relay_that_ends_fail_each_container_and_start_the_queued_
     assert all("SSH connection" in str(o.error) or "relay exited" in str(o.error) for o in out), out
 
 
-def test_a_long_queue_behind_an_ended_relay_does_not_deepen_the_stack(relay: tuple[HostRelay, _LocalHost]) -> None:
+def test_a_long_queue_behind_an_ended_relay_does_not_deepen_the_stack(relay: tuple[HostRelay, LocalHost]) -> None:
     """Every request fails as it is asked: 400 containers at 16 a time settle in a loop, not in nested calls."""
     r, host = relay
     out = _flows_over(r, host, 400, 16, end_first=True)
@@ -347,7 +348,7 @@ def test_a_long_queue_behind_an_ended_relay_does_not_deepen_the_stack(relay: tup
 
 
 def test_a_flow_reads_header_and_bytes_answers_in_flight_and_in_a_thread_alike(
-        relay: tuple[HostRelay, _LocalHost], tmp_path: Any) -> None:
+        relay: tuple[HostRelay, LocalHost], tmp_path: Any) -> None:
     """A Read step (what `ctl status` polls with) is answered with read()'s tuple, the bytes after the header
     intact, whether the flow's requests are in flight together (_Flows) or called one by one (_flow_here)."""
     r, _host = relay

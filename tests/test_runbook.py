@@ -15,7 +15,7 @@ import pytest
 from controller.core import runbook
 from controller.errors import ExitCode, InputError
 from controller.registry import Registry
-from tests.conftest import Env  # the `env` fixture (local inventory, tmux, state dir) is in conftest
+from tests.conftest import LocalEnv  # the `env` fixture (local inventory, tmux, state dir) is in conftest
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -200,13 +200,13 @@ steps:
 """
 
 
-def _args(env: Env, run: str, args: str) -> None:
+def _args(env: LocalEnv, run: str, args: str) -> None:
     (env.root / "root" / "args").mkdir(parents=True, exist_ok=True)
     (env.root / "root" / "args" / run).write_text(args)
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_slow_run_takes_the_slow_branch_and_a_healthy_one_reaches_mark_good(env: Env) -> None:
+def test_slow_run_takes_the_slow_branch_and_a_healthy_one_reaches_mark_good(env: LocalEnv) -> None:
     rb = env.dir / "relaunch.yaml"
     rb.write_text(RELAUNCH)
     env.launch("fresh1", "--tok-s 12800 --steps 12 --interval 0.02 --jitter 0", follow=True)
@@ -254,7 +254,7 @@ def test_slow_run_takes_the_slow_branch_and_a_healthy_one_reaches_mark_good(env:
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_dry_run_prints_the_plan_and_changes_nothing(env: Env) -> None:
+def test_dry_run_prints_the_plan_and_changes_nothing(env: LocalEnv) -> None:
     rb = env.dir / "relaunch.yaml"
     rb.write_text(RELAUNCH.replace('run: "{{ name }}"', "run: null"))
     (env.dir / "emit_metrics.py").write_text((env.dir / "emit_metrics.py").read_text() + "# changed\n")

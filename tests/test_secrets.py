@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from controller.core.redact import REDACTED, is_secret, redact_text, redact_vars
-from tests.conftest import START, Env
+from tests.conftest import START, LocalEnv
 
 TOKEN = "hf_SeCrEtVaLuE123"
 
@@ -34,7 +34,7 @@ def test_redaction_keeps_other_values() -> None:
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_records_and_output_hold_no_secret(env: Env) -> None:
+def test_records_and_output_hold_no_secret(env: LocalEnv) -> None:
     (env.dir / "start_training.sh.j2").write_text(
         START.replace("set -euo pipefail\n", "set -euo pipefail\n{% for k, v in env | dictsort %}export {{ k }}="
                       "{{ v | shquote }}\n{% endfor %}"))
@@ -57,7 +57,7 @@ def test_records_and_output_hold_no_secret(env: Env) -> None:
     assert TOKEN not in r.stdout + r.stderr
 
 
-def test_dry_run_stdin_file_is_private(env: Env) -> None:
+def test_dry_run_stdin_file_is_private(env: LocalEnv) -> None:
     (env.dir / "emit_metrics.py").write_text((env.dir / "emit_metrics.py").read_text() + "# v2\n")
     out = env.ok("deploy", "--dry-run")
     (stdin_file,) = (Path(env.env["CTL_STATE_DIR"]) / "dry-run").glob("*.stdin")

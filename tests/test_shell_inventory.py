@@ -61,7 +61,19 @@ def test_good_names_load(tmp_path: Path) -> None:
     doc = dict(BASE, vars={"env": {"HF_HOME": "/x", "_A1": "y"}, "train_args": {"steps": 3, "log-every": 1,
                                                                                   "no_compile": True},
                            "python": "/root/venv/bin/python3.11"})
-    load(write(tmp_path, doc))
+    from controller.commands.deploy import pin
+
+    (tmp_path / "train_dflash_pipeline.py").write_text("")
+    (tmp_path / "start_training.sh.j2").write_text((REPO / "templates" / "start_training.sh.j2").read_text())
+    inv = load(write(tmp_path, doc))
+    assert inv.model.vars == doc["vars"]
+    # ...and they reach the start script as written: exported, as the interpreter, as arguments
+    (tmp_path / "root").mkdir()
+    script = next(f for f in pin(inv, inv.container("loc")).files if f.dest.endswith("start_training.sh"))
+    lines = script.content.decode().splitlines()
+    assert "export HF_HOME=/x" in lines and "export _A1=y" in lines
+    assert any(x.startswith("exec /root/venv/bin/python3.11 -m torch.distributed.run ") for x in lines), lines
+    assert any(' --steps 3 --log-every 1 --no-compile ' in x for x in lines), lines
 
 
 def test_run_dir_with_control_character_is_refused(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from controller.commands import monitor
 from controller.core.metrics import RunState
+from controller.errors import ConnectionFailed, CtlError, RemoteCommandError
 from controller.inventory import Container, load
 from controller.lifecycle import Lifecycle
 from controller.registry import Registry
@@ -24,7 +25,7 @@ from controller.transport.base import Transport
 from controller.transport.counting import Counting
 from controller.transport.local import LocalContainer
 from controller.transport.pool import Pool
-from tests.conftest import Env
+from tests.conftest import LocalEnv
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
@@ -43,7 +44,7 @@ class CountingPool(Pool):
 
 
 @pytest.fixture
-def live3(env: Env, monkeypatch: pytest.MonkeyPatch) -> Env:
+def live3(env: LocalEnv, monkeypatch: pytest.MonkeyPatch) -> LocalEnv:
     """Three live runs and a finished one in the one container `loc`; this process sees their tmux server."""
     monkeypatch.setenv("TMUX_TMPDIR", env.env["TMUX_TMPDIR"])
     monkeypatch.setenv("CTL_STATE_DIR", env.env["CTL_STATE_DIR"])
@@ -53,7 +54,7 @@ def live3(env: Env, monkeypatch: pytest.MonkeyPatch) -> Env:
     return env
 
 
-def _wait_steps(env: Env, reg: Registry, runs: list[str], n: int = 3) -> None:
+def _wait_steps(env: LocalEnv, reg: Registry, runs: list[str], n: int = 3) -> None:
     deadline = time.monotonic() + 20
     while True:
         logs = [env.root / "workspace" / f"train_stdout_{r}.log" for r in runs]
@@ -63,7 +64,7 @@ def _wait_steps(env: Env, reg: Registry, runs: list[str], n: int = 3) -> None:
         time.sleep(0.1)
 
 
-def test_status_of_three_live_runs_of_one_container_is_one_agent_call(live3: Env) -> None:
+def test_status_of_three_live_runs_of_one_container_is_one_agent_call(live3: LocalEnv) -> None:
     env = live3
     inv = load(str(env.inventory))
     reg = Registry()
@@ -96,7 +97,7 @@ def test_status_of_three_live_runs_of_one_container_is_one_agent_call(live3: Env
     assert reg.cursor(victim.id)[0] == log.stat().st_size  # everything it printed before it died
 
 
-def test_a_log_longer_than_the_budget_reads_on_and_the_others_are_not_starved(live3: Env) -> None:
+def test_a_log_longer_than_the_budget_reads_on_and_the_others_are_not_starved(live3: LocalEnv) -> None:
     env = live3
     inv = load(str(env.inventory))
     reg = Registry()
@@ -121,7 +122,7 @@ def test_a_log_longer_than_the_budget_reads_on_and_the_others_are_not_starved(li
 
 
 def test_a_poll_whose_run_states_are_malformed_fails_its_container_and_stores_nothing(
-        live3: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+        live3: LocalEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     """The container's answer is checked before anything of it is recorded: states that are not the agent's make
     the container's call a failure (one line, each run's pull says it), and no state, point or cursor moves."""
     env = live3
@@ -162,27 +163,28 @@ def _poll(agent: Agent, ask: list[dict[str, Any]], max_bytes: int) -> Any:
     return agent.poll_answer(ask, agent.read("poll", Agent.poll_args(ask, max_bytes)))
 
 
-@pytest.mark.parametrize("reply, says", [
+@pytest.mark.parametrize("reply, says, error", [
     (b'{"ok": true, "runs": [{"state": {}, "read": {"ok": true, "length": 9}}, {"state": null, "read": '
-     b'{"ok": true, "length": 0}}], "length": 4}\nabcd', "claims 9 log bytes"),
+     b'{"ok": true, "length": 0}}], "length": 4}\nabcd', "claims 9 log bytes", AgentReplyError),
     (b'{"ok": true, "runs": [{"state": {}, "read": {"ok": true, "length": 2}}, {"state": null, "read": '
-     b'{"ok": true, "length": 1}}], "length": 4}\nabcd', "1 log bytes belong to no run"),
-    (b'{"ok": true, "runs": [{"state": {}, "read": {"ok": true, "length": 0}}], "length": 0}\n', "1 answers for 2"),
+     b'{"ok": true, "length": 1}}], "length": 4}\nabcd', "1 log bytes belong to no run", AgentReplyError),
+    (b'{"ok": true, "runs": [{"state": {}, "read": {"ok": true, "length": 0}}], "length": 0}\n', "1 answers for 2",
+     AgentReplyError),
     (b'{"ok": true, "runs": [{"state": null, "read": {"length": 0}}, {"state": null, "read": {"length": 0}}], '
-     b'"length": 0}\n', "malformed answer for run 'r1'"),
-    (b'{"ok": true, "runs": [7, 8], "length": 0}\n', "malformed answer"),
+     b'"length": 0}\n', "malformed answer for run 'r1'", AgentReplyError),
+    (b'{"ok": true, "runs": [7, 8], "length": 0}\n', "malformed answer", AgentReplyError),
     (b'{"ok": true, "runs": [{"state": {}, "read": {"length": -1}}, {"state": null, "read": {"length": 1}}], '
-     b'"length": 0}\n', "claims -1 log bytes"),
-    (b'{"ok": true, "runs": [], "length": 5}\nabc', "cut short"),
-    (b"x" * (MAX_REPLY + 100), "refused"),
+     b'"length": 0}\n', "claims -1 log bytes", AgentReplyError),
+    (b'{"ok": true, "runs": [], "length": 5}\nabc', "cut short", ConnectionFailed),
+    (b"x" * (MAX_REPLY + 100), "refused", AgentReplyError),
 ])
 def test_a_poll_reply_that_is_not_the_agents_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         reply: bytes, says: str) -> None:
+                                                         reply: bytes, says: str, error: type[CtlError]) -> None:
     agent = _agent_in(tmp_path, monkeypatch, reply)
-    with pytest.raises(Exception) as e:
+    with pytest.raises(error) as e:  # a reply cut short is a connection's fault, any other the agent's
         _poll(agent, ASK, 10)
+    assert type(e.value) is error
     assert says in str(e.value) and str(e.value).startswith("ct9") and "\n" not in str(e.value)
-    assert isinstance(e.value, AgentReplyError) or "cut short" in says
 
 
 def test_poll_answers_states_then_each_runs_bytes_within_the_budget(tmp_path: Path) -> None:
@@ -219,6 +221,6 @@ def test_the_env_probe_inside_the_agents_probe_answers_as_the_probe_alone(tmp_pa
         with pytest.raises(AgentReplyError) as e:
             agent.env_from_probe(bad)
         assert str(e.value) == "loc: agent probe: malformed 'env_probe' in its reply"
-    with pytest.raises(Exception) as e2:
+    with pytest.raises(RemoteCommandError) as e2:
         agent.env_from_probe({"rc": 1, "stdout": "not json", "stderr": "Traceback: boom"})
     assert str(e2.value).startswith("loc") and "\n" not in str(e2.value) and "env probe" in str(e2.value)

@@ -4,13 +4,16 @@ the ones of its own exec; misbehaving agents (sources written here) die, hang, f
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import resource
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Sequence
@@ -21,6 +24,8 @@ import pytest
 
 from controller.remote.client import VERB_AT, agent_argv, agent_source
 from controller.transport.relay import BOOT, HEADER, frames, relay_source
+from tests.helpers import wait_for
+from tests.relay_fakes import FAKE, FAKE_AT, fake
 
 Answer = tuple[bytes, bytes, int]  # stdout, stderr, exit status
 
@@ -218,66 +223,6 @@ if __name__ == "__main__":''')
     assert [a["requests"] for a in relay.agents()] == [3]
 
 
-# A stand-in agent for the failure modes: one-shot it answers {"via": "exec"}; under `serve` it does MODE.
-FAKE = br'''
-import json, os, struct, sys, time
-F = struct.Struct(">cHI")
-MODE = sys.argv[3] if len(sys.argv) > 3 else ""
-def put(k, d=b""):
-    os.write(1, F.pack(k, 0, len(d)) + d)
-def take(n):
-    b = b""
-    while len(b) < n:
-        c = os.read(0, n - len(b))
-        if not c:
-            sys.exit(0)
-        b += c
-    return b
-if sys.argv[2] != "serve":
-    sys.stdout.write(json.dumps({"ok": True, "via": "exec", "pid": os.getpid()}))
-    sys.exit(0)
-put(b"H", b"{}")
-if MODE == "deaf":  # said hello, then never reads again
-    time.sleep(3600)
-pipe = None
-if MODE == "small-pipe":  # its stdin holds one page: a request of more reaches it in several writes
-    import fcntl
-    fcntl.fcntl(0, 1031, 4096)  # F_SETPIPE_SZ
-    pipe = fcntl.fcntl(0, 1032)  # F_GETPIPE_SZ
-count = 0
-while True:
-    k, _, n = F.unpack(take(F.size))
-    body = take(n)
-    count += 1
-    mode = (MODE[6:] if count > 1 else "") if MODE.startswith("later-") else MODE  # later-M: M from the 2nd on
-    if mode == "die":
-        os._exit(3)
-    if mode == "hang":
-        time.sleep(3600)
-    if mode == "slow":
-        time.sleep(1.5)
-    if mode == "minus":  # an exit status that only looks like a number
-        put(b"X", b"--5")
-        continue
-    if mode == "lie":
-        put(b"O", b'{"ok": tr')
-        put(b"Z", b"?")
-        continue
-    if mode == "big":  # one frame of more than the relay reads at once
-        put(b"O", b"x" * 300000)
-    put(b"O", json.dumps({"ok": True, "via": "serve", "pid": os.getpid(), "got": len(body), "pipe": pipe}).encode())
-    put(b"E")
-    put(b"X", b"0")
-'''
-
-
-def fake(mode: str) -> list[str]:
-    """A request to the fake agent. MODE rides in the prefix (`sh -c 'exec "$0" "$@" MODE'`), so the staying
-    agent the relay starts from that prefix (`... N serve`) gets it too."""
-    return ["sh", "-c", f'exec "$0" "$@" {mode}', sys.executable, "-I", "-S", "-c", BOOT, str(len(FAKE)), "verb"]
-
-
-FAKE_AT = 9  # fake(): sh -c SCRIPT python -I -S -c BOOT N VERB
 
 
 def test_an_agent_that_ends_is_replaced_for_a_read_and_reported_for_a_write(relay: Relay) -> None:
@@ -312,8 +257,7 @@ def test_an_agent_that_sends_a_malformed_exit_status_is_ended(relay: Relay) -> N
 
 def test_a_stuck_request_given_up_ends_its_agent_and_the_relay_still_exits(relay: Relay) -> None:
     sid = relay.start(fake("hang"), FAKE, n=len(FAKE), at=FAKE_AT)
-    time.sleep(1.0)
-    assert [a["busy"] for a in relay.agents()] == [True]
+    wait_for("the request in its agent", lambda: [a["busy"] for a in relay.agents()] == [True], 30)
     relay.send(b"K", sid)  # ctl's deadline passed
     relay.wait(sid, lambda fs: any(k == b"X" for k, _ in fs), 10)  # its X still comes: the id is free again
     assert relay.agents() == []
@@ -375,15 +319,40 @@ def test_a_large_input_starts_its_exec_before_it_has_all_arrived(relay: Relay) -
     assert relay.close() == 0
 
 
+def _agent_stdin_full(relay: Relay, marker: bytes) -> bool:
+    """A process under the relay whose command line holds `marker` has a pipe for stdin that holds all it can: the
+    relay's write into it is blocked (the pipe's fill read through /proc, FIONREAD, never its bytes)."""
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or marker not in (d / "cmdline").read_bytes():
+                continue
+            pid = int(d.name)
+            while pid > 1 and pid != relay.p.pid:
+                pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(") ", 1)[1].split()[1])
+            if pid != relay.p.pid:
+                continue
+            fd = os.open(d / "fd" / "0", os.O_RDONLY | os.O_NONBLOCK)
+        except (OSError, ValueError, IndexError):
+            continue
+        try:
+            held = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+            return bool(held >= fcntl.fcntl(fd, 1032))  # F_GETPIPE_SZ
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+    return False
+
+
 def test_an_agent_that_never_reads_is_given_up_at_k(relay: Relay) -> None:
     """A staying agent that does not take its source (pct hangs) or its request (a frozen container) holds the
     relay's writes: a K still ends it at once, its X comes, and the relay exits at the end of its input."""
     big = FAKE + b"#" * (1 << 20)  # more than a pipe holds
     hung = ["sh", "-c", "exec sleep 3600", *fake("")[3:]]
     deaf = fake("deaf")
-    for argv, src, data in ((hung, big, b""), (deaf, FAKE, b"y" * (1 << 20))):
+    for argv, src, data, marker in ((hung, big, b"", b"sleep\x003600\x00"), (deaf, FAKE, b"y" * (1 << 20), b"deaf")):
         sid = relay.start(argv, src + data, n=len(src), at=FAKE_AT, retry=False)
-        time.sleep(1.0)
+        wait_for("the relay blocked on the agent's full stdin", lambda m=marker: _agent_stdin_full(relay, m), 30)  # type: ignore[misc]
         relay.send(b"K", sid)
         relay.wait(sid, lambda fs: any(k == b"X" for k, _ in fs), 5)
     t0 = time.monotonic()
@@ -476,20 +445,26 @@ def _tasks(pid: int) -> set[str]:
     return set(os.listdir(f"/proc/{pid}/task"))
 
 
-def test_the_threads_that_answer_are_kept_and_a_hung_request_holds_back_no_other(relay: Relay) -> None:
+def test_the_threads_that_answer_are_kept_and_a_hung_request_holds_back_no_other(relay: Relay, tmp_path: Path) -> None:
     """A thread per request cost the relay's reading loop its start each time: threads that answered wait for the
     next requests instead, and one stuck in a request never makes another wait."""
     hung = relay.start(fake("hang"), FAKE, n=len(FAKE), at=FAKE_AT)
-    time.sleep(0.5)
-    burst = [relay.start(fake(f"slow #{i}"), FAKE, n=len(FAKE), at=FAKE_AT) for i in range(4)]  # 4 containers
-    t0 = time.monotonic()
+    wait_for("the hung request in its agent", lambda: [a["busy"] for a in relay.agents()] == [True], 30)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    burst = [relay.start(fake(f"gate:{gate} #{i}"), FAKE, n=len(FAKE), at=FAKE_AT) for i in range(4)]  # 4 CTs
+    # side by side, past the hung one: all 4 are in their agents at once (each waits there for the gate)
+    wait_for("4 requests in their agents at once", lambda: len(list(gate.iterdir())) == 4, 60)
+    (gate / "go").touch()
     assert {json.loads(relay.answer(s)[0])["via"] for s in burst} == {"serve"}
-    assert time.monotonic() - t0 < 6  # side by side (1.5 s each), past the hung one
     time.sleep(0.2)  # a worker sends its X, then counts itself idle: let the last ones get there
     kept = _tasks(relay.p.pid)
-    again = [relay.start(fake(f"slow #{i}"), FAKE, n=len(FAKE), at=FAKE_AT) for i in range(4)]
-    time.sleep(0.5)  # the 4 requests are being answered (1.5 s each)
+    for f in gate.iterdir():  # the gate closed again; the same 4 agents take the next 4 requests
+        f.unlink()
+    again = [relay.start(fake(f"gate:{gate} #{i}"), FAKE, n=len(FAKE), at=FAKE_AT) for i in range(4)]
+    wait_for("the 4 requests in their agents", lambda: len(list(gate.iterdir())) == 4, 60)
     assert _tasks(relay.p.pid) == kept  # by the threads that answered before: none started
+    (gate / "go").touch()
     assert {json.loads(relay.answer(s)[0])["via"] for s in again} == {"serve"}
     relay.send(b"K", hung)
     relay.wait(hung, lambda fs: any(k == b"X" for k, _ in fs), 10)
@@ -510,15 +485,17 @@ def _kept(relay: Relay, mode: str) -> tuple[list[str], str]:
     return argv, sha
 
 
-def test_requests_to_idle_staying_agents_are_answered_without_a_thread(relay: Relay) -> None:
-    kept = [_kept(relay, f"later-slow {i}") for i in range(4)]  # 4 containers; one worker answered them in turn
+def test_requests_to_idle_staying_agents_are_answered_without_a_thread(relay: Relay, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    kept = [_kept(relay, f"later-gate:{gate} {i}") for i in range(4)]  # 4 containers; one worker answered them
     threads = _tasks(relay.p.pid)
-    t0 = time.monotonic()
     sids = [relay.start(argv, b"", n=0, at=FAKE_AT, sha=sha) for argv, sha in kept]
-    time.sleep(0.5)  # all 4 are being answered (1.5 s each): as workers, 3 more threads would run now
+    # side by side: all 4 are in their agents at once (as workers, 3 more threads would run now)
+    wait_for("4 requests in their agents at once", lambda: len(list(gate.iterdir())) == 4, 60)
     assert _tasks(relay.p.pid) == threads
+    (gate / "go").touch()
     assert [json.loads(relay.answer(s)[0])["via"] for s in sids] == ["serve"] * 4
-    assert time.monotonic() - t0 < 4  # side by side
     assert relay.close() == 0
 
 

@@ -4,7 +4,6 @@ without `prune`, and `--dry-run` deletes nothing."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -16,12 +15,9 @@ import yaml
 
 from controller.commands.store import RECENT_S, plan
 from controller.registry import Registry
+from tests.helpers import sha_bytes
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def sha(b: bytes) -> str:
-    return hashlib.sha256(b).hexdigest()
 
 
 def test_plan_keeps_newest_rollback_runs_and_recent() -> None:
@@ -53,7 +49,7 @@ def test_status_and_prune_on_the_local_target(tmp_path: Path) -> None:
     versions = []
     for i in range(5):
         body = f"version {i}\n".encode()
-        versions.append(sha(body))
+        versions.append(sha_bytes(body))
         (tmp_path / "a.txt").write_bytes(body)
         r = ctl(tmp_path, "deploy", "--allow-dirty")
         assert r.returncode == 0, r.stdout + r.stderr

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from controller.commands.supervise import holder_gone, lease_holder
-from tests.conftest import Env
+from tests.conftest import LocalEnv
 
 
 def test_a_holder_is_gone_only_when_its_process_is(tmp_path: object) -> None:
@@ -28,11 +28,11 @@ def test_a_holder_is_gone_only_when_its_process_is(tmp_path: object) -> None:
     assert holder_gone(alive)
 
 
-def _supervise(env: Env, *args: str) -> list[str]:
+def _supervise(env: LocalEnv, *args: str) -> list[str]:
     return [sys.executable, "-m", "controller", "-i", str(env.inventory), "supervise", "--interval", "30s", *args]
 
 
-def test_a_supervisor_killed_minus_9_is_replaced_at_once(env: Env) -> None:
+def test_a_supervisor_killed_minus_9_is_replaced_at_once(env: LocalEnv) -> None:
     holder = subprocess.Popen(_supervise(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=env.dir, env=env.env)
     try:

@@ -35,7 +35,7 @@ exec python3 {{ payload["emit_metrics.py"] }} --tok-s {{ tok_s }} --steps {{ ste
 
 
 @dataclass
-class Env:
+class PveEnv:
     dir: Path
     inventory: Path
     state: Path
@@ -59,7 +59,7 @@ class Env:
 
 
 @pytest.fixture
-def pve_env(pvehost: PveHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+def pve_env(pvehost: PveHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[PveEnv]:
     """An inventory with a fake-payload start script; runs log under a per-test directory. ctl runs and the Pools
     a test makes share the test's state directory, whose persistent sessions end with the test."""
     tag = "t" + uuid.uuid4().hex[:8]
@@ -70,7 +70,7 @@ def pve_env(pvehost: PveHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("CTL_STATE_DIR", str(state))
     monkeypatch.delenv("CTL_PERSIST", raising=False)  # the default (sessions on) unless a test says otherwise
     env = dict(os.environ, CTL_STATE_DIR=str(state), PYTHONPATH=str(REPO))
-    e = Env(tmp_path, tmp_path / "inventory.yaml", state, tag, pvehost, env)
+    e = PveEnv(tmp_path, tmp_path / "inventory.yaml", state, tag, pvehost, env)
     e.base_extra = {
         "payload": [
             {"src": "emit_metrics.py", "dest": f"/root/{tag}/emit_metrics.py"},
@@ -116,7 +116,7 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def sshd_sessions(env: Env, node: str) -> set[int]:
+def sshd_sessions(env: PveEnv, node: str) -> set[int]:
     """PIDs of the SSH sessions a test-host node's sshd is serving now (its listener's children)."""
     listener = int((env.host.base / node / "sshd.pid").read_text().strip())
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(listener)], capture_output=True, text=True).stdout
@@ -127,7 +127,7 @@ def sshd_sessions(env: Env, node: str) -> set[int]:
 # A venv inside a container: the host's python3, the seeds' good packages as dist-info (no real installs)
 
 
-def container_venv(env: Env, vmid: int = 200) -> tuple[str, Path]:
+def container_venv(env: PveEnv, vmid: int = 200) -> tuple[str, Path]:
     """A --without-pip venv made from the host's python3 inside the container's private /root."""
     inside = f"/root/{env.tag}/venv"
     host_path = env.host.rootfs(vmid) / inside.lstrip("/")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from controller.remote.client import agent_source
-from tests.integration.conftest import Env
+from tests.integration.conftest import PveEnv
 
 pytestmark = pytest.mark.pvehost
 
@@ -24,7 +24,7 @@ def _kept(run: Path) -> list[Path]:
     return sorted(p for p in run.glob("agent-*") if not p.name.endswith(".tmp"))
 
 
-def test_the_compiled_agent_is_kept_and_only_a_trusted_copy_runs(pve_env: Env,
+def test_the_compiled_agent_is_kept_and_only_a_trusted_copy_runs(pve_env: PveEnv,
                                                                  rootfs: Callable[[int], Path]) -> None:
     env = pve_env
     env.env["CTL_PERSIST"] = "0"  # one exec per request: every request starts an agent

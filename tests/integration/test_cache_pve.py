@@ -12,12 +12,12 @@ import pytest
 
 from controller.errors import ExitCode
 from tests.conftest import WARMUP, fill_cache, install_torch, tree_hashes
-from tests.integration.conftest import Env, container_venv
+from tests.integration.conftest import PveEnv, container_venv
 
 pytestmark = pytest.mark.pvehost
 
 
-def setup(env: Env, **extra: object) -> tuple[Path, Path, Path]:
+def setup(env: PveEnv, **extra: object) -> tuple[Path, Path, Path]:
     inside, venv = container_venv(env)
     cache, store = f"/workspace/{env.tag}/inductor", f"/workspace/{env.tag}/caches"
     env.write(containers={"ct200": {"vars": {"venv": inside, "compile_cache_dir": cache, "cache_store": store}}},
@@ -26,7 +26,7 @@ def setup(env: Env, **extra: object) -> tuple[Path, Path, Path]:
     return venv, root / cache.lstrip("/"), root / store.lstrip("/")
 
 
-def test_save_delete_restore_is_byte_identical_and_keeps_what_was_there(pve_env: Env, tmp_path: Path) -> None:
+def test_save_delete_restore_is_byte_identical_and_keeps_what_was_there(pve_env: PveEnv, tmp_path: Path) -> None:
     venv, cache, store = setup(pve_env)
     assert json.loads(pve_env.ctl("cache", "status", "ct200", "--json", check=True).stdout)["exists"] is False
     fill_cache(cache)
@@ -64,7 +64,7 @@ def test_save_delete_restore_is_byte_identical_and_keeps_what_was_there(pve_env:
     assert r.returncode == 0 and "forced" in r.stdout
 
 
-def test_warm_one_gpu_at_a_time(pve_env: Env) -> None:
+def test_warm_one_gpu_at_a_time(pve_env: PveEnv) -> None:
     (pve_env.dir / "warmup_compile.py").write_text(WARMUP)
     warmup = {"src": "warmup_compile.py", "dest": f"/root/{pve_env.tag}/warmup_compile.py"}
     payload = [*pve_env.base_extra["payload"], warmup]

@@ -9,12 +9,12 @@ import pytest
 
 from controller.errors import ExitCode
 from tests.conftest import add_dist, install_torch
-from tests.integration.conftest import Env, container_venv
+from tests.integration.conftest import PveEnv, container_venv
 
 pytestmark = pytest.mark.pvehost
 
 
-def test_check_lock_diff_and_launch_records(pve_env: Env) -> None:
+def test_check_lock_diff_and_launch_records(pve_env: PveEnv) -> None:
     inside, venv = container_venv(pve_env)
     # the venv works inside the container: its interpreter is the container's /usr/bin/python3
     out = pve_env.host.ssh("pve1", "pct", "exec", "200", "--", f"{inside}/bin/python", "-c",
@@ -73,7 +73,7 @@ def test_check_lock_diff_and_launch_records(pve_env: Env) -> None:
     assert pve_env.ctl("env", "check", "ct200").returncode == 0
 
 
-def test_sync_without_uv_is_a_clear_error_and_changes_nothing(pve_env: Env) -> None:
+def test_sync_without_uv_is_a_clear_error_and_changes_nothing(pve_env: PveEnv) -> None:
     inside, venv = container_venv(pve_env, 201)
     lock = pve_env.dir / "env" / "ct201.lock"
     pve_env.write(containers={"ct201": {"vars": {"venv": inside}}})

@@ -9,19 +9,19 @@ from pathlib import Path
 import pytest
 
 from controller.errors import ExitCode
-from tests.integration.conftest import Env
+from tests.integration.conftest import PveEnv
 
 pytestmark = pytest.mark.pvehost
 
 
-def _with_known_hosts(env: Env, lines: list[str]) -> Path:
+def _with_known_hosts(env: PveEnv, lines: list[str]) -> Path:
     kh = env.dir / "known_hosts"
     kh.write_text("\n".join(lines) + "\n")
     env.write(hosts={n: {"known_hosts": str(kh)} for n in ("pve1", "pve2")})
     return kh
 
 
-def _pve1_line(env: Env) -> tuple[str, str, str]:
+def _pve1_line(env: PveEnv) -> tuple[str, str, str]:
     """(host label, key type, base64 key) of pve1's line in the test host's known_hosts."""
     label = f"[{env.host.hosts['pve1'][0]}]:{env.host.port}"
     for line in env.host.known_hosts.read_text().splitlines():
@@ -46,7 +46,7 @@ def _one_line(r: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
-def test_marker_lines_for_other_hosts_are_no_crash(pve_env: Env) -> None:
+def test_marker_lines_for_other_hosts_are_no_crash(pve_env: PveEnv) -> None:
     kind, blob = _other_key(pve_env.dir)
     _with_known_hosts(pve_env, [
         "# a CA for another domain, a revoked key of some other machine, a damaged line",
@@ -60,7 +60,7 @@ def test_marker_lines_for_other_hosts_are_no_crash(pve_env: Env) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_a_revoked_host_key_is_refused_even_when_also_listed(pve_env: Env) -> None:
+def test_a_revoked_host_key_is_refused_even_when_also_listed(pve_env: PveEnv) -> None:
     label, kind, blob = _pve1_line(pve_env)
     kh = _with_known_hosts(pve_env, [*pve_env.host.known_hosts.read_text().splitlines(),
                                      f"@revoked {label} {kind} {blob}"])
@@ -79,7 +79,7 @@ def test_a_revoked_host_key_is_refused_even_when_also_listed(pve_env: Env) -> No
     assert pve_env.ctl("ping", "ct300").returncode == 0
 
 
-def test_a_host_trusted_only_through_a_cert_authority_is_refused_with_file_and_line(pve_env: Env) -> None:
+def test_a_host_trusted_only_through_a_cert_authority_is_refused_with_file_and_line(pve_env: PveEnv) -> None:
     label, kind, blob = _pve1_line(pve_env)
     ca_kind, ca_blob = _other_key(pve_env.dir)
     others = [x for x in pve_env.host.known_hosts.read_text().splitlines() if not x.startswith(label + " ")]

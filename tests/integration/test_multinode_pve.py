@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import Any
 import pytest
 
 from controller.errors import ExitCode
-from tests.conftest import wait_for
+from tests.helpers import free_port, wait_for
 from tests.pvehost import PveHost
 
 pytestmark = pytest.mark.pvehost
@@ -48,12 +47,6 @@ def shared_net(pvehost: PveHost) -> Iterator[PveHost]:
     finally:
         for vmid in (200, 300):
             pvehost.set_host_network(vmid, False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

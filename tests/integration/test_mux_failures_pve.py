@@ -29,7 +29,8 @@ from controller.inventory import load
 from controller.transport import mux
 from controller.transport.mux.sock import session_key, socket_dir
 from controller.transport.pool import Pool
-from tests.integration.conftest import REPO, Env, children, sshd_sessions
+from tests.helpers import wait_for
+from tests.integration.conftest import REPO, PveEnv, children, sshd_sessions
 
 pytestmark = pytest.mark.pvehost
 
@@ -58,7 +59,7 @@ def _session(r: subprocess.CompletedProcess[str]) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
-def _infos(env: Env) -> list[dict[str, object]]:
+def _infos(env: PveEnv) -> list[dict[str, object]]:
     d = env.state / "mux"
     return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
 
@@ -89,7 +90,7 @@ def _session_child(pid: int) -> list[int]:
     return daemon
 
 
-def _stopped_before_listening(env: Env, start: Callable[[], subprocess.Popen[Any]],
+def _stopped_before_listening(env: PveEnv, start: Callable[[], subprocess.Popen[Any]],
                               listens: Callable[[], bool]) -> tuple[subprocess.Popen[Any], list[int]]:
     """A command start()ed, and the session process it started stopped (SIGSTOP) before it listens: (the command,
     [the session's pid]). pve1's sshd is paused meanwhile: the session waits for its SSH banner until it is
@@ -106,13 +107,13 @@ def _stopped_before_listening(env: Env, start: Callable[[], subprocess.Popen[Any
     return proc, daemon
 
 
-def _ctl(env: Env, *args: str) -> subprocess.Popen[str]:
+def _ctl(env: PveEnv, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "controller", "-i", str(env.inventory), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env.env)
 
 
 @pytest.fixture
-def env(pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+def env(pve_env: PveEnv, monkeypatch: pytest.MonkeyPatch) -> Iterator[PveEnv]:
     """The default settings (sessions on) whatever the caller's environment says; pve_env ends the sessions."""
     pve_env.env.pop("CTL_PERSIST", None)
     monkeypatch.delenv("CTL_PERSIST", raising=False)
@@ -123,7 +124,7 @@ def env(pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
 # The session ends while commands use it
 
 
-def test_idle_timeout_reached_as_commands_connect_never_cuts_them(env: Env) -> None:
+def test_idle_timeout_reached_as_commands_connect_never_cuts_them(env: PveEnv) -> None:
     """Commands queued on the session's socket when its idle timeout passes are served, not dropped: the session
     stops listening first, then serves what was queued, then ends."""
     env.env["CTL_PERSIST"] = "2"
@@ -147,7 +148,7 @@ def test_idle_timeout_reached_as_commands_connect_never_cuts_them(env: Env) -> N
     assert "ending: idle for 2s" in log
 
 
-def test_stop_and_sigterm_let_a_request_in_flight_finish_and_new_commands_get_a_new_session(env: Env) -> None:
+def test_stop_and_sigterm_let_a_request_in_flight_finish_and_new_commands_get_a_new_session(env: PveEnv) -> None:
     """`ctl mux stop` (and SIGTERM, at logout) end the session once the commands using it are done: one in
     flight finishes; a command started meanwhile gets a session of its own."""
     _, pid = _session(env.ctl("--debug", "ping", "ct200", check=True))
@@ -163,11 +164,19 @@ def test_stop_and_sigterm_let_a_request_in_flight_finish_and_new_commands_get_a_
             res = t.run(["sh", "-c", "sleep 3; echo done"])
             print(res.returncode, res.out.strip(), flush=True)
         """)
+    def sleeping_3() -> bool:
+        """The request's `sleep 3` is running (containers share this machine's kernel: its /proc shows it)."""
+        for d in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                if d.name.isdigit() and (d / "cmdline").read_bytes() == b"sleep\x003\x00":
+                    return True
+        return False
+
     for how in ("mux stop", "SIGTERM"):
         proc = subprocess.Popen([sys.executable, "-c", long_request], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env.env, cwd=REPO)
         assert proc.stdout is not None and proc.stdout.readline() == "connected\n"
-        time.sleep(0.5)  # the request is running on the host
+        wait_for("the request running in the container", sleeping_3, 30)
         if how == "mux stop":
             stopper = _ctl(env, "mux", "stop")
         else:
@@ -186,7 +195,7 @@ def test_stop_and_sigterm_let_a_request_in_flight_finish_and_new_commands_get_a_
         pid = new
 
 
-def test_a_request_after_the_session_ended_under_the_command_goes_to_a_new_session(env: Env) -> None:
+def test_a_request_after_the_session_ended_under_the_command_goes_to_a_new_session(env: PveEnv) -> None:
     """A command connected to a session that ends before its next request (stopped, idle elsewhere, killed):
     that request is sent to a new session, never a broken pipe."""
     inv = load(env.inventory)
@@ -206,7 +215,7 @@ def test_a_request_after_the_session_ended_under_the_command_goes_to_a_new_sessi
 # Many commands, long paths, stale sessions
 
 
-def test_64_concurrent_commands_from_cold_start_one_session_and_all_succeed(env: Env) -> None:
+def test_64_concurrent_commands_from_cold_start_one_session_and_all_succeed(env: PveEnv) -> None:
     before = sshd_sessions(env, "pve1")
     procs = [_ctl(env, "--debug", "ping", "ct200") for _ in range(64)]
     outs = [(p.wait(timeout=600), *p.communicate()) for p in procs]
@@ -219,7 +228,7 @@ def test_64_concurrent_commands_from_cold_start_one_session_and_all_succeed(env:
     assert [i["host"] for i in _infos(env)] == ["pve1"]
 
 
-def test_a_command_gone_while_its_session_starts_leaves_one_session_that_the_next_command_uses(env: Env) -> None:
+def test_a_command_gone_while_its_session_starts_leaves_one_session_that_the_next_command_uses(env: PveEnv) -> None:
     """`ctl env check ct200` names a container, so its session begins to start while ctl loads (launch/early.py); the
     command then refuses at once (no lock configured) and exits before the session listens. That session must
     neither die on the closed pipe of its starter nor let a second one start beside it: the next command uses it."""
@@ -243,7 +252,7 @@ def test_a_command_gone_while_its_session_starts_leaves_one_session_that_the_nex
 
 
 @pytest.mark.parametrize("closed", [None, 0, 1, 2])
-def test_a_command_with_a_standard_stream_closed_hands_its_spawn_lock_to_the_session(env: Env,
+def test_a_command_with_a_standard_stream_closed_hands_its_spawn_lock_to_the_session(env: PveEnv,
                                                                                     closed: int | None) -> None:
     """A command started with stdin, stdout or stderr closed (`<&-`, a supervisor) opens its spawn lock on that
     low fd. The session it starts must still inherit the lock (held until it listens, even with the command
@@ -286,7 +295,7 @@ def test_a_command_with_a_standard_stream_closed_hands_its_spawn_lock_to_the_ses
     assert "ending: " in (env.state / "mux" / f"{info.stem}.log").read_text()  # its log still written
 
 
-def test_a_session_process_that_never_listens_is_ended_by_the_command_that_gave_up_on_it(env: Env) -> None:
+def test_a_session_process_that_never_listens_is_ended_by_the_command_that_gave_up_on_it(env: PveEnv) -> None:
     """The session process holds the spawn lock until it listens. One that hangs before (here: stopped) is given
     up on by its command at that command's deadline, and must not keep the lock from there on: the next command
     starts a session of its own instead of waiting for the lock and failing with "another ctl command has been
@@ -307,7 +316,7 @@ def test_a_session_process_that_never_listens_is_ended_by_the_command_that_gave_
 
 
 def test_state_directory_too_long_for_a_socket_path_puts_the_socket_under_a_short_one(
-        env: Env, tmp_path: Path) -> None:
+        env: PveEnv, tmp_path: Path) -> None:
     state = tmp_path / ("s" * 100) / ("t" * 100)
     env.env["CTL_STATE_DIR"] = str(state)
     assert len(str(state / "mux" / "0123456789abcdef0123.sock")) > 108  # too long for any sockaddr_un
@@ -332,7 +341,7 @@ sys.exit(daemon.serve(json.loads(sys.argv[1])))
 """
 
 
-def test_session_of_an_older_ctl_is_replaced_and_the_user_told_in_one_line(env: Env) -> None:
+def test_session_of_an_older_ctl_is_replaced_and_the_user_told_in_one_line(env: PveEnv) -> None:
     inv = load(env.inventory)
     with Pool(inv) as pool:
         ep = pool.host("pve1")
@@ -364,7 +373,7 @@ def test_session_of_an_older_ctl_is_replaced_and_the_user_told_in_one_line(env: 
 
 
 def test_session_holding_a_host_key_known_hosts_no_longer_trusts_is_replaced_and_the_host_refused(
-        env: Env, tmp_path: Path) -> None:
+        env: PveEnv, tmp_path: Path) -> None:
     known = tmp_path / "known_hosts"
     shutil.copy(env.host.base / "keys" / "known_hosts", known)
     doc = yaml.safe_load(env.inventory.read_text())
@@ -394,7 +403,7 @@ def test_session_holding_a_host_key_known_hosts_no_longer_trusts_is_replaced_and
         _, pid = _session(env.ctl("--debug", "ping", "ct200", check=True))
 
 
-def test_session_killed_9_leaves_a_stale_socket_that_the_next_command_replaces(env: Env) -> None:
+def test_session_killed_9_leaves_a_stale_socket_that_the_next_command_replaces(env: PveEnv) -> None:
     _, pid = _session(env.ctl("--debug", "ping", "ct200", check=True))
     (info,) = _infos(env)
     sock = Path(str(info["socket"]))
@@ -425,7 +434,7 @@ print(json.dumps({"dir": str(d), "uid": st.st_uid, "mode": st.st_mode & 0o777, "
 """
 
 
-def test_two_users_never_share_a_socket(env: Env, tmp_path: Path) -> None:
+def test_two_users_never_share_a_socket(env: PveEnv, tmp_path: Path) -> None:
     _, pid = _session(env.ctl("--debug", "ping", "ct200", check=True))
     (info,) = _infos(env)
     root_sock = str(info["socket"])

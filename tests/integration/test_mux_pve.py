@@ -24,15 +24,12 @@ from controller.inventory import load
 from controller.transport import mux as mux_mod
 from controller.transport.pct import PctContainer
 from controller.transport.pool import Pool
-from tests.integration.conftest import REPO, Env, children, sshd_sessions
+from tests.helpers import sha_file
+from tests.integration.conftest import REPO, PveEnv, children, sshd_sessions
 
 pytestmark = pytest.mark.pvehost
 
 _PID = re.compile(r"(started|reused) ctl's persistent session \(pid (\d+)")
-
-
-def sha(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
 def _alive(pid: int) -> bool:
@@ -57,7 +54,7 @@ def _wait_gone(pid: int, timeout: float = 15) -> bool:
 
 
 @pytest.fixture
-def persist(pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+def persist(pve_env: PveEnv, monkeypatch: pytest.MonkeyPatch) -> Iterator[PveEnv]:
     """The default (sessions on, 60 s) for ctl runs and Pools made here, whatever the caller's environment
     says; pve_env stops the sessions afterwards, and every session process seen here is gone too."""
     pve_env.env.pop("CTL_PERSIST", None)
@@ -71,7 +68,7 @@ def persist(pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     _pids_seen.clear()
 
 
-def sockets(env: Env) -> list[Path]:
+def sockets(env: PveEnv) -> list[Path]:
     """The sockets of the live sessions of the test's state directory (their paths are in the info files)."""
     d = env.state / "mux"
     return [Path(json.loads(i.read_text())["socket"]) for i in d.glob("*.json")] if d.is_dir() else []
@@ -93,7 +90,7 @@ def _session_pid(stderr: str) -> int:
     return int(m.group(2))
 
 
-def test_persistence_is_on_by_default_for_60s_and_ctl_persist_0_turns_it_off(pve_env: Env) -> None:
+def test_persistence_is_on_by_default_for_60s_and_ctl_persist_0_turns_it_off(pve_env: PveEnv) -> None:
     env = dict(pve_env.env)
     env.pop("CTL_PERSIST", None)
     argv = [sys.executable, "-m", "controller", "-i", str(pve_env.inventory), "--debug", "deploy", "ct200",
@@ -116,7 +113,7 @@ def test_persistence_is_on_by_default_for_60s_and_ctl_persist_0_turns_it_off(pve
     assert "CTL_PERSIST: expected whole seconds >= 0" in bad.stderr and "'soon'" in bad.stderr
 
 
-def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env) -> None:
+def test_second_deploy_reuses_the_session_without_a_new_connection(persist: PveEnv) -> None:
     env = persist
     before = sshd_sessions(env, "pve1")
     first = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
@@ -135,7 +132,7 @@ def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env)
     for name in ("emit_metrics.py", "start_training.sh"):
         assert (env.host.rootfs(200) / "root" / env.tag / name).exists()
     landed = env.host.rootfs(200) / "root" / env.tag / "emit_metrics.py"
-    assert sha(landed) == sha(env.dir / "emit_metrics.py")
+    assert sha_file(landed) == sha_file(env.dir / "emit_metrics.py")
     # A client that finds the session imports no paramiko and opens no SSH connection of its own.
     probe = (
         "import sys, json\n"
@@ -157,7 +154,8 @@ def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env)
     assert "ct200        deployed 1 of 2 files" in third.stdout, third.stdout
     assert "ct201        deployed 2 of 2 files" in third.stdout, third.stdout  # first deploy there
     for vmid in (200, 201):
-        assert sha(env.host.rootfs(vmid) / "root" / env.tag / "emit_metrics.py") == sha(env.dir / "emit_metrics.py")
+        deployed = env.host.rootfs(vmid) / "root" / env.tag / "emit_metrics.py"
+        assert sha_file(deployed) == sha_file(env.dir / "emit_metrics.py")
     assert not sshd_sessions(env, "pve1") - sessions and mine <= sshd_sessions(env, "pve1")
     st = env.ctl("mux", "status", "--json", check=True)
     assert [(d["host"], d["pid"], d["live"]) for d in json.loads(st.stdout)["sessions"]] == [("pve1", pid, True)]
@@ -167,7 +165,7 @@ def test_second_deploy_reuses_the_session_without_a_new_connection(persist: Env)
     assert not sockets(env)
 
 
-def test_a_cold_command_starts_each_hosts_session_while_it_loads_and_uses_it(persist: Env) -> None:
+def test_a_cold_command_starts_each_hosts_session_while_it_loads_and_uses_it(persist: PveEnv) -> None:
     env = persist
     before = {n: sshd_sessions(env, n) for n in ("pve1", "pve2")}
     r = env.ctl("--debug", "ping", "ct200", "ct201", "ct300", check=True)
@@ -199,7 +197,7 @@ def _spares_of(runtime: Path, sessions: list[int]) -> list[int]:
     return found
 
 
-def test_a_cold_commands_sessions_are_forks_of_its_spare(persist: Env) -> None:
+def test_a_cold_commands_sessions_are_forks_of_its_spare(persist: PveEnv) -> None:
     """No session of the user up: the command's spare (transport/mux/spare.py), started from its verb alone,
     forks the session process of each host it reaches, each in a session of its own, and goes with the
     command; the sessions serve the next command as any other."""
@@ -233,7 +231,7 @@ def test_a_cold_commands_sessions_are_forks_of_its_spare(persist: Env) -> None:
         shutil.rmtree(runtime, ignore_errors=True)
 
 
-def test_socket_directory_and_socket_are_private(persist: Env) -> None:
+def test_socket_directory_and_socket_are_private(persist: PveEnv) -> None:
     env = persist
     r = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
     pid = _session_pid(r.stderr)
@@ -265,7 +263,7 @@ def test_socket_directory_and_socket_are_private(persist: Env) -> None:
     assert _alive(pid)
 
 
-def test_killed_session_fails_open_streams_clearly_and_the_next_command_starts_a_new_one(persist: Env) -> None:
+def test_killed_session_fails_open_streams_clearly_and_the_next_command_starts_a_new_one(persist: PveEnv) -> None:
     env = persist
     inv = load(env.inventory)
     ct = inv.container("ct200")
@@ -299,7 +297,7 @@ def test_killed_session_fails_open_streams_clearly_and_the_next_command_starts_a
     assert _session_pid(again.stderr) not in (pid, new)
 
 
-def test_idle_session_exits_and_removes_its_socket(persist: Env) -> None:
+def test_idle_session_exits_and_removes_its_socket(persist: PveEnv) -> None:
     env = persist
     env.env["CTL_PERSIST"] = "1"
     r = env.ctl("--debug", "deploy", "ct200", "--allow-dirty", check=True)
@@ -310,7 +308,7 @@ def test_idle_session_exits_and_removes_its_socket(persist: Env) -> None:
     assert "ending: idle for 1s" in next((env.state / "mux").glob("*.log")).read_text()
 
 
-def test_inventory_persist_key_sets_the_idle_time_or_turns_sessions_off_and_ctl_persist_wins(persist: Env) -> None:
+def test_inventory_persist_key_sets_the_idle_time_or_turns_sessions_off_and_ctl_persist_wins(persist: PveEnv) -> None:
     """`persist: SECONDS` on a host sets its sessions' idle time, `persist: 0` turns them off for that host only;
     CTL_PERSIST (and the config file's `persist`) win over it."""
     import yaml
@@ -334,7 +332,7 @@ def test_inventory_persist_key_sets_the_idle_time_or_turns_sessions_off_and_ctl_
     assert "persistent session" not in off.stderr
 
 
-def test_session_process_gets_only_the_environment_it_needs(persist: Env) -> None:
+def test_session_process_gets_only_the_environment_it_needs(persist: PveEnv) -> None:
     """The session outlives the command that started it: that command's secrets never reach it."""
     env = persist
     env.env["PVE_TOKEN"] = "xyz"
@@ -359,7 +357,7 @@ _HOOK = ("import atexit, json, runpy, sys\n"
          "runpy.run_module('controller', run_name='__main__')\n")
 
 
-def test_commands_through_a_session_never_import_paramiko(persist: Env) -> None:
+def test_commands_through_a_session_never_import_paramiko(persist: PveEnv) -> None:
     """The client side of a command that has a session (warm, or one it starts: the session process connects)
     imports no paramiko; with sessions off it does (the check can fail)."""
     env = persist
@@ -380,7 +378,7 @@ def test_commands_through_a_session_never_import_paramiko(persist: Env) -> None:
     assert "paramiko" in imported("ping", "ct200", extra={"CTL_PERSIST": "0"})
 
 
-def test_every_operation_of_every_command_goes_through_the_one_session(persist: Env, tmp_path: Path) -> None:
+def test_every_operation_of_every_command_goes_through_the_one_session(persist: PveEnv, tmp_path: Path) -> None:
     """Deploy, exec, follows (launch -f, tail -f), status, metrics, the environment probe, a download (cache save
     --local), pct on the host (snapshots) and several containers at once: one SSH login on the host, the session's.
     A container with its own sshd gets one session of its own."""
@@ -422,7 +420,7 @@ def test_every_operation_of_every_command_goes_through_the_one_session(persist: 
     assert sorted(d["host"] for d in mux_mod.sessions()) == ["ct301", "pve1"]
 
 
-def test_agent_requests_leave_out_the_source_a_session_already_keeps(persist: Env) -> None:
+def test_agent_requests_leave_out_the_source_a_session_already_keeps(persist: PveEnv) -> None:
     """The agent's 77 KB travel once per session, not with every request: a command that finds a session sends
     its agent requests without the source; a session that never got it answers U, and the request goes again
     with it (nothing runs twice); a session this command starts gets the source with the first request."""
@@ -452,7 +450,7 @@ def test_agent_requests_leave_out_the_source_a_session_already_keeps(persist: En
         assert t.relay.sources_missing == set() and t.relay.sources_sent == {agent_sha()}
 
 
-def test_a_closed_pool_leaves_no_connection_to_the_session(persist: Env) -> None:
+def test_a_closed_pool_leaves_no_connection_to_the_session(persist: PveEnv) -> None:
     """A process that goes on after its Pool closed (the dashboard, supervise's loop) is no longer a client of
     the session: the relay's reader thread ends. Closing the socket under that thread's blocked recv() left the
     socket open (no FIN): the session counted the process as a client, never went idle, and `ctl mux stop`
@@ -469,7 +467,7 @@ def test_a_closed_pool_leaves_no_connection_to_the_session(persist: Env) -> None
     assert "pve1: stopped session" in stopped.stdout
 
 
-def test_a_session_relay_the_command_closes_leaves_its_host_connection_open(persist: Env) -> None:
+def test_a_session_relay_the_command_closes_leaves_its_host_connection_open(persist: PveEnv) -> None:
     """A relay the command itself closes (an early start it did not use, a Pool's end) is no dropped connection:
     its reader, woken by the shutdown, must not close the host endpoint the command may still be using."""
     inv = load(persist.inventory)
@@ -489,13 +487,13 @@ def test_a_session_relay_the_command_closes_leaves_its_host_connection_open(pers
         assert pool.host("pve1").run(["true"], timeout=30).returncode == 0
 
 
-def test_a_request_past_its_deadline_ends_its_staying_agent_at_once(persist: Env) -> None:
+def test_a_request_past_its_deadline_ends_its_staying_agent_at_once(persist: PveEnv) -> None:
     """ctl gives up on an agent request at its deadline and tells the relay (K): the staying agent stuck in it
     is ended while the command goes on (not only when it exits), and the stream's id is freed by the relay's X."""
     from controller.errors import DeadlineExceeded
     from controller.remote.client import BOOT
     from controller.transport.base import AgentStart
-    from tests.test_staying_agent import FAKE, FAKE_AT
+    from tests.relay_fakes import FAKE, FAKE_AT
 
     inv = load(persist.inventory)
     argv = ["sh", "-c", 'exec "$0" "$@" hang', "python3", "-I", "-S", "-c", BOOT, str(len(FAKE)), "verb"]
@@ -517,7 +515,7 @@ def test_a_request_past_its_deadline_ends_its_staying_agent_at_once(persist: Env
         assert t.relay is not None and t.relay._streams == {}  # the relay's X came: the id is free again
 
 
-def test_ping_counts_the_first_answer_of_an_agent_that_was_up_as_a_round_trip(persist: Env) -> None:
+def test_ping_counts_the_first_answer_of_an_agent_that_was_up_as_a_round_trip(persist: PveEnv) -> None:
     """Best of three round trips to the staying agent: a first ping starts it (its first answer has the start in
     it: three more requests); a second finds it up (its first answer is one of the three: two more)."""
 
@@ -534,7 +532,7 @@ def test_ping_counts_the_first_answer_of_an_agent_that_was_up_as_a_round_trip(pe
 
 
 def test_a_fan_out_of_agent_requests_runs_in_the_sessions_readers_and_keeps_each_failure_its_own(
-        persist: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+        persist: PveEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     """flows(): through a session's staying agents, every container's requests are in flight together and each
     answer moves its container on in the session's reader thread, not in a thread per container. A stopped
     container fails alone with pct's refusal; one whose agent stops answering fails alone at its deadline."""
@@ -589,7 +587,7 @@ def test_a_fan_out_of_agent_requests_runs_in_the_sessions_readers_and_keeps_each
     assert took < 15, took
 
 
-def test_staying_agents_start_by_lxc_attach_with_the_environment_pct_gives(persist: Env) -> None:
+def test_staying_agents_start_by_lxc_attach_with_the_environment_pct_gives(persist: PveEnv) -> None:
     """pct exec is `lxc-attach -n VMID --keep-env -- ...` once pct (a Perl program, several hundred ms a start on
     a real host) has found the container running. The relay starts a staying agent that way itself: the node's
     journal shows an attach and no pct; while that agent lives, the relay's other execs in the container attach

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from controller.core.loglines import CUT_OPEN, LINE_CAP
-from tests.integration.conftest import Env
+from tests.integration.conftest import PveEnv
 
 pytestmark = pytest.mark.pvehost
 
@@ -33,7 +33,7 @@ def assert_harmless(text: str) -> None:
         assert c not in text, (c, text)
 
 
-def test_escape_sequences_and_markup_from_a_log_never_reach_the_terminal(pve_env: Env) -> None:
+def test_escape_sequences_and_markup_from_a_log_never_reach_the_terminal(pve_env: PveEnv) -> None:
     (pve_env.dir / "templates" / "evil.sh.j2").write_text(EVIL_SCRIPT)
     pve_env.write(payload=[{"template": "templates/evil.sh.j2", "dest": f"/root/{pve_env.tag}/start_training.sh",
                             "mode": "0755"}])
@@ -51,7 +51,7 @@ def test_escape_sequences_and_markup_from_a_log_never_reach_the_terminal(pve_env
 
 
 @pytest.fixture
-def live_on_201(pve_env: Env) -> Iterator[tuple[Env, Path]]:
+def live_on_201(pve_env: PveEnv) -> Iterator[tuple[PveEnv, Path]]:
     """A live run on ct201 (for runs/status/tail); yields the host path where a fake python3 shadows the
     container's (its PATH starts with /sbin, a directory of its own); removed and the run stopped after."""
     pve_env.write(vars={**pve_env.base_extra["vars"], "steps": 100000, "interval": 0.2})
@@ -78,7 +78,7 @@ exit 1""",
 
 
 @pytest.mark.parametrize("kind", sorted(BROKEN))
-def test_a_broken_agent_reply_is_one_line_naming_the_container(live_on_201: tuple[Env, Path], kind: str) -> None:
+def test_a_broken_agent_reply_is_one_line_naming_the_container(live_on_201: tuple[PveEnv, Path], kind: str) -> None:
     env, fake = live_on_201
     # A staying agent is started as `python3 ... serve`: this one writes the same junk instead of a hello, so the
     # session's relay runs each request as an exec of it. The launch's session (its staying agent is the real
@@ -106,14 +106,14 @@ def test_a_broken_agent_reply_is_one_line_naming_the_container(live_on_201: tupl
         assert "\x1b]52;c;aGk=\x07" in doc[0]["error"]
 
 
-def _finished_run(env: Env, run: str) -> Path:
+def _finished_run(env: PveEnv, run: str) -> Path:
     env.ctl("deploy", "ct200", "--allow-dirty", check=True)
     r = env.ctl("launch", "ct200", "--run", run, "-f")
     assert r.returncode == 0, r.stdout + r.stderr
     return env.host.rootfs(200) / "workspace" / env.tag / f"train_stdout_{run}.log"
 
 
-def test_tail_of_a_huge_progress_line_is_bounded_and_cut(pve_env: Env) -> None:
+def test_tail_of_a_huge_progress_line_is_bounded_and_cut(pve_env: PveEnv) -> None:
     log = _finished_run(pve_env, "tqdm1")
     with log.open("ab") as f:  # ~50 MB of tqdm redraws, no newline, the last one longer than the cap
         update = b"\r 50%%|" + b"#" * 90 + b"| %07d/1000000"
@@ -132,7 +132,7 @@ def test_tail_of_a_huge_progress_line_is_bounded_and_cut(pve_env: Env) -> None:
         assert lines[-1] == "final " + "Z" * (LINE_CAP - 6) + f" ... [cut: {20006 - LINE_CAP} bytes]"
 
 
-def test_tail_f_never_holds_more_than_a_line_cap_of_an_unfinished_line(pve_env: Env) -> None:
+def test_tail_f_never_holds_more_than_a_line_cap_of_an_unfinished_line(pve_env: PveEnv) -> None:
     log = _finished_run(pve_env, "blob1")
     with log.open("ab") as f:
         f.write(b"B" * 3_000_000)  # one 3 MB line, no separator at all
@@ -184,7 +184,7 @@ print(json.dumps({"error": error, "grown": grown, "after": after.get("ok"), "who
 
 @pytest.mark.parametrize(("persist", "cts"), [("0", ["ct200"]), ("0", ["ct200", "ct201"]), (None, ["ct200"])],
                          ids=["exec", "relay", "session"])
-def test_a_reply_past_its_limit_is_stopped_as_it_arrives_on_every_path(pve_env: Env, persist: str | None,
+def test_a_reply_past_its_limit_is_stopped_as_it_arrives_on_every_path(pve_env: PveEnv, persist: str | None,
                                                                        cts: list[str]) -> None:
     import subprocess
     import sys

@@ -17,7 +17,7 @@ from controller.transport.mux.client import session_env
 from controller.transport.mux.sock import private_dir, session_key, socket_dir
 from controller.transport.pool import Pool
 from controller.transport.relay import MAX_SID
-from tests.integration.conftest import REPO, Env
+from tests.integration.conftest import REPO, PveEnv
 
 pytestmark = pytest.mark.pvehost
 
@@ -37,7 +37,7 @@ sys.exit(daemon.serve(json.loads(sys.argv[1])))
 """
 
 
-def test_a_session_runs_commands_after_its_stream_ids_wrap(pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_session_runs_commands_after_its_stream_ids_wrap(pve_env: PveEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CTL_STATE_DIR", str(pve_env.state))
     monkeypatch.setenv("CTL_PERSIST", "60")
     pve_env.env["CTL_PERSIST"] = "60"

@@ -20,24 +20,21 @@ from controller.inventory import load
 from controller.transport import relay as relay_mod
 from controller.transport.pct import PctContainer
 from controller.transport.pool import Pool
-from tests.integration.conftest import Env, sshd_sessions
+from tests.helpers import sha_file
+from tests.integration.conftest import PveEnv, sshd_sessions
 
 pytestmark = pytest.mark.pvehost
 
 
 @pytest.fixture(autouse=True)
-def one_command_relay(pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+def one_command_relay(pve_env: PveEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     """The relay of one command, persistent sessions off (CTL_PERSIST=0): a session process runs the same relay
     for many commands (test_mux_pve.py)."""
     monkeypatch.setenv("CTL_PERSIST", "0")
     pve_env.env["CTL_PERSIST"] = "0"
 
 
-def sha(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-def test_two_containers_of_one_host_deploy_through_one_exec(pve_env: Env) -> None:
+def test_two_containers_of_one_host_deploy_through_one_exec(pve_env: PveEnv) -> None:
     inv = load(pve_env.inventory)
     cts = [inv.container("ct200"), inv.container("ct201"), inv.container("ct300")]
     notes: list[str] = []
@@ -60,10 +57,10 @@ def test_two_containers_of_one_host_deploy_through_one_exec(pve_env: Env) -> Non
     assert any("pve1: containers share one exec" in n for n in notes)
     for vmid in (200, 201, 300):
         landed = pve_env.host.rootfs(vmid) / "root" / pve_env.tag / "emit_metrics.py"
-        assert sha(landed) == sha(pve_env.dir / "emit_metrics.py")
+        assert sha_file(landed) == sha_file(pve_env.dir / "emit_metrics.py")
 
 
-def test_relay_keeps_streams_exit_codes_and_pct_refusals_apart(pve_env: Env) -> None:
+def test_relay_keeps_streams_exit_codes_and_pct_refusals_apart(pve_env: PveEnv) -> None:
     inv = load(pve_env.inventory)
     cts = [inv.container("ct200"), inv.container("ct201")]
     pve_env.host.stop(201)
@@ -91,7 +88,7 @@ def test_relay_keeps_streams_exit_codes_and_pct_refusals_apart(pve_env: Env) -> 
         pve_env.host.start(201)
 
 
-def test_one_failed_container_does_not_hide_the_others(pve_env: Env) -> None:
+def test_one_failed_container_does_not_hide_the_others(pve_env: PveEnv) -> None:
     pve_env.host.stop(201)
     try:
         r = pve_env.ctl("--debug", "deploy", "ct200", "ct201", "ct300", "--allow-dirty")
@@ -112,7 +109,7 @@ def test_one_failed_container_does_not_hide_the_others(pve_env: Env) -> None:
 
 
 def test_host_without_python3_falls_back_to_one_exec_per_container(
-        pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+        pve_env: PveEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     # What a host without python3 answers: the shell's "not found" and exit status 127.
     monkeypatch.setattr(relay_mod, "_START", 'echo "sh: 1: python3: not found" >&2; exit 127')
     inv = load(pve_env.inventory)
@@ -126,7 +123,7 @@ def test_host_without_python3_falls_back_to_one_exec_per_container(
     assert notes == ["pve1: no python3 on the host; falling back to one exec per container"]
 
 
-def test_connection_dropped_during_a_relayed_deploy_leaves_whole_files(pve_env: Env) -> None:
+def test_connection_dropped_during_a_relayed_deploy_leaves_whole_files(pve_env: PveEnv) -> None:
     blob = pve_env.dir / "blob.bin"
     blob.write_bytes(b"v1" * 1000)
     dest = f"/root/{pve_env.tag}/blob.bin"
@@ -165,10 +162,10 @@ def test_connection_dropped_during_a_relayed_deploy_leaves_whole_files(pve_env: 
         assert not list(p.parent.glob(".blob.bin.ctl-*")), "temporary file removed"
     r = pve_env.ctl("deploy", "ct200", "ct201", "--allow-dirty")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert all(sha(p) == hashlib.sha256(v2).hexdigest() for p in landed)
+    assert all(sha_file(p) == hashlib.sha256(v2).hexdigest() for p in landed)
 
 
-def test_relay_reports_a_dropped_connection_to_every_open_stream(pve_env: Env) -> None:
+def test_relay_reports_a_dropped_connection_to_every_open_stream(pve_env: PveEnv) -> None:
     inv = load(pve_env.inventory)
     cts = [inv.container("ct200"), inv.container("ct201")]
     with Pool(inv) as pool:
@@ -182,7 +179,7 @@ def test_relay_reports_a_dropped_connection_to_every_open_stream(pve_env: Env) -
                 d.finish(timeout=30)
 
 
-def test_every_fanout_shares_one_exec_per_host(pve_env: Env) -> None:
+def test_every_fanout_shares_one_exec_per_host(pve_env: PveEnv) -> None:
     """Not only deploy: any command run on several containers of one host (run-state refresh, metrics pull,
     ping) gets the relay from fanout itself."""
     inv = load(pve_env.inventory)
@@ -196,14 +193,14 @@ def test_every_fanout_shares_one_exec_per_host(pve_env: Env) -> None:
         assert pool._relays["pve1"].streams_opened == 2
 
 
-def test_a_request_past_its_deadline_ends_its_staying_agent_and_the_relay_ends_too(pve_env: Env) -> None:
+def test_a_request_past_its_deadline_ends_its_staying_agent_and_the_relay_ends_too(pve_env: PveEnv) -> None:
     """A command's relay: at the deadline ctl tells the relay (K), so the `pct exec` of the staying agent stuck in
     that request is ended, and the relay, at the end of the command, has nothing left to wait for. (The agent
     inside, as after an exec's end, stops at its next write; this one only sleeps and is killed here.)"""
     from controller.errors import DeadlineExceeded
     from controller.remote.client import BOOT
     from controller.transport.base import AgentStart
-    from tests.test_staying_agent import FAKE, FAKE_AT
+    from tests.relay_fakes import FAKE, FAKE_AT
 
     token = f"ctl-late-{os.getpid()}-{time.monotonic_ns()}".encode()  # in the argv of every process of it
 
@@ -242,7 +239,7 @@ def test_a_request_past_its_deadline_ends_its_staying_agent_and_the_relay_ends_t
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_ping_asks_each_container_once_without_a_staying_agent_and_four_times_with_one(pve_env: Env) -> None:
+def test_ping_asks_each_container_once_without_a_staying_agent_and_four_times_with_one(pve_env: PveEnv) -> None:
     """Without a session, a lone container's ping is one agent exec (its first answer is the round trip of a
     request); two containers of one host share the command's relay, which keeps an agent in each: one `pct exec`
     each, and three more requests to it for the round trip."""

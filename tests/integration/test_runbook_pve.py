@@ -5,11 +5,10 @@ changes nothing. The whole runbook stays well under 30 s."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
-from tests.integration.conftest import Env
+from tests.integration.conftest import PveEnv
 
 pytestmark = pytest.mark.pvehost
 
@@ -26,21 +25,21 @@ steps:
 """
 
 
-def test_deploy_launch_watch_mark_good_over_pct(pve_env: Env) -> None:
+def test_deploy_launch_watch_mark_good_over_pct(pve_env: PveEnv) -> None:
     pve_env.write(vars={**pve_env.base_extra["vars"], "steps": 40, "interval": 0.05})
     rb = pve_env.dir / "pve.yaml"
     rb.write_text(RUNBOOK)
     assert pve_env.ctl("runbook", "check", str(rb), check=True).stdout.startswith(f"{rb}: ok: runbook pve-relaunch")
 
-    t0 = time.monotonic()
+    # the watch ends on the run's progress, not on its 25 s limit: its line says which ("watched for 25s" when it
+    # ran out), no clock needed (how fast it went is for bench/)
     r = pve_env.ctl("runbook", "run", str(rb), check=True)
-    took = time.monotonic() - t0
-    assert took < 30, took
     lines = r.stdout.splitlines()[1:]
     assert [ln.split()[0] for ln in lines[:4]] == ["steps[0]", "steps[1]", "steps[2]", "steps[3]"], r.stdout
     assert "deploy ct200" in lines[0] and "deployed 2 of 2 files, verified" in lines[0]
     assert "launch ct200" in lines[1] and "fresh1: tmux session" in lines[1]
     assert "watch fresh1" in lines[2] and ("reached step" in lines[2] or "run ended (finished)" in lines[2])
+    assert "watched for" not in lines[2], lines[2]
     assert "mark-good fresh1" in lines[3] and "marked good" in lines[3]
     assert lines[-1] == "runbook pve-relaunch: ok (4 steps)"
 

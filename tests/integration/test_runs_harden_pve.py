@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from controller.errors import ExitCode
-from tests.integration.conftest import Env
+from tests.integration.conftest import PveEnv
 
 pytestmark = pytest.mark.pvehost
 
@@ -28,28 +28,28 @@ exit $rc
 """
 
 
-def _deployed(env: Env) -> None:
+def _deployed(env: PveEnv) -> None:
     env.write(vars={**env.base_extra["vars"], "steps": 100000, "interval": 0.2})
     env.ctl("deploy", "ct200", "--allow-dirty", check=True)
 
 
-def _log(env: Env, run: str) -> Path:
+def _log(env: PveEnv, run: str) -> Path:
     return env.host.rootfs(200) / "workspace" / env.tag / f"train_stdout_{run}.log"
 
 
-def _run(env: Env, name: str) -> dict[str, object]:
+def _run(env: PveEnv, name: str) -> dict[str, object]:
     runs = json.loads(env.ctl("runs", "--json", check=True).stdout)
     mine = [r for r in runs if r["name"] == name]
     assert len(mine) == 1, runs
     return mine[0]
 
 
-def _in_ct(env: Env, *argv: str) -> subprocess.CompletedProcess[bytes]:
+def _in_ct(env: PveEnv, *argv: str) -> subprocess.CompletedProcess[bytes]:
     return env.host.ssh("pve1", "pct", "exec", "200", "--", *argv)
 
 
 @pytest.fixture
-def slow_tmux(pve_env: Env) -> Iterator[Path]:
+def slow_tmux(pve_env: PveEnv) -> Iterator[Path]:
     wrapper = pve_env.host.rootfs(200) / "sbin" / "tmux"
     wrapper.write_text(_SLOW_TMUX)
     wrapper.chmod(0o755)
@@ -58,7 +58,7 @@ def slow_tmux(pve_env: Env) -> Iterator[Path]:
 
 
 @pytest.mark.parametrize("cut", ["sigint", "ssh-drop"])
-def test_a_run_whose_launch_answer_was_lost_stays_known(pve_env: Env, slow_tmux: Path, cut: str) -> None:
+def test_a_run_whose_launch_answer_was_lost_stays_known(pve_env: PveEnv, slow_tmux: Path, cut: str) -> None:
     _deployed(pve_env)
     log = _log(pve_env, "cut1")
     proc = subprocess.Popen([sys.executable, "-m", "controller", "-i", str(pve_env.inventory), "launch", "ct200",
@@ -103,7 +103,7 @@ def test_a_run_whose_launch_answer_was_lost_stays_known(pve_env: Env, slow_tmux:
     assert _in_ct(pve_env, "kill", "-0", str(pid)).returncode != 0  # the training is gone
 
 
-def test_a_launch_refused_by_the_agent_releases_its_claim(pve_env: Env) -> None:
+def test_a_launch_refused_by_the_agent_releases_its_claim(pve_env: PveEnv) -> None:
     """The agent answered that it started nothing: the name is free again, as after a preflight refusal."""
     _deployed(pve_env)
     log = _log(pve_env, "taken1")
@@ -114,7 +114,7 @@ def test_a_launch_refused_by_the_agent_releases_its_claim(pve_env: Env) -> None:
     assert json.loads(pve_env.ctl("runs", "--json", check=True).stdout) == []
 
 
-def test_stop_refuses_a_pid_file_that_names_another_process(pve_env: Env) -> None:
+def test_stop_refuses_a_pid_file_that_names_another_process(pve_env: PveEnv) -> None:
     _deployed(pve_env)
     pve_env.ctl("launch", "ct200", "--run", "imp1", check=True)
     log = _log(pve_env, "imp1")

@@ -13,23 +13,23 @@ from pathlib import Path
 import pytest
 
 from controller.errors import ExitCode
-from tests.integration.conftest import Env
+from tests.integration.conftest import PveEnv
 
 pytestmark = pytest.mark.pvehost
 
 
-def deployed(env: Env, ct: str = "ct200", **vars_: object) -> Env:
+def deployed(env: PveEnv, ct: str = "ct200", **vars_: object) -> PveEnv:
     if vars_:
         env.write(vars={**env.base_extra["vars"], **vars_})
     env.ctl("deploy", ct, "--allow-dirty", check=True)
     return env
 
 
-def log_path(env: Env, vmid: int, run: str) -> str:
+def log_path(env: PveEnv, vmid: int, run: str) -> str:
     return str(env.host.rootfs(vmid) / "workspace" / env.tag / f"train_stdout_{run}.log")
 
 
-def wait_state(env: Env, run: str, states: set[str], timeout: float = 30) -> dict[str, object]:
+def wait_state(env: PveEnv, run: str, states: set[str], timeout: float = 30) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     while True:
         rec = json.loads(env.ctl("runs", "--json", check=True).stdout)
@@ -41,7 +41,7 @@ def wait_state(env: Env, run: str, states: set[str], timeout: float = 30) -> dic
         time.sleep(0.3)
 
 
-def test_series_names_and_no_relaunch_over_a_log(pve_env: Env) -> None:
+def test_series_names_and_no_relaunch_over_a_log(pve_env: PveEnv) -> None:
     deployed(pve_env)
     r1 = pve_env.ctl("launch", "ct200", "-f")
     assert r1.returncode == 0, r1.stdout + r1.stderr
@@ -64,7 +64,7 @@ def test_series_names_and_no_relaunch_over_a_log(pve_env: Env) -> None:
                                                                           ("fresh1", "finished", 0)]
 
 
-def test_a_log_started_by_hand_is_never_reused(pve_env: Env) -> None:
+def test_a_log_started_by_hand_is_never_reused(pve_env: PveEnv) -> None:
     deployed(pve_env, "ct201")
     d = pve_env.host.rootfs(201) / "workspace" / pve_env.tag
     d.mkdir(parents=True, exist_ok=True)
@@ -81,13 +81,13 @@ def test_a_log_started_by_hand_is_never_reused(pve_env: Env) -> None:
 
 
 @pytest.mark.parametrize("bad", ["x;reboot", "../a", "$(id)", "a b", "-rf", ""])
-def test_bad_run_names_refused_before_any_command(pve_env: Env, bad: str) -> None:
+def test_bad_run_names_refused_before_any_command(pve_env: PveEnv, bad: str) -> None:
     r = pve_env.ctl("launch", "ct200", "--run", bad)
     assert r.returncode == ExitCode.INPUT
     assert "invalid run name" in r.stderr
 
 
-def test_preflight_refuses_busy_gpus(pve_env: Env) -> None:
+def test_preflight_refuses_busy_gpus(pve_env: PveEnv) -> None:
     deployed(pve_env)
     pve_env.host.set_gpus(200, count=8, busy={5: [(4242, 30000, "python")]})
     try:
@@ -99,7 +99,7 @@ def test_preflight_refuses_busy_gpus(pve_env: Env) -> None:
         pve_env.host.set_gpus(200, count=8)
 
 
-def test_preflight_refuses_drift(pve_env: Env) -> None:
+def test_preflight_refuses_drift(pve_env: PveEnv) -> None:
     deployed(pve_env)
     script = pve_env.host.rootfs(200) / "root" / pve_env.tag / "start_training.sh"
     script.write_text(script.read_text() + "# edited by hand\n")
@@ -108,7 +108,7 @@ def test_preflight_refuses_drift(pve_env: Env) -> None:
     assert "start_training.sh differs" in r.stderr and "ctl deploy ct200" in r.stderr
 
 
-def test_preflight_refuses_stopped_container(pve_env: Env) -> None:
+def test_preflight_refuses_stopped_container(pve_env: PveEnv) -> None:
     deployed(pve_env, "ct201")
     pve_env.host.stop(201)
     try:
@@ -119,7 +119,7 @@ def test_preflight_refuses_stopped_container(pve_env: Env) -> None:
         pve_env.host.start(201)
 
 
-def test_exit_3_is_recorded_as_failed(pve_env: Env) -> None:
+def test_exit_3_is_recorded_as_failed(pve_env: PveEnv) -> None:
     deployed(pve_env, extra="--no-preamble --exit 3")
     r = pve_env.ctl("launch", "ct200", "--run", "three", "-f")
     assert r.returncode == ExitCode.RUN_FAILED
@@ -129,7 +129,7 @@ def test_exit_3_is_recorded_as_failed(pve_env: Env) -> None:
     assert "failed" in show and "exit_status      3" in show
 
 
-def test_killed_from_outside_is_lost(pve_env: Env) -> None:
+def test_killed_from_outside_is_lost(pve_env: PveEnv) -> None:
     deployed(pve_env, steps=100000, interval=0.2)
     pve_env.ctl("launch", "ct200", "--run", "victim", check=True)
     log = log_path(pve_env, 200, "victim")
@@ -141,7 +141,7 @@ def test_killed_from_outside_is_lost(pve_env: Env) -> None:
     assert run["state"] == "lost" or run["exit_status"] == 137
 
 
-def test_tail_f_ends_on_crash_signature(pve_env: Env) -> None:
+def test_tail_f_ends_on_crash_signature(pve_env: PveEnv) -> None:
     deployed(pve_env, extra="--no-preamble --crash cuda-oom")
     r = pve_env.ctl("launch", "ct200", "--run", "oom1", "-f")
     assert r.returncode == ExitCode.RUN_FAILED, r.stdout + r.stderr
@@ -150,7 +150,7 @@ def test_tail_f_ends_on_crash_signature(pve_env: Env) -> None:
     assert "out of memory" in t.stdout.lower()
 
 
-def test_stop_sends_sigint_and_records_stopped(pve_env: Env) -> None:
+def test_stop_sends_sigint_and_records_stopped(pve_env: PveEnv) -> None:
     deployed(pve_env, steps=100000, interval=0.2)
     pve_env.ctl("launch", "ct200", "--run", "long1", check=True)
     r = pve_env.ctl("stop", "long1", "--grace", "5")
@@ -162,7 +162,7 @@ def test_stop_sends_sigint_and_records_stopped(pve_env: Env) -> None:
     assert f"{pve_env.tag}-long1" not in sessions.stdout.decode()
 
 
-def test_concurrent_launches_of_one_name_start_it_once(pve_env: Env) -> None:
+def test_concurrent_launches_of_one_name_start_it_once(pve_env: PveEnv) -> None:
     deployed(pve_env, steps=30, interval=0.05)
     cmd = [sys.executable, "-m", "controller", "-i", str(pve_env.inventory), "launch", "ct200", "--run", "twin"]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=pve_env.env)
@@ -175,7 +175,7 @@ def test_concurrent_launches_of_one_name_start_it_once(pve_env: Env) -> None:
     pve_env.ctl("tail", "ct200", "--run", "twin", "-f")
 
 
-def test_diff_shows_what_changed_between_runs(pve_env: Env) -> None:
+def test_diff_shows_what_changed_between_runs(pve_env: PveEnv) -> None:
     deployed(pve_env)
     pve_env.ctl("launch", "ct200", "--run", "good1", "-f", check=True)
     deployed(pve_env, tok_s=4600)
@@ -189,7 +189,7 @@ def test_diff_shows_what_changed_between_runs(pve_env: Env) -> None:
     assert same.returncode == 0 and "no difference" in same.stdout
 
 
-def test_attach_command_line_goes_through_host_and_pct(pve_env: Env) -> None:
+def test_attach_command_line_goes_through_host_and_pct(pve_env: PveEnv) -> None:
     deployed(pve_env, steps=100000, interval=0.2)
     pve_env.ctl("launch", "ct200", "--run", "att1", check=True)
     try:
@@ -200,7 +200,7 @@ def test_attach_command_line_goes_through_host_and_pct(pve_env: Env) -> None:
         pve_env.ctl("stop", "att1", "--grace", "2")
 
 
-def test_tail_f_ends_on_a_crash_even_when_the_process_hangs(pve_env: Env) -> None:
+def test_tail_f_ends_on_a_crash_even_when_the_process_hangs(pve_env: PveEnv) -> None:
     """An NCCL error often leaves the process alive: the follow still ends, shortly after the signature."""
     (pve_env.dir / "templates" / "start_training.sh.j2").write_text(
         "#!/usr/bin/env bash\necho 'Traceback (most recent call last):'\n"
@@ -216,7 +216,7 @@ def test_tail_f_ends_on_a_crash_even_when_the_process_hangs(pve_env: Env) -> Non
 
 @pytest.mark.parametrize("persist", [None, "0"])  # through the host's session (the default), and without one
 def test_follow_survives_a_dropped_connection_without_losing_or_repeating_lines(
-        pve_env: Env, monkeypatch: pytest.MonkeyPatch, persist: str | None) -> None:
+        pve_env: PveEnv, monkeypatch: pytest.MonkeyPatch, persist: str | None) -> None:
     import threading
 
     from controller.commands import runs
@@ -264,7 +264,7 @@ def test_follow_survives_a_dropped_connection_without_losing_or_repeating_lines(
     assert end.state == "finished" and end.exit_status == 0
 
 
-def test_attach_really_attaches_and_detaches(pve_env: Env, tmp_path: Path) -> None:
+def test_attach_really_attaches_and_detaches(pve_env: PveEnv, tmp_path: Path) -> None:
     """`ctl attach` on a terminal: ssh -t to the host, pct exec, tmux attach; C-b d detaches, run goes on."""
     deployed(pve_env, steps=100000, interval=0.2)
     pve_env.ctl("launch", "ct200", "--run", "att2", check=True)
@@ -293,7 +293,7 @@ def test_attach_really_attaches_and_detaches(pve_env: Env, tmp_path: Path) -> No
         pve_env.ctl("stop", "att2", "--grace", "2")
 
 
-def test_a_run_gets_its_own_variables_while_another_holds_the_tmux_server(pve_env: Env) -> None:
+def test_a_run_gets_its_own_variables_while_another_holds_the_tmux_server(pve_env: PveEnv) -> None:
     """tmux gives new sessions the running server's environment: the launcher must export CTL_RUN itself."""
     deployed(pve_env, steps=100000, interval=0.2)
     pve_env.ctl("launch", "ct200", "--run", "first1", check=True)  # keeps the container's tmux server up
@@ -309,7 +309,7 @@ def test_a_run_gets_its_own_variables_while_another_holds_the_tmux_server(pve_en
         pve_env.ctl("stop", "second1", "--grace", "2")
 
 
-def test_env_sync_refuses_while_a_run_is_live(pve_env: Env) -> None:
+def test_env_sync_refuses_while_a_run_is_live(pve_env: PveEnv) -> None:
     deployed(pve_env, steps=100000, interval=0.2)
     pve_env.ctl("launch", "ct200", "--run", "busyenv", check=True)
     try:
@@ -321,7 +321,7 @@ def test_env_sync_refuses_while_a_run_is_live(pve_env: Env) -> None:
 
 
 def test_status_and_supervise_of_many_runs_cost_one_connection_per_host_and_one_agent_call_per_container(
-        pve_env: Env) -> None:
+        pve_env: PveEnv) -> None:
     """`ctl status` (and one `ctl supervise` poll) of five live runs in three containers on two hosts: each host is
     connected to once at most (sshd's own log counts the logins: none with the sessions the launches left, one with
     sessions off) and each container gets exactly one agent exec (the test host's pct journal counts them): the
@@ -393,7 +393,7 @@ def test_status_and_supervise_of_many_runs_cost_one_connection_per_host_and_one_
                 pve_env.ctl("stop", run, "--grace", "1")
 
 
-def test_a_launch_is_two_execs_with_the_environment_probe_inside_the_preflight(pve_env: Env) -> None:
+def test_a_launch_is_two_execs_with_the_environment_probe_inside_the_preflight(pve_env: PveEnv) -> None:
     """`ctl launch CT --run NAME`: the preflight, the environment probe and then the start are two agent execs in
     the container (the pct journal counts them), not three: probe_env.py runs inside the agent's `probe`. What it
     found is recorded with the run, as when it ran on its own. (Without a persistent session, so that each agent
@@ -414,7 +414,7 @@ def test_a_launch_is_two_execs_with_the_environment_probe_inside_the_preflight(p
         pve_env.ctl("stop", "env1", "--grace", "1")
 
 
-def test_launch_follow_streams_the_log_at_once_from_the_pid_the_launch_answered(pve_env: Env) -> None:
+def test_launch_follow_streams_the_log_at_once_from_the_pid_the_launch_answered(pve_env: PveEnv) -> None:
     """`ctl launch CT -f`: the launch's answer names the training's pid and made its log, so the log stream (a
     `tail --pid`) starts right after it; before, a runstate round trip came first. The whole log is shown, and the
     run is recorded finished when the stream ends. (Without a persistent session, so that each agent request is an

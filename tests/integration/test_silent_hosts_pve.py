@@ -19,32 +19,32 @@ from pathlib import Path
 import pytest
 
 from controller.errors import ExitCode
-from tests.integration.conftest import Env
+from tests.integration.conftest import PveEnv
 
 pytestmark = pytest.mark.pvehost
 
 GENEROUS = 45  # seconds: "returned instead of hanging"; the deadlines below are 3 s
 
 
-def deployed(env: Env, **vars_: object) -> None:
+def deployed(env: PveEnv, **vars_: object) -> None:
     env.write(vars={**env.base_extra["vars"], **vars_})
     env.ctl("deploy", "ct200", "--allow-dirty", check=True)
 
 
-def limits(env: Env, **host: object) -> None:
+def limits(env: PveEnv, **host: object) -> None:
     """Small deadlines on pve1 (and the fixture's payload, runs, vars)."""
     doc = dict(env.base_extra)
     doc["vars"] = {**doc["vars"], "steps": 100000, "interval": 0.2}
     env.host.write_inventory(env.inventory, **doc, hosts={"pve1": {"timeout": 3, "connect_timeout": 3, **host}})
 
 
-def status(env: Env, *args: str) -> tuple[int, list[dict[str, object]], str, float]:
+def status(env: PveEnv, *args: str) -> tuple[int, list[dict[str, object]], str, float]:
     t0 = time.monotonic()
     r = env.ctl("--json", "status", *args, timeout=GENEROUS)
     return r.returncode, json.loads(r.stdout or "[]"), r.stderr, time.monotonic() - t0
 
 
-def runs_json(env: Env, *args: str) -> tuple[int, dict[str, dict[str, object]]]:
+def runs_json(env: PveEnv, *args: str) -> tuple[int, dict[str, dict[str, object]]]:
     r = env.ctl("--json", "runs", *args, timeout=GENEROUS)
     return r.returncode, {str(x["name"]): x for x in json.loads(r.stdout)}
 
@@ -72,12 +72,12 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def relay_pids(env: Env, node: str = "pve1") -> list[int]:
+def relay_pids(env: PveEnv, node: str = "pve1") -> list[int]:
     listener = int((env.host.base / node / "sshd.pid").read_text().strip())
     return [p for p in descendants(listener) if "ctl-relay" in cmdline(p) and "python" in cmdline(p)]
 
 
-def stop_run(env: Env, run: str) -> None:
+def stop_run(env: PveEnv, run: str) -> None:
     env.ctl("stop", run, "--grace", "2", timeout=GENEROUS)
 
 
@@ -86,7 +86,7 @@ def stop_run(env: Env, run: str) -> None:
 
 
 def test_stopped_pct_is_unreachable_within_the_deadline_and_the_next_status_sees_the_run(
-        pve_env: Env, tmp_path: Path) -> None:
+        pve_env: PveEnv, tmp_path: Path) -> None:
     env = pve_env
     gate, pids = tmp_path / "gate", tmp_path / "stopped.pids"
     wrapper = tmp_path / "pct-gate"  # the host's `pct`: stops itself (SIGSTOP) while the gate file exists
@@ -125,7 +125,7 @@ def test_stopped_pct_is_unreachable_within_the_deadline_and_the_next_status_sees
 
 
 @pytest.fixture
-def persist(pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+def persist(pve_env: PveEnv, monkeypatch: pytest.MonkeyPatch) -> Iterator[PveEnv]:
     """CTL_PERSIST=60 for ctl runs; every session started is ended afterwards (continued first if stopped)."""
     from controller.transport import mux as mux_mod
 
@@ -139,7 +139,7 @@ def persist(pve_env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     mux_mod.stop(timeout=5)  # pve_env's teardown kills any that did not go
 
 
-def test_stopped_host_relay_is_unreachable_and_the_session_answers_again_after_sigcont(persist: Env) -> None:
+def test_stopped_host_relay_is_unreachable_and_the_session_answers_again_after_sigcont(persist: PveEnv) -> None:
     env = persist
     limits(env)
     others = set(relay_pids(env))  # relays of earlier tests' sessions, idling out on the same host
@@ -166,7 +166,7 @@ def test_stopped_host_relay_is_unreachable_and_the_session_answers_again_after_s
 # (c) a persistent session process that stopped answering
 
 
-def test_stopped_session_process_is_a_clear_error_within_the_deadline(persist: Env) -> None:
+def test_stopped_session_process_is_a_clear_error_within_the_deadline(persist: PveEnv) -> None:
     env = persist
     limits(env)
     first = env.ctl("--debug", "ping", "ct200", check=True)
@@ -229,7 +229,7 @@ class Firewall:
 
 
 def test_tail_follow_notices_dropped_traffic_by_keepalive_and_reconnects_without_losing_lines(
-        pve_env: Env) -> None:
+        pve_env: PveEnv) -> None:
     env = pve_env
     fw = Firewall(env.host.port, env.tag)
     why = fw.usable()
@@ -288,7 +288,7 @@ def test_tail_follow_notices_dropped_traffic_by_keepalive_and_reconnects_without
 
 
 @pytest.mark.parametrize("persist", ["0", None], ids=["own-connection", "session"])
-def test_an_ssh_agent_that_never_answers_ends_the_connect_at_its_deadline(pve_env: Env, tmp_path: Path,
+def test_an_ssh_agent_that_never_answers_ends_the_connect_at_its_deadline(pve_env: PveEnv, tmp_path: Path,
                                                                         persist: str | None) -> None:
     """pve1 refuses the identity file, so paramiko asks the ssh agent for keys; this agent (a forwarded one whose
     connection died) accepts and never answers. The connect ends at 3 x connect_timeout + 5 s with one line,

@@ -11,18 +11,18 @@ import sys
 
 import pytest
 
-from tests.integration.conftest import Env, sshd_sessions
+from tests.integration.conftest import PveEnv, sshd_sessions
 
 pytestmark = pytest.mark.pvehost
 
 
-def supervise(env: Env) -> subprocess.CompletedProcess[str]:
+def supervise(env: PveEnv) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "controller", "-i", str(env.inventory), "supervise", "--once", "--restart",
            "on-failure", "--backoff", "1s"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env.env)
 
 
-def test_a_silent_host_is_unreachable_never_restarted_and_back_to_ok(pve_env: Env) -> None:
+def test_a_silent_host_is_unreachable_never_restarted_and_back_to_ok(pve_env: PveEnv) -> None:
     doc = dict(pve_env.base_extra)
     doc["vars"] = {**doc["vars"], "steps": 100000, "interval": 0.2}
     pve_env.host.write_inventory(pve_env.inventory, **doc, hosts={"pve1": {"timeout": 3, "connect_timeout": 3}})

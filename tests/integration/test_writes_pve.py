@@ -9,16 +9,16 @@ import subprocess
 import pytest
 
 from controller.errors import ExitCode
-from tests.integration.conftest import Env
+from tests.integration.conftest import PveEnv
 
 pytestmark = pytest.mark.pvehost
 
 
-def pct(env: Env, *argv: str) -> subprocess.CompletedProcess[bytes]:
+def pct(env: PveEnv, *argv: str) -> subprocess.CompletedProcess[bytes]:
     return env.host.ssh("pve1", "pct", "exec", "200", "--", *argv)
 
 
-def test_symlinked_directory_on_the_path_is_refused_and_nothing_lands(pve_env: Env) -> None:
+def test_symlinked_directory_on_the_path_is_refused_and_nothing_lands(pve_env: PveEnv) -> None:
     tag = pve_env.tag
     root = pve_env.host.rootfs(200)
     (root / "root" / tag).mkdir(parents=True)
@@ -39,7 +39,7 @@ def test_symlinked_directory_on_the_path_is_refused_and_nothing_lands(pve_env: E
     (root / "etc" / "cron.d" / "x").unlink()
 
 
-def test_rename_onto_a_mount_point_midway_puts_every_old_file_back(pve_env: Env) -> None:
+def test_rename_onto_a_mount_point_midway_puts_every_old_file_back(pve_env: PveEnv) -> None:
     tag = pve_env.tag
     root = pve_env.host.rootfs(200)
     for n in ("a.txt", "b.txt", "c.txt"):

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 from remote_payload import train_dflash_pipeline as tp
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "remote_payload" / "train_dflash_pipeline.py"
@@ -94,12 +94,6 @@ def test_rows_and_anchors_do_not_depend_on_how_a_step_is_split():
 
 
 # ------------------------------------------------------------------------------------------ real nodes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -282,6 +282,27 @@ class PveApi:
                     if "lock" in current:
                         entry["lock"] = current["lock"]
                     out.append(entry)
+                out.extend(self._qemu_resources(n))
+        return out
+
+    def _qemu_resources(self, node: NodeInfo) -> list[dict[str, Any]]:
+        """The node's QEMU VMs as type=vm lists them beside the containers (`qemu/VMID`, type `qemu`), from their
+        configs in nodes/NODE/qemu-server/VMID.conf. The test host runs no VM: each is stopped. None unless a test
+        wrote such a config (discovery must leave VMs and templates out)."""
+        out: list[dict[str, Any]] = []
+        d = node.etc_pve / "nodes" / node.name / "qemu-server"
+        for f in sorted(d.glob("*.conf")) if d.is_dir() else []:
+            m = re.fullmatch(r"(\d+)\.conf", f.name)
+            if m is None:
+                continue
+            vmid = int(m.group(1))
+            current, _, _ = pctmod.parse_conf(f.read_text())
+            out.append({"id": f"qemu/{vmid}", "type": "qemu", "vmid": vmid, "node": node.name, "status": "stopped",
+                        "name": current.get("name", f"VM {vmid}"),
+                        "maxcpu": int(current.get("cores", "1")) * int(current.get("sockets", "1")),
+                        "maxmem": int(current.get("memory", "2048")) * 1024 * 1024, "maxdisk": 32 * 1024**3,
+                        "mem": 0, "disk": 0, "uptime": 0, "netin": 0, "netout": 0, "diskread": 0, "diskwrite": 0,
+                        "cpu": 0, "template": 1 if current.get("template") == "1" else 0})
         return out
 
     def _node(self, name: str) -> NodeInfo:

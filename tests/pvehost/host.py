@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -271,6 +272,20 @@ class PveHost:
             f.unlink(missing_ok=True)
         else:
             f.write_text(f"{seconds}\n")
+
+    def api_log_end(self) -> int:
+        """Where the API's log ends now: api_requests(since=this) gives the requests that come after."""
+        f = self.base / "api" / "api.log"
+        return f.stat().st_size if f.exists() else 0
+
+    def api_requests(self, since: int = 0) -> list[str]:
+        """The requests the API answered after byte `since` of its log, each as "METHOD PATH STATUS" (the query
+        left out), in the order it answered them."""
+        with open(self.base / "api" / "api.log", "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        return [f"{m.group(1)} {m.group(2)} {m.group(3)}"
+                for m in re.finditer(r'"([A-Z]+) ([^ ?"]+)[^ "]* HTTP/1\.[01]" (\d{3}) ', text)]
 
     def _start_api(self) -> None:
         from tests.pvehost.api import make_certs
