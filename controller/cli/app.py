@@ -264,7 +264,7 @@ def session(inv: Inventory | None = None) -> Iterator[Pool]:
 
 
 @contextmanager
-def _session(container: str) -> Iterator[tuple[Inventory, Container, Pool]]:
+def _session(container: str | None) -> Iterator[tuple[Inventory, Container, Pool]]:
     """(inventory, the one container named, the command's pool) for a one-container verb."""
     inv = _inv()
     ct = _one_ct(inv, container)
@@ -272,7 +272,16 @@ def _session(container: str) -> Iterator[tuple[Inventory, Container, Pool]]:
         yield inv, ct, pool
 
 
-def _one_ct(inv: Inventory, name: str) -> Container:
+def _one_ct(inv: Inventory, name: str | None) -> Container:
+    """The container a one-container verb acts on: the one named, or with none named the inventory's only one."""
+    if name is None:
+        from controller.errors import InputError
+
+        cts = inv.select([])
+        if len(cts) != 1:
+            shown = ", ".join(ct.name for ct in cts[:8]) + (" ..." if len(cts) > 8 else "")
+            raise InputError(f"name the container ({inv.path} has {len(cts)}: {shown or 'none'})")
+        return cts[0]
     return inv.one(name)
 
 
@@ -316,6 +325,14 @@ def targets_argument(help_text: str = ALL_BY_DEFAULT) -> Any:
     from controller.cli.names import targets
 
     return typer.Argument(None, autocompletion=targets, help=help_text)
+
+
+def container_argument(help_text: str = "The container") -> Any:
+    """A one-container verb's argument: optional where the inventory has only one container (as deploy's)."""
+    from controller.cli.names import containers
+
+    return typer.Argument(None, autocompletion=containers,
+                          help=f"{help_text.rstrip('.')} (default: the inventory's only container).")
 
 
 def all_option(help_text: str = "Every container of the inventory.") -> Any:

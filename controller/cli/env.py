@@ -17,6 +17,7 @@ import typer
 
 from controller.cli import app as _cli
 from controller.cli import names as _c
+from controller.cli.app import container_argument
 from controller.errors import BusyError, CtlError, ExitCode
 
 app: typer.Typer = _cli.app
@@ -32,7 +33,7 @@ app.add_typer(cache_app, name="cache")
 
 
 @contextmanager
-def _container(name: str) -> Iterator[tuple[Any, Any, Any]]:
+def _container(name: str | None) -> Iterator[tuple[Any, Any, Any]]:
     with _cli._session(name) as (inv, ct, pool):
         yield inv, ct, pool.container(ct)
 
@@ -45,8 +46,7 @@ def _mb(n: int | None) -> str:
 
 
 @env_app.command("probe")
-def probe_cmd(container: str = typer.Argument(..., autocompletion=_c.containers,
-                                              help="The container to probe.")) -> None:
+def probe_cmd(container: str | None = container_argument("The container to probe.")) -> None:
     """Probe the container's venv, torch build, driver, GPUs and compile cache (one exec)."""
     from controller.commands import envprobe
     from controller.core.envlock import Probe
@@ -84,7 +84,7 @@ def probe_cmd(container: str = typer.Argument(..., autocompletion=_c.containers,
 
 @env_app.command("check")
 def check_cmd(
-    container: str = typer.Argument(..., autocompletion=_c.containers, help="The container to check."),
+    container: str | None = container_argument("The container to check."),
     lock: str | None = typer.Option(None, "--lock", help="Lock file (default: the container's `lock:`)."),
 ) -> None:
     """Compare the container's venv with its lock; exit 11 with one line per difference."""
@@ -108,7 +108,7 @@ def check_cmd(
 
 @env_app.command("lock")
 def lock_cmd(
-    container: str = typer.Argument(..., autocompletion=_c.containers, help="The container whose venv to pin."),
+    container: str | None = container_argument("The container whose venv to pin."),
     output: str = typer.Option(..., "-o", "--output", help="Lock file to write, e.g. env/ct200.lock."),
     force: bool = typer.Option(False, "--force", help="Replace an existing lock file."),
 ) -> None:
@@ -155,8 +155,7 @@ def diff_cmd(
 
 @env_app.command("sync")
 def sync_cmd(
-    container: str = typer.Argument(..., autocompletion=_c.containers,
-                                    help="The container whose venv to rebuild from its lock."),
+    container: str | None = container_argument("The container whose venv to rebuild from its lock."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the commands; change nothing."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before building and switching."),
     python: str | None = typer.Option(None, "--python", help="Python version or interpreter (default: the lock's)."),
@@ -208,7 +207,7 @@ def sync_cmd(
 
 
 @cache_app.command("status")
-def cache_status_cmd(container: str = typer.Argument(..., autocompletion=_c.containers, help="The container.")) -> None:
+def cache_status_cmd(container: str | None = container_argument()) -> None:
     """Where the compile cache is, its size and entries, which torch build filled it, and the saved caches."""
     from controller.commands import cache
 
@@ -279,7 +278,7 @@ def cache_restore_cmd(
 
 @cache_app.command("warm")
 def cache_warm_cmd(
-    container: str = typer.Argument(..., autocompletion=_c.containers, help="The container."),
+    container: str | None = container_argument(),
     gpu: list[int] = typer.Option(None, "--gpu", help="GPU to warm on (repeatable; default: the drafter GPUs)."),
 ) -> None:
     """Fill the compile cache with remote_payload/warmup_compile.py, ONE GPU at a time, never concurrently."""

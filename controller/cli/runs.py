@@ -23,6 +23,7 @@ from controller.cli.app import (
     _table,
     _warn,
     app,
+    container_argument,
     examples,
     session,
 )
@@ -35,7 +36,7 @@ from controller.errors import CtlError, ExitCode, InputError
     'ctl launch pair -f             # a job: every node, or none',
 ))
 def launch_cmd(
-    container: str = typer.Argument(..., autocompletion=_c.containers, help="The container to run in."),
+    container: str | None = container_argument("The container to run in, or a job of the inventory."),
     run: str | None = typer.Option(None, "--run", help="Run name (default: next of the inventory's series)."),
     allow_drift: bool = typer.Option(False, "--allow-drift", help="Launch although deployed files differ from pins."),
     force: bool = typer.Option(False, "--force", help="Override GPU-busy and disk checks (never the log clobber)."),
@@ -50,7 +51,7 @@ def launch_cmd(
 
     reg = _registry()
     inv = _inv()
-    if container in inv.model.jobs:
+    if container is not None and container in inv.model.jobs:
         raise typer.Exit(_launch_job(inv, reg, container, run, allow_drift=allow_drift, force=force,
                                      allow_env_mismatch=allow_env_mismatch, follow=follow))
     with _session(container) as (inv, ct, pool):

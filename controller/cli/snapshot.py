@@ -17,6 +17,7 @@ import typer
 
 from controller.cli import app as _cli
 from controller.cli import names as _c
+from controller.cli.app import container_argument
 from controller.errors import CtlError, InputError
 
 app: typer.Typer = _cli.app
@@ -95,7 +96,7 @@ def create_cmd(
 
 
 @snapshot_app.command("list")
-def list_cmd(container: str = typer.Argument(..., autocompletion=_c.containers, help="The container.")) -> None:
+def list_cmd(container: str | None = container_argument()) -> None:
     """List the container's snapshots (oldest first; * = the one the container currently derives from)."""
     from controller.commands import snapshot
 

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 NAME_KINDS = ("targets", "containers", "container_or_run")
 # Commands that, given no names, act on every container (`ctl ping`), or on the one the inventory has.
 ALL_WHEN_NONE = ("ping",)
-ONLY_WHEN_NONE = ("deploy", "store prune", "store status")
+ONLY_WHEN_NONE = ("deploy", "store prune", "store status", "launch", "env probe", "env check", "env lock", "env sync",
+                  "cache status", "cache warm", "snapshot list")
 DRY_RUN_CONNECTS = ("deploy",)  # its plan is made against the containers' files
 # Commands that, given no names, act on the live runs: the containers those ran in (the registry says).
 LIVE_WHEN_NONE = ("status", "supervise", "runs")
