@@ -27,7 +27,8 @@ ALLOWED = {
     "bottom": set(),
 }
 # The scripts that run over there import nothing of ctl: they travel alone over an exec's stdin.
-STANDALONE = {"remote/agent.py", "remote/hostrelay.py", "remote/probe_env.py"}
+STANDALONE = {"remote/agent.py", "remote/hostrelay.py", "remote/probe_env.py", "remote/probe_gpu.py",
+              "remote/probe_host_gpu.py"}
 # Reading those scripts' bytes (controller.remote.source) and the line that starts one (controller.remote.boot) is
 # no use of the agent client: the transport's relay sends hostrelay.py's source to the host and starts it there.
 RESOURCES = {"controller.remote", "controller.remote.source", "controller.remote.boot"}

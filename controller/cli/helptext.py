@@ -22,6 +22,7 @@ TEXT = (
     'Commands:\n'
     '  dashboard  A local web page of the live runs: step, loss, tok/s against...\n'
     '  deploy     Pin the payload, push only what changed, verify it inside...\n'
+    "  doctor     Why a container's GPUs do not work: the host's driver, the...\n"
     "  ping       ctl's agent in each container, reached as every command...\n"
     '  mark-good  Mark a run as known-good: the baseline of later runs (an...\n'
     "  status     Live runs (else each container's latest run): pull new...\n"

@@ -132,7 +132,7 @@ def launch(
     if name is not None:
         check_name(name, "run name")
     nodes = list(job.nodes)
-    from controller.commands import environment  # a launch's: `ctl status` settles jobs without them
+    from controller.commands import environment, gpupreflight  # a launch's: `ctl status` settles jobs without them
     from controller.commands.deploy import pin
 
     manifests: dict[str, Manifest] = {ct.name: pin(inv, ct) for ct in nodes}
@@ -140,11 +140,15 @@ def launch(
     rp = runs.paths_for(inv, name) if name is not None else None
     rdzv = _rdzv_args(job, secrets.token_hex(16))
 
-    probed = fanout(pool, nodes, lambda ct, t: runs._probe(inv, ct, t, manifests[ct.name], rp, rdzv.get(ct.name)))
+    probed = fanout(pool, nodes, lambda ct, t: runs._probe(inv, ct, t, manifests[ct.name], rp, rdzv.get(ct.name),
+                                                           env=gpupreflight.request(ct, None)))
     err = _first_failure(job.name, probed, "; nothing was started or claimed")
     if err is not None:
         raise err
     docs = {o.ct: o.value for o in probed if o.value is not None}
+    gpus: dict[str, dict[str, Any] | None] = {}  # each node's GPU document: its checks rode in the probe
+    for ct in nodes:
+        docs[ct.name], gpus[ct.name] = gpupreflight.unwrap(ct, docs[ct.name], None)
     if name is None:
         logs = [n for d in docs.values() for n in d.get("series_logs", []) if isinstance(n, str)]
         name = runs._name_after(inv, [job.name, *(ct.name for ct in nodes)], reg, logs)
@@ -158,8 +162,11 @@ def launch(
     try:
         for ct in nodes:
             try:
+                gpu_check = gpupreflight.check(ct, gpus[ct.name], force=force)
                 checks[ct.name] = runs.preflight(inv, ct, pool.container(ct), rp, manifests[ct.name],
                                                  allow_drift=allow_drift, force=force, doc=docs[ct.name])
+                if gpu_check is not None:
+                    checks[ct.name].append(runs.Check(*gpu_check))
             except CtlError as e:
                 raise node_error(job.name, str(e), int(e.exit_code), "; nothing was started or claimed") from None
         for node_name, check in _judge_rendezvous(job, docs).items():

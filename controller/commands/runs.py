@@ -300,7 +300,7 @@ def launch(
         raise InputError(f"{ct.name} is node {job.rank(ct.name)} of job {job.name!r}: its start script is rendered "
                          f"for that job's rendezvous; launch the job (`ctl launch {job.name}`)")
     # Only a launch pins and probes: `ctl status` (through monitor) loads this module without them.
-    from controller.commands import environment
+    from controller.commands import environment, gpupreflight
     from controller.commands.deploy import pin
 
     manifest = pin(inv, ct)
@@ -309,16 +309,21 @@ def launch(
     probed = None
     # One round trip answers the preflight, the environment probe and (without a name) which name is next.
     env_req = environment.probe_request(inv, ct, t) if probe_env else None
+    slot = gpupreflight.request(ct, env_req)  # the GPU checks ride in the environment probe's slot
     if name is None:
-        probed = _probe(inv, ct, t, manifest, None, env=env_req)
+        probed = _probe(inv, ct, t, manifest, None, env=slot)
         name = _name_after(inv, ct, reg, agent.need(probed, "series_logs", list))
     rp = paths_for(inv, name)
     rec = reg.claim_run(name, ct.name, host=ct.host_name, session=rp.session, log_path=rp.log, run_dir=rp.run_dir,
                         **(lineage or {}))
     try:
         if probed is None:
-            probed = _probe(inv, ct, t, manifest, rp, env=env_req)
+            probed = _probe(inv, ct, t, manifest, rp, env=slot)
+        probed, gpu = gpupreflight.unwrap(ct, probed, env_req)
+        gpu_check = gpupreflight.check(ct, gpu, force=force)  # first: a broken setup is also why nvidia-smi fails
         checks = preflight(inv, ct, t, rp, manifest, allow_drift=allow_drift, force=force, doc=probed)
+        if gpu_check is not None:
+            checks.append(Check(*gpu_check))
         env = environment.probe_for_launch(inv, ct, t, allow_mismatch=allow_env_mismatch,
                                            reply=probed.get("env_probe")) if probe_env else None
         run_env = {**(extra_env or {}), "CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
