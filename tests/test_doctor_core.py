@@ -104,7 +104,7 @@ def test_fix_lines_in_the_cgroup_style_use_this_hosts_majors() -> None:
         "lxc.mount.entry: /dev/nvidia-uvm dev/nvidia-uvm none bind,optional,create=file",
         "lxc.mount.entry: /dev/nvidia-uvm-tools dev/nvidia-uvm-tools none bind,optional,create=file")
     other = g.node_fixes("pve1", 200, ["/dev/nvidia-uvm"], cfg, {**g.char_majors(DEVICES), "nvidia-uvm": 237},
-                         (8, 2), denied=True)
+                         (8, 2), denied=frozenset({"/dev/nvidia-uvm"}))
     assert other[0].lines == ("lxc.cgroup2.devices.allow: c 237:* rwm",)  # denied: the mount entry is there
 
 
@@ -163,10 +163,14 @@ def test_each_errno_gets_its_own_reason_and_fix() -> None:
            "/dev/nvidia1": {"exists": True, "char": True, "errno": "ENXIO", "rdev": [240, 0]}}
     checks = by_name(d.judge(EXPECT, host(), container(nodes=bad), ENV))
     assert "ENOENT" in checks["node /dev/nvidia-uvm"].seen and checks["node /dev/nvidia-uvm"].status == "FAIL"
-    assert checks["node /dev/nvidia-uvm"].fixes[0].lines == ("pct set 200 --dev2 /dev/nvidia-uvm",)
     assert "cgroup denies" in checks["node /dev/nvidiactl"].seen and "dev1 passes it" in checks[
         "node /dev/nvidiactl"].seen
-    assert checks["node /dev/nvidiactl"].fixes[0].lines == ("pct reboot 200",)  # passed already: restart
+    # nvidia-uvm (missing) and nvidiactl (denied, passed by dev1 already) share one fix: one new devN, a restart
+    # (under the first of them in the list)
+    assert [f.lines for f in checks["node /dev/nvidiactl"].fixes] == [
+        ("pct set 200 --dev2 /dev/nvidia-uvm",), ("dev2: /dev/nvidia-uvm",), ("pct reboot 200",)]
+    assert checks["node /dev/nvidia-uvm"].fixes == ()
+    assert "the lines under node /dev/nvidiactl cover it" in checks["node /dev/nvidia-uvm"].seen
     assert "no driver behind it" in checks["node /dev/nvidia1"].seen and "major is 240" in checks[
         "node /dev/nvidia1"].seen
     assert checks["node /dev/nvidia1"].fixes[0].lines == ("nvidia-modprobe -u -c=0",)

@@ -198,72 +198,86 @@ def host_driver(h: HostView) -> Check:
 
 
 def node_checks(e: Expect, h: HostView | None, nodes: dict[str, dict[str, Any]]) -> list[Check]:
-    """Each node the split needs, present and openable in the container; a failing one names why (the errno)
-    and the lines that fix it, in the container config's own style."""
+    """Each node the split needs, present and openable in the container; a failing one names why (the errno).
+    The config lines for every node that is missing or denied are computed together (one set of devN indexes,
+    one allow rule per major) and shown once, under the first of them."""
     want = needed_nodes(e.split, h.nodes if h else ())
     cfg = h.configs.get(e.vmid) if h and e.vmid is not None else None
-    failed: list[Check] = []
+    problems: list[tuple[str, bool, str, list[Fix], str | None]] = []  # path, soft, seen, own fixes, config need
     fine: list[str] = []
     for path in want:
         d = nodes.get(path, {})
-        soft = path in SOFT_NODES or path.startswith(_CAPS)
         if d.get("opens") and d.get("char"):
             fine.append(path)
             continue
-        seen, fixes = _node_problem(e, h, cfg, path, d)
-        failed.append(Check(f"node {path}", WARN if soft else FAIL, seen, tuple(fixes)))
-    if not failed:
+        seen, fixes, need = _node_problem(e, h, cfg, path, d)
+        problems.append((path, path in SOFT_NODES or path.startswith(_CAPS), seen, fixes, need))
+    if not problems:
         return [Check("device nodes", OK, f"{len(fine)} present and openable: " + ", ".join(
             p.removeprefix("/dev/") for p in fine))]
-    return failed
+    config = [p[0] for p in problems if p[4] is not None]
+    denied = frozenset(p[0] for p in problems if p[4] == "denied")
+    shared = _config_fixes(e, h, cfg, config, denied) if config else []
+    out: list[Check] = []
+    for path, soft, seen, fixes, need in problems:
+        if need is not None and path != config[0]:
+            seen += f" (the lines under node {config[0]} cover it)"
+        elif need is not None:
+            fixes = [*fixes, *shared]
+        out.append(Check(f"node {path}", WARN if soft else FAIL, seen, tuple(fixes)))
+    return out
+
+
+def _config_fixes(e: Expect, h: HostView | None, cfg: CtConfig | None, paths: list[str], denied: frozenset[str]
+                  ) -> list[Fix]:
+    if h is None or cfg is None or e.vmid is None:
+        return [Fix(e.where, "pass them through in the container's Proxmox config (the inventory names no Proxmox "
+                    "host: ctl cannot read it)", tuple(f"# {p}" for p in paths))]
+    fixes = node_fixes(h.host, e.vmid, paths, cfg, h.majors, h.pve, denied=denied)
+    return fixes or [Fix(h.host, "the config already passes them: restart the container so it applies",
+                         (f"pct reboot {e.vmid}",))]
 
 
 def _node_problem(e: Expect, h: HostView | None, cfg: CtConfig | None, path: str, d: dict[str, Any]
-                  ) -> tuple[str, list[Fix]]:
+                  ) -> tuple[str, list[Fix], str | None]:
+    """(what is wrong, the fixes of this node alone, whether the config must pass it: 'missing', 'denied' or
+    None)."""
     err = str(d.get("errno") or "")
     major = node_major(path, h.majors) if h else None
     passed = cfg.passes(path) if cfg else None
     how = f" ({passed} passes it)" if passed else ""
-
-    def lines(denied: bool = False) -> list[Fix]:
-        if h is None or cfg is None or e.vmid is None:
-            return [Fix(e.where, "pass it through in the container's Proxmox config (no host in the inventory: "
-                        "ctl cannot read it)", (f"# {path}",))]
-        fixes = node_fixes(h.host, e.vmid, [path], cfg, h.majors, h.pve, denied=denied)
-        return fixes or [Fix(h.host, "the config already passes it: restart the container so it applies",
-                             (f"pct reboot {e.vmid}",))]
-
+    where = h.host if h else e.where
+    restart = [Fix(h.host, "then restart the container", (f"pct reboot {e.vmid}",))] if h and e.vmid else []
     if not d.get("exists"):
         if h is not None and path not in h.nodes and path.startswith("/dev/nvidia-uvm"):
             return (f"missing in the container, and on {h.host} too: nvidia-uvm is not loaded there",
                     [Fix(h.host, "load nvidia-uvm and make its nodes (and at every boot)",
-                         ("nvidia-modprobe -u -c=0", "echo nvidia-uvm >> /etc/modules-load.d/nvidia.conf")),
-                     *lines()])
-        return f"missing in the container (ENOENT): not passed through{how}", lines()
+                         ("nvidia-modprobe -u -c=0", "echo nvidia-uvm >> /etc/modules-load.d/nvidia.conf"))],
+                    "missing")
+        return f"missing in the container (ENOENT): not passed through{how}", [], "missing"
     if not d.get("char"):
         return (f"a plain file, not a device{how}: the bind mount found no {path} on the host when the container "
                 "started (optional mount, create=file)",
-                [Fix(h.host if h else e.where, "load the module and make the node on the host",
-                     ("nvidia-modprobe -u -c=0",)),
-                 *([Fix(h.host, "then restart the container", (f"pct reboot {e.vmid}",))] if h else [])])
-    rdev = d.get("rdev") if isinstance(d.get("rdev"), list) else None
-    stale = (f"; its major is {rdev[0]} but {path}'s driver has {major} since this boot"
-             if rdev and major is not None and rdev[0] != major else "")
+                [Fix(where, "load the module and make the node on the host", ("nvidia-modprobe -u -c=0",)),
+                 *restart], None)
     if err == "EPERM":
-        return f"present but the cgroup denies opening it (EPERM){how}", lines(denied=True)
+        return f"present but the cgroup denies opening it (EPERM){how}", [], "denied"
     if err == "ENXIO":
+        rdev = d.get("rdev") if isinstance(d.get("rdev"), list) else None
+        stale = (f"; its major is {rdev[0]} but {path}'s driver has {major} since this boot (a stale node)"
+                 if rdev and major is not None and rdev[0] != major else "")
         return (f"present but no driver behind it (ENXIO){stale}",
-                [Fix(h.host if h else e.where, "load the driver's module on the host (nvidia-uvm for the uvm nodes)",
-                     ("nvidia-modprobe -u -c=0",)), *lines()])
+                [Fix(where, "load the driver's module on the host (nvidia-uvm for the uvm nodes)",
+                     ("nvidia-modprobe -u -c=0",)), *restart], None)
     if err == "EACCES":
         owner = f"mode {d.get('mode')}, uid {d.get('uid')} gid {d.get('gid')}"
         unpriv = cfg is not None and cfg.unprivileged
         why = ("an unprivileged container sees the host's root as nobody:nogroup, so only the mode's 'other' "
                "bits count" if unpriv else "its mode does not let root of the container read and write it")
-        fix = (Fix(h.host, "give the node NVIDIA's default mode (on the host; NVreg_DeviceFileMode=0666 keeps it)",
-                   (f"chmod 0666 {path}",)) if h else Fix(e.where, "make it readable and writable", ("# chmod 0666",)))
-        return f"present but not openable (EACCES: {owner}): {why}", [fix]
-    return f"present but does not open ({err or '?'}: {clean(str(d.get('error') or ''))})", lines()
+        return (f"present but not openable (EACCES: {owner}): {why}",
+                [Fix(where, "give the node NVIDIA's default mode (on the host; the module option "
+                     "NVreg_DeviceFileMode=0666 keeps it)", (f"chmod 0666 {path}",))], None)
+    return f"present but does not open ({err or '?'}: {clean(str(d.get('error') or ''))})", restart, None
 
 
 def userspace(e: Expect, h: HostView | None, gpu: dict[str, Any]) -> Check:

@@ -212,10 +212,10 @@ class Fix:
 
 
 def node_fixes(host: str, vmid: int, nodes: list[str], cfg: CtConfig, majors: dict[str, int],
-               pve: tuple[int, int] | None, *, denied: bool = False) -> list[Fix]:
+               pve: tuple[int, int] | None, *, denied: frozenset[str] = frozenset()) -> list[Fix]:
     """The config lines that pass `nodes` through to container `vmid`, in the style its config uses, and the pct
-    commands that write them (devN style), then the restart that applies them. `denied`: the nodes are there
-    but the cgroup refuses them: in the cgroup style only the allow rules are missing."""
+    commands that write them (devN style), then the restart that applies them. `denied`: nodes that are there
+    but the cgroup refuses: in the cgroup style only their allow rules are missing, not their mount entries."""
     conf = f"/etc/pve/lxc/{vmid}.conf"
     out: list[Fix] = []
     if cfg.style(pve) == "dev":
@@ -238,8 +238,7 @@ def node_fixes(host: str, vmid: int, nodes: list[str], cfg: CtConfig, majors: di
             rule = f"lxc.cgroup2.devices.allow: c {major}:* rwm"
             if not cfg.allowed(major) and rule not in lines:
                 lines.append(rule)
-        if not denied:
-            lines += [mount_entry(node) for node in nodes if node not in cfg.mounts]
+        lines += [mount_entry(node) for node in nodes if node not in cfg.mounts and node not in denied]
         if lines:
             out.append(Fix(f"{conf} on {host}", f"add to {conf} (majors from {host}'s /proc/devices)", tuple(lines)))
         if unknown:

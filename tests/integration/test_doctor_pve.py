@@ -80,13 +80,17 @@ def test_a_missing_nvidia_uvm_gets_the_lines_of_the_containers_own_style(patient
     uvm = checks["node /dev/nvidia-uvm"]
     assert uvm["status"] == "FAIL" and "missing in the container (ENOENT)" in uvm["seen"]
     lines = [line for f in uvm["fix"] for line in f["lines"]]
+    # both uvm nodes in one set of lines (distinct devN, one allow rule for their major), under the first
     if style == "dev":
-        assert lines == ["pct set 201 --dev3 /dev/nvidia-uvm", "dev3: /dev/nvidia-uvm", "pct reboot 201"]
+        assert lines == ["pct set 201 --dev3 /dev/nvidia-uvm", "pct set 201 --dev4 /dev/nvidia-uvm-tools",
+                         "dev3: /dev/nvidia-uvm", "dev4: /dev/nvidia-uvm-tools", "pct reboot 201"]
     else:
         assert lines == ["lxc.cgroup2.devices.allow: c 508:* rwm",
                          "lxc.mount.entry: /dev/nvidia-uvm dev/nvidia-uvm none bind,optional,create=file",
+                         "lxc.mount.entry: /dev/nvidia-uvm-tools dev/nvidia-uvm-tools none bind,optional,create=file",
                          "pct reboot 201"]
-    assert checks["node /dev/nvidia-uvm-tools"]["status"] == "warn"
+    tools = checks["node /dev/nvidia-uvm-tools"]
+    assert tools["status"] == "warn" and tools["fix"] == [] and "lines under node /dev/nvidia-uvm" in tools["seen"]
     for line in lines:  # the text output prints each line as it is to be pasted
         assert f"\n          {line}\n" in text
 
