@@ -98,15 +98,24 @@ def libs():
     return out
 
 
-def _run(argv, timeout=20):
+def _start(argv):
     try:
-        r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
-    except FileNotFoundError:
-        return {"rc": 127, "out": "", "err": "%s: not found" % argv[0]}
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as e:
+        return {"rc": 127, "out": "", "err": "%s: %s" % (argv[0], e.strerror)}
+
+
+def _finish(proc, timeout=20):
+    if isinstance(proc, dict):
+        return proc
+    try:
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"rc": 124, "out": "", "err": "%s: no answer within %ss" % (argv[0], timeout)}
-    return {"rc": r.returncode, "out": r.stdout.decode("utf-8", "replace")[-8000:],
-            "err": r.stderr.decode("utf-8", "replace")[-4000:]}
+        proc.kill()
+        proc.communicate()
+        return {"rc": 124, "out": "", "err": "nvidia-smi: no answer within %ss" % timeout}
+    return {"rc": proc.returncode, "out": out.decode("utf-8", "replace")[-8000:],
+            "err": err.decode("utf-8", "replace")[-4000:]}
 
 
 def _which(name):
@@ -117,11 +126,12 @@ def _which(name):
     return None
 
 
-def smi():
+def start_smi():
+    """The container's nvidia-smi, started now (it runs while the nodes are looked at)."""
     exe = _which("nvidia-smi")
     if exe is None:
         return {"rc": 127, "out": "", "err": "nvidia-smi: not found"}
-    return _run([exe, *_SMI_QUERY])
+    return _start([exe, *_SMI_QUERY])
 
 
 def shm():
@@ -180,6 +190,7 @@ def _read(path):
 
 
 def gpu(spec):
+    smi = start_smi() if spec.get("smi") else None
     paths = [str(p) for p in spec.get("nodes", [])]
     if spec.get("caps"):
         try:
@@ -188,24 +199,43 @@ def gpu(spec):
             pass
     out = {"nodes": {p: node(p) for p in paths}, "driver_file": _read("/proc/driver/nvidia/version"),
            "libs": libs(), "uid_map": _read("/proc/self/uid_map")}
-    if spec.get("smi"):
-        out["smi"] = smi()
+    if smi is not None:
+        out["smi"] = _finish(smi)
     if spec.get("net"):
         out.update(shm=shm(), memlock=memlock(), addresses=addresses(), ifaces=ifaces())
     return out
 
 
-def env_probe(argv):
-    """probe_env.py (ENV_PROBE_SOURCE) as `python3 - ARGS`, its output as agent.py's `probe` gives it back."""
+def start_env_probe(argv):
+    """probe_env.py (ENV_PROBE_SOURCE) as `python3 - ARGS`, started now: it runs while the nodes are looked at."""
     if not ENV_PROBE_SOURCE:
         return {"rc": 2, "stdout": "", "stderr": "probe_gpu: shipped without the environment probe"}
     try:
-        r = subprocess.run([sys.executable, "-", *argv], input=ENV_PROBE_SOURCE, capture_output=True,
-                           timeout=100)
+        proc = subprocess.Popen([sys.executable, "-", *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+    except OSError as e:
+        return {"rc": 127, "stdout": "", "stderr": "env probe: %s" % e.strerror}
+    try:
+        proc.stdin.write(ENV_PROBE_SOURCE)  # ~20 KB: within a pipe's buffer, so this does not wait for the reader
+        proc.stdin.close()
+    except OSError:
+        pass
+    proc.stdin = None  # written and closed: communicate() must not flush it again
+    return proc
+
+
+def finish_env_probe(proc):
+    """Its output as agent.py's `probe` gives it back."""
+    if isinstance(proc, dict):
+        return proc
+    try:
+        out, err = proc.communicate(timeout=100)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         return {"rc": 124, "stdout": "", "stderr": "env probe: no answer within 100s"}
-    return {"rc": r.returncode, "stdout": r.stdout.decode("utf-8", "replace"),
-            "stderr": r.stderr.decode("utf-8", "replace")[-4000:]}
+    return {"rc": proc.returncode, "stdout": out.decode("utf-8", "replace"),
+            "stderr": err.decode("utf-8", "replace")[-4000:]}
 
 
 def main(argv):
@@ -213,7 +243,8 @@ def main(argv):
         spec = json.loads(argv[0]) if argv else {}
     except ValueError:
         spec = {}
-    doc = {"gpu": gpu(spec), "env": env_probe(argv[1:]) if spec.get("env") else None}
+    env = start_env_probe(argv[1:]) if spec.get("env") else None
+    doc = {"gpu": gpu(spec), "env": finish_env_probe(env) if env is not None else None}
     sys.stdout.write(json.dumps(doc) + "\n")
     return 0
 
