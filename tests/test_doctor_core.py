@@ -253,3 +253,17 @@ def test_quick_preflight_subset() -> None:
     assert d.quick((0, 1), {**container(libs=mis), "driver_file": drv}) == [
         "libnvidia-ml 550.54.14 but the driver is 550.54.15"]
     assert d.quick((0, 1), container(nodes={})) == []  # no driver visible: nvidia-smi's check speaks
+
+
+def test_unprivileged_eacces_gets_a_mode_on_its_devN_entry() -> None:
+    nodes = {**container()["nodes"], "/dev/nvidia0": {"exists": True, "char": True, "errno": "EACCES",
+                                                      "mode": "0660", "uid": 65534, "gid": 65534}}
+    c = by_name(d.judge(EXPECT, host(), container(nodes=nodes), ENV))["node /dev/nvidia0"]
+    assert c.status == "FAIL" and "nobody:nogroup" in c.seen and "mode 0660, uid 65534" in c.seen
+    assert [f.lines for f in c.fixes] == [("pct set 200 --dev0 /dev/nvidia0,mode=0666",), ("pct reboot 200",)]
+
+
+def test_a_cpu_container_is_not_judged_on_gpus() -> None:
+    cpu = d.Expect("ct9", "pve1", 200, (), "")
+    h = host(driver_file=None, smi={"table": {"rc": 9, "out": MESSAGES["no_driver"]["text"], "err": ""}})
+    assert [(c.name, c.status) for c in d.judge(cpu, h, container(), None)] == [("GPU split", "ok")]

@@ -274,9 +274,13 @@ def _node_problem(e: Expect, h: HostView | None, cfg: CtConfig | None, path: str
         unpriv = cfg is not None and cfg.unprivileged
         why = ("an unprivileged container sees the host's root as nobody:nogroup, so only the mode's 'other' "
                "bits count" if unpriv else "its mode does not let root of the container read and write it")
+        if h is not None and e.vmid is not None and passed and passed.startswith("dev"):
+            return (f"present but not openable (EACCES: {owner}): {why}",
+                    [Fix(h.host, f"give {passed} NVIDIA's default mode for the container's root",
+                         (f"pct set {e.vmid} --{passed} {path},mode=0666",)), *restart], None)
         return (f"present but not openable (EACCES: {owner}): {why}",
                 [Fix(where, "give the node NVIDIA's default mode (on the host; the module option "
-                     "NVreg_DeviceFileMode=0666 keeps it)", (f"chmod 0666 {path}",))], None)
+                     "NVreg_DeviceFileMode=0666 keeps it)", (f"chmod 0666 {path}",)), *restart], None)
     return f"present but does not open ({err or '?'}: {clean(str(d.get('error') or ''))})", restart, None
 
 
@@ -448,6 +452,8 @@ def hygiene(e: Expect, gpu: dict[str, Any]) -> list[Check]:
 def judge(e: Expect, h: HostView | None, gpu: dict[str, Any], env: dict[str, Any] | None) -> list[Check]:
     """Every check of one container, in the order a newcomer fixes them: the host's driver (nothing else
     matters without it), the nodes, user space, torch's CUDA, the split, then NCCL's hygiene."""
+    if not e.split:  # a CPU container: nothing of the GPUs' concerns it, not even a host without a driver
+        return [Check("GPU split", OK, "no GPUs in the inventory (cpu): nothing to check")]
     if h is not None:
         first = host_driver(h)
         if first.status == FAIL:
@@ -463,9 +469,6 @@ def judge(e: Expect, h: HostView | None, gpu: dict[str, Any], env: dict[str, Any
         checks.append(Check("config", OK, ("devN entries" if style == "dev" else "lxc.cgroup2 + mount entries")
                             + (", unprivileged" if cfg.unprivileged else ", privileged")
                             + (f", PVE {h.pve[0]}.{h.pve[1]}" if h.pve else "")))
-    if not e.split:
-        checks.append(Check("GPU split", OK, "no GPUs in the inventory (cpu): nothing more to check"))
-        return checks
     checks += node_checks(e, h, _nodes(gpu.get("nodes")))
     checks.append(userspace(e, h, gpu))
     checks.append(cuda(e, h, env))
