@@ -16,6 +16,7 @@ from controller.core.doctor import Check, Expect, HostView, failed, host_view, j
 from controller.core.render import context
 from controller.errors import CtlError, ExitCode
 from controller.inventory import Container, Inventory
+from controller.names import check_container_path
 from controller.remote.gpuprobe import container_spec, run_container, run_host
 from controller.transport.base import Transport
 from controller.transport.pool import Pool
@@ -40,6 +41,8 @@ def expect(inv: Inventory, ct: Container) -> Expect:
     ctx = context(inv, ct)
     job = inv.job_of(ct.name)
     venv = ctx.get("venv")
+    if venv is not None:  # it reaches a command line in the container (the environment probe's --venv)
+        venv = check_container_path(str(venv), f"{ct.name}: vars.venv")
     host = ct.host_name if ct.host is not None and ct.spec.vmid is not None else None
     return Expect(ct=ct.name, host=host, vmid=ct.spec.vmid if host else None, split=tuple(ct.spec.gpus.all),
                   cuda_visible=str(ctx.get("cuda_visible_devices") or ""), venv=str(venv) if venv else None,
