@@ -197,3 +197,24 @@ def test_bad_input_is_one_clear_line_each(patient: Env) -> None:
     assert list(checks) == ["host driver"]
     assert checks["host driver"]["seen"].startswith("no NVIDIA driver loaded on pve1: /proc/driver/nvidia/version is "
                                                     "missing; nvidia-smi: NVIDIA-SMI has failed")
+
+
+def test_a_job_node_without_its_address_or_nccl_interface(patient: Env) -> None:
+    """A node of a job: its `address:` must be one of the container's own, `nccl.socket_ifname` must select one of
+    its interfaces, and the memlock limit is reported (NCCL over InfiniBand pins memory)."""
+    venv = f"/root/{patient.tag}/venv"
+    patient.write(containers={"ct200": {"address": "10.77.0.1", "gpus": {"target": SPLIT, "drafter": []}},
+                              CT: {"address": "10.77.0.2", "nccl": {"socket_ifname": "=eth9"},
+                                   "gpus": {"target": SPLIT, "drafter": []}, "vars": {"venv": venv}}},
+                  jobs={"pair": {"nodes": ["ct200", CT]}})
+    gpu.set_config(patient.host, VMID, DEV_CONFIG)
+    gpu.place(patient.host, VMID, HEALTHY_NODES)
+    rc, checks, text = doctor(patient, CT)
+    assert rc == 14, text
+    addr = checks["node address"]
+    assert addr["status"] == "FAIL" and addr["seen"].startswith(
+        "10.77.0.2 (containers.ct201.address, a node of job pair) is not an address of the container"), addr
+    nccl = checks["NCCL interface"]
+    assert nccl["status"] == "FAIL" and nccl["seen"].startswith("NCCL_SOCKET_IFNAME==eth9 selects none of the "
+                                                                "container's interfaces (lo"), nccl
+    assert checks["memlock"]["status"] in ("warn", "ok") and checks["memlock"]["seen"].startswith("memlock")
