@@ -267,3 +267,22 @@ def test_a_cpu_container_is_not_judged_on_gpus() -> None:
     cpu = d.Expect("ct9", "pve1", 200, (), "")
     h = host(driver_file=None, smi={"table": {"rc": 9, "out": MESSAGES["no_driver"]["text"], "err": ""}})
     assert [(c.name, c.status) for c in d.judge(cpu, h, container(), None)] == [("GPU split", "ok")]
+
+
+def test_launch_refuses_a_broken_setup_unless_forced() -> None:
+    import pytest
+
+    from controller.commands import gpupreflight
+    from controller.errors import ExitCode, GpuSetupError
+    from controller.inventory import Container, ContainerSpec, GpuSplit
+
+    ct = Container("ct9", ContainerSpec(transport="local", root="/x", gpus=GpuSplit(target=[0, 1])), None, None, None)
+    drv = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  x\n"
+    broken = {**container(libs={"libnvidia-ml.so.1": {"real": "/x/libnvidia-ml.so.550.54.14"}}), "driver_file": drv}
+    with pytest.raises(GpuSetupError) as got:
+        gpupreflight.check(ct, broken, force=False)
+    assert got.value.exit_code == ExitCode.GPU_SETUP and "`ctl doctor ct9`" in str(got.value)
+    assert gpupreflight.check(ct, broken, force=True) == (
+        "gpu setup", False, "ct9: GPU setup is broken: libnvidia-ml 550.54.14 but the driver is 550.54.15", True)
+    assert gpupreflight.check(ct, {**container(), "driver_file": drv}, force=False) == (
+        "gpu setup", True, "nodes open, user space matches the driver", False)
