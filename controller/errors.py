@@ -28,6 +28,7 @@ class ExitCode(IntEnum):
     ENV_MISMATCH = 11  # environment differs from its lock
     DISK = 12  # not enough free disk
     VERIFY = 13  # content verification failed after a transfer
+    GPU_SETUP = 14  # `ctl doctor` found a failing check; `ctl launch` refused a broken GPU setup
     RUN_FAILED = 20  # a followed run ended non-zero or with a crash signature
     SLOW = 21  # a run's throughput is below its baseline
     STALLED = 22  # a run's log stopped moving
@@ -140,6 +141,12 @@ class VerifyError(CtlError):
     """What arrived is not what was sent: a hash differs after a transfer (exit 13)."""
 
     exit_code = ExitCode.VERIFY
+
+
+class GpuSetupError(CtlError):
+    """A container's GPUs cannot work as set up (a device node, the user space against the driver)."""
+
+    exit_code = ExitCode.GPU_SETUP
 
 
 class ApiError(CtlError):

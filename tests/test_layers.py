@@ -45,7 +45,7 @@ EXCEPTIONS = {
 # stdin (controller/farside/__init__.py, the loader, is ctl's own and imports nothing of it either).
 STANDALONE = {p.relative_to(PKG).as_posix() for p in (PKG / "farside").rglob("*.py")} - {"farside/__init__.py"}
 # commands/ modules that verb modules may import (see the module doc); the rest are verb modules.
-SHARED = {"fanout", "pins", "envprobe", "preflight", "reconcile", "launcher", "monitor", "notify"}
+SHARED = {"fanout", "pins", "envprobe", "preflight", "gpupreflight", "reconcile", "launcher", "monitor", "notify"}
 COMPOSERS = {"runbook"}
 
 

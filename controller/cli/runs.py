@@ -39,7 +39,8 @@ def launch_cmd(
     container: str | None = container_argument("The container to run in, or a job of the inventory."),
     run: str | None = typer.Option(None, "--run", help="Run name (default: next of the inventory's series)."),
     allow_drift: bool = typer.Option(False, "--allow-drift", help="Launch although deployed files differ from pins."),
-    force: bool = typer.Option(False, "--force", help="Override GPU-busy and disk checks (never the log clobber)."),
+    force: bool = typer.Option(False, "--force", help="Override GPU-busy, GPU-setup and disk checks (never the log "
+                               "clobber)."),
     follow: bool = typer.Option(False, "-f", "--follow", help="Follow the log after the launch (like ctl tail -f)."),
     allow_env_mismatch: bool = typer.Option(
         False, "--allow-env-mismatch", help="Launch although the environment differs from its lock."),

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from controller.commands import reconcile
+from controller.commands import gpupreflight, reconcile
 from controller.commands.envprobe import probe_for_launch, probe_request
 from controller.commands.fanout import Outcome, fanout
 from controller.commands.pins import Manifest, pin
@@ -91,16 +91,21 @@ def launch(
     probed = None
     # One round trip answers the preflight, the environment probe and (without a name) which name is next.
     env_req = probe_request(inv, ct, t) if probe_env else None
+    slot = gpupreflight.request(ct, env_req)  # the GPU checks ride in the environment probe's slot
     if name is None:
-        probed = probe(inv, ct, t, manifest, None, env=env_req)
+        probed = probe(inv, ct, t, manifest, None, env=slot)
         name = next_of_series(inv, reg, [ct.name], agent.need(probed, "series_logs", list))
     rp = paths_for(inv, name)
     rec = reg.claim_run(name, ct.name, host=ct.host_name, session=rp.session, log_path=rp.log, run_dir=rp.run_dir,
                         **(lineage or {}))
     try:
         if probed is None:
-            probed = probe(inv, ct, t, manifest, rp, env=env_req)
+            probed = probe(inv, ct, t, manifest, rp, env=slot)
+        probed, gpu = gpupreflight.unwrap(ct, probed, env_req)
+        gpu_check = gpupreflight.check(ct, gpu, force=force)  # first: a broken setup is also why nvidia-smi fails
         checks = preflight(inv, ct, t, rp, manifest, allow_drift=allow_drift, force=force, doc=probed)
+        if gpu_check is not None:
+            checks.append(Check(*gpu_check))
         env = probe_for_launch(inv, ct, t, allow_mismatch=allow_env_mismatch,
                                            reply=probed.get("env_probe")) if probe_env else None
         run_env = {**(extra_env or {}), "CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
@@ -235,11 +240,15 @@ def launch_job(
     rp = paths_for(inv, name) if name is not None else None
     rdzv = _rdzv_args(job, secrets.token_hex(16))
 
-    probed = fanout(pool, nodes, lambda ct, t: probe(inv, ct, t, manifests[ct.name], rp, rdzv.get(ct.name)))
+    probed = fanout(pool, nodes, lambda ct, t: probe(inv, ct, t, manifests[ct.name], rp, rdzv.get(ct.name),
+                                                     env=gpupreflight.request(ct, None)))
     err = _first_failure(job.name, probed, "; nothing was started or claimed")
     if err is not None:
         raise err
     docs = {o.ct: o.value for o in probed if o.value is not None}
+    gpus: dict[str, dict[str, Any] | None] = {}  # each node's GPU document: its checks rode in the probe
+    for ct in nodes:
+        docs[ct.name], gpus[ct.name] = gpupreflight.unwrap(ct, docs[ct.name], None)
     if name is None:
         logs = [n for d in docs.values() for n in d.get("series_logs", []) if isinstance(n, str)]
         name = next_of_series(inv, reg, [job.name, *(ct.name for ct in nodes)], logs)
@@ -253,15 +262,17 @@ def launch_job(
     try:
         for ct in nodes:
             try:
+                gpu_check = gpupreflight.check(ct, gpus[ct.name], force=force)
                 checks[ct.name] = preflight(inv, ct, pool.container(ct), rp, manifests[ct.name],
-                                                 allow_drift=allow_drift, force=force, doc=docs[ct.name])
+                                            allow_drift=allow_drift, force=force, doc=docs[ct.name])
+                if gpu_check is not None:
+                    checks[ct.name].append(Check(*gpu_check))
             except CtlError as e:
                 raise node_error(job.name, str(e), int(e.exit_code), "; nothing was started or claimed") from None
         for node_name, check in _judge_rendezvous(job, docs).items():
             checks[node_name].append(check)
         if probe_env:
-            got = fanout(pool, nodes, lambda ct, t: probe_for_launch(inv, ct, t,
-                                                                                   allow_mismatch=allow_env_mismatch))
+            got = fanout(pool, nodes, lambda ct, t: probe_for_launch(inv, ct, t, allow_mismatch=allow_env_mismatch))
             err = _first_failure(job.name, got, "; nothing was started or claimed")
             if err is not None:
                 raise err

@@ -1,6 +1,7 @@
 """The programs ctl runs over there, written in parts, and the loader that joins each into the source that ships.
 
-agent (in containers), relay (on Proxmox hosts) and probe_env (in the training venv) are stdlib Python sent over
+agent (in containers), relay (on Proxmox hosts), probe_env (in the training venv) and ctl doctor's two GPU
+probes are stdlib Python sent over
 an exec's stdin: each must travel as ONE source. They are written as several modules (agent/, relay/, and
 common.py, which both include) and joined here, at ship time, in the order PROGRAMS declares. In the joined source
 every part shares one namespace; the relative imports a part makes of earlier parts (`from .fs import _opendir`)
@@ -28,6 +29,8 @@ PROGRAMS: dict[str, tuple[str, ...]] = {
               "agent/runs.py", "agent/cache.py", "agent/checkpoints.py", "agent/serve.py"),
     "relay": ("relay/__init__.py", "common.py", "relay/base.py", "relay/mux.py", "relay/agents.py", "relay/main.py"),
     "probe_env": ("probe_env.py",),
+    "probe_gpu": ("probe_gpu.py",),  # ctl doctor's, in containers (probe_env's source is put into it)
+    "probe_host_gpu": ("probe_host_gpu.py",),  # ctl doctor's, on Proxmox hosts
 }
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # Positional words of these kinds name containers (run names: RUN_REACHES, LIVE_WHEN_NONE, through the registry).
 NAME_KINDS = ("targets", "containers", "container_or_run")
 # Commands that, given no names, act on every container (`ctl ping`), or on the one the inventory has.
-ALL_WHEN_NONE = ("ping",)
+ALL_WHEN_NONE = ("ping", "doctor")
 ONLY_WHEN_NONE = ("deploy", "store prune", "store status", "launch", "env probe", "env check", "env lock", "env sync",
                   "cache status", "cache warm", "snapshot list")
 DRY_RUN_CONNECTS = ("deploy",)  # its plan is made against the containers' files
@@ -114,8 +114,8 @@ def _sessions_off() -> bool:
 
 # Verbs whose lines may reach containers (those start() may begin sessions for): a spare session process starts
 # for them at once (spare.py). tests/test_early.py checks the list against the command tree.
-SPARE_VERBS = frozenset({"cache", "dashboard", "deploy", "env", "launch", "metrics", "ping", "rollback", "runs",
-                         "snapshot", "status", "stop", "store", "supervise", "tail", "watch"})
+SPARE_VERBS = frozenset({"cache", "dashboard", "deploy", "doctor", "env", "launch", "metrics", "ping", "rollback",
+                         "runs", "snapshot", "status", "stop", "store", "supervise", "tail", "watch"})
 
 
 def spare(argv: list[str]) -> bool:

@@ -22,6 +22,7 @@ TEXT = (
     'Commands:\n'
     '  dashboard  Serve a local web page of the live runs, updated as they train.\n'
     '  deploy     Pin the payload, push only what changed, verify it inside...\n'
+    "  doctor     Say why a container's GPUs do not work, and print the exact...\n"
     "  ping       Reach ctl's agent in each container as every command does,...\n"
     '  mark-good  Mark a run as known-good: the baseline of later runs (an...\n'
     "  status     Show the live runs (else each container's latest run),...\n"

@@ -13,10 +13,10 @@ COMMANDS: dict[str, str] = {
     "launch": "runs", "tail": "runs", "runs": "runs", "show": "runs", "stop": "runs", "attach": "runs",
     "diff": "runs", "rollback": "snapshot", "snapshot": "snapshot", "supervise": "supervise",
     "events": "supervise", "config": "config", "env": "env", "cache": "env", "mux": "mux", "runbook": "runbook",
-    "store": "store", "dashboard": "dashboard",
+    "store": "store", "dashboard": "dashboard", "doctor": "doctor",
 }
-MODULES = ("config", "dashboard", "deploy", "env", "inventory", "metrics", "mux", "runbook", "runs", "snapshot",
-           "store", "supervise")  # in the order `ctl --help` lists their commands
+MODULES = ("config", "dashboard", "deploy", "doctor", "env", "inventory", "metrics", "mux", "runbook", "runs",
+           "snapshot", "store", "supervise")  # in the order `ctl --help` lists their commands
 _GLOBAL_VALUE = ("-i", "--inventory")  # global options that take a value
 HELP_WIDTH = 80  # click renders help at min(terminal width, 80)
 

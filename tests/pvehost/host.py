@@ -391,8 +391,10 @@ class PveHost:
         utilization: Mapping[int, int] | None = None,
         name: str = "NVIDIA H100 80GB HBM3",
         memory_total: int = 81559,
+        error: tuple[str, int] | None = None,
     ) -> None:
-        """Give the container's nvidia-smi `count` GPUs; busy = {gpu: [(pid, used_mib, process_name)]}.
+        """Give the container's nvidia-smi `count` GPUs; busy = {gpu: [(pid, used_mib, process_name)]}; `error`:
+        NVML's failure (text, exit status) that nvidia-smi prints instead of answering.
 
         A GPU's memory.used is memory_used[gpu] if given, else the sum of its processes' memory;
         utilization.gpu is utilization[gpu] if given, else 97 when it has processes and 0 otherwise.
@@ -413,7 +415,9 @@ class PveHost:
                 "utilization": utilization.get(i, 97 if apps else 0),
             })
             procs += [{"gpu": i, "pid": pid, "used_memory": mib, "name": pname} for pid, mib, pname in apps]
-        state = {"gpus": gpus, "processes": procs}
+        state: dict[str, Any] = {"gpus": gpus, "processes": procs}
+        if error is not None:  # what NVML answers instead (tests/data/gpu_messages.json): (its text, exit status)
+            state["error"] = {"text": error[0], "rc": error[1]}
         dest = self.rootfs(vmid) / GPU_STATE
         tmp = dest.with_name(dest.name + ".tmp")
         tmp.write_text(json.dumps(state, indent=1))
@@ -570,6 +574,13 @@ class PveHost:
         shim.write_text(ATTACH_SHIM.replace("@JOURNAL@", shlex.quote(str(d / "pct.journal")))
                         .replace("@REAL@", shlex.quote(real_attach)))
         shim.chmod(0o755)
+        # The host's nvidia-smi (its state under hostroot/, where tests/pvehost/gpu.py also fakes the host's /proc,
+        # /dev and dpkg status for `ctl doctor`: CTL_GPU_HOST_ROOT below). No state: no driver, as in a container.
+        (d / "hostroot" / "etc").mkdir(parents=True)
+        smi = d / "bin" / "nvidia-smi"
+        smi.write_text((HERE / "nvidia_smi.py").read_text().replace(
+            'STATE = "/etc/ctl-fake-gpu.json"', f"STATE = {json.dumps(str(d / 'hostroot' / GPU_STATE))}", 1))
+        smi.chmod(0o755)
         # The node's LXC at the default lxcpath of its SSH sessions (a bind over /etc/lxc in sshd's namespace),
         # as on Proxmox, where a plain `lxc-attach -n VMID` finds the container.
         (d / "etc-lxc").mkdir()
@@ -600,7 +611,7 @@ PrintMotd no
 MaxStartups 64:30:128
 MaxSessions 64
 Subsystem sftp {SFTP_SERVER}
-SetEnv PATH={path} PVE_NODE={n.name} SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
+SetEnv PATH={path} PVE_NODE={n.name} SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt CTL_GPU_HOST_ROOT={d / "hostroot"}
 """)
         for vmid in n.vmids:
             self._container(n, vmid)

@@ -2,9 +2,11 @@
 """An `nvidia-smi` stand-in for the test containers (installed as the container's /sbin/nvidia-smi).
 
 State comes from /etc/ctl-fake-gpu.json, written from the host by `PveHost.set_gpus`:
-  {"gpus": [{"index", "uuid", "name", "memory_total", "memory_used", "utilization", "bus_id"}],
-   "processes": [{"gpu": index, "pid", "name", "used_memory"}], "driver_version", "cuda_version"}
-No state file = no driver: the real tool's message and exit status 9.
+  {"gpus": [{"index", "uuid", "name", "memory_total", "memory_used", "utilization", "bus_id", "persistence"}],
+   "processes": [{"gpu": index, "pid", "name", "used_memory"}], "driver_version", "cuda_version",
+   "error": {"text", "rc"} (NVML's failure, printed instead of any answer)}
+No state file = no driver: the real tool's message and exit status 9. The Proxmox host's copy (tests/pvehost/host.py)
+reads its state from the node's hostroot/ instead.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ GPU_FIELDS = {
     "utilization.memory": ("utilization.memory", "%",
                            lambda g, s: g["memory_used"] * 100 // max(g["memory_total"], 1)),
     "temperature.gpu": ("temperature.gpu", None, lambda g, s: 35 + g["utilization"] // 3),
+    "persistence_mode": ("persistence_mode", None,
+                         lambda g, s: "Enabled" if g.get("persistence", True) else "Disabled"),
 }
 APP_FIELDS = {
     "gpu_uuid": ("gpu_uuid", None, lambda p, g: g["uuid"]),
@@ -129,6 +133,9 @@ def main(argv: list[str]) -> int:
     if state is None:
         sys.stdout.write(NO_DRIVER)
         return 9
+    if state.get("error"):  # NVML failed to initialise: its message, whatever was asked
+        sys.stdout.write(state["error"]["text"].rstrip("\n") + "\n")
+        return int(state["error"]["rc"])
     gpus = state["gpus"]
     if "id" in opts:
         wanted = {int(x) for x in opts["id"].split(",") if x.strip().isdigit()}
