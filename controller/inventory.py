@@ -125,7 +125,7 @@ class PayloadEntry:
     src: str | None = None
     template: str | None = None
     dest: str = spec(check=_as_value_error(lambda v: check_container_path(v, "dest")))
-    mode: str = spec("0644", check=_mode)
+    mode: str | None = spec(None, check=_mode)  # None: the source's own permission bits
 
     def _check(self) -> None:
         if (self.src is None) == (self.template is None):

@@ -260,7 +260,8 @@ KEYS: dict[str, tuple[str, str]] = {
     "PayloadEntry.template": ("A Jinja2 template rendered for the container (StrictUndefined).",
                               "templates/start_training.sh.j2"),
     "PayloadEntry.dest": ("Its path in the container, under one of `allowed_paths`.", "/root/start_training.sh"),
-    "PayloadEntry.mode": ("Its octal mode. A start script that carries secrets: \"0700\".", "\"0755\""),
+    "PayloadEntry.mode": ("Its octal mode; without it, the source file's own permission bits (never more readable "
+                          "than the source). A start script that carries secrets: \"0700\".", "\"0755\""),
     "RunsSpec.series": ("Run names are this plus a number: fresh1, fresh2, ...", "fresh"),
     "RunsSpec.session": ("The tmux session name prefix runs live in.", "dflash"),
     "RunsSpec.log": ("A run's log in the container; must contain `{run}`.", "\"/workspace/train_stdout_{run}.log\""),

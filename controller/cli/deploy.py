@@ -71,8 +71,8 @@ def deploy_cmd(
         if dry_run or len(cts) == 1:
             for p in res.plan:
                 if p.action != "same" or dry_run:
-                    con.print(f"  {p.action:<7} {p.dest}  {p.want[:12]}" + (f" (was {p.have[:12]})" if p.have
-                                                                           and p.have != p.want else ""))
+                    con.print(f"  {p.action:<7} {p.dest}  {p.want[:12]}" + (f"  {p.mode}" if p.mode else "")
+                              + (f" (was {p.have[:12]})" if p.have and p.have != p.want else ""))
         if dry_run:
             con.print("  commands (run on the operator's machine; stdin is the agent source + bundle):")
             for c in res.commands:

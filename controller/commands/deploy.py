@@ -42,6 +42,7 @@ class FilePlan:
     want: str
     have: str | None
     size: int
+    mode: str = ""  # the octal mode it will have ("" where the plan does not say: a rollback's)
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ def _file_plan(f: PinnedFile, h: dict[str, Any] | None, ct: str = "") -> FilePla
         action = "mode"
     else:
         action = "same"
-    return FilePlan(f.dest, action, f.sha256, h["sha256"] if h else None, f.size)
+    return FilePlan(f.dest, action, f.sha256, h["sha256"] if h else None, f.size, f.mode)
 
 
 def check(inv: Inventory, ct: Container, t: Transport, reg: Registry | None) -> list[FilePlan]:

@@ -118,6 +118,13 @@ def rendered(src: Path, ctx: dict[str, Any], name: str) -> bytes:
     return content
 
 
+def source_mode(src: Path) -> str:
+    """The permission bits a file is deployed with when its entry gives no `mode:`: its source's own (as scp keeps
+    a new file's), so a file only its owner may read here is not made readable by everyone over there. Never
+    setuid, setgid or sticky."""
+    return f"{src.stat().st_mode & 0o777:04o}"
+
+
 def pin(inv: Inventory, ct: Container) -> Manifest:
     ctx = context(inv, ct)
     files: list[PinnedFile] = []
@@ -141,7 +148,8 @@ def pin(inv: Inventory, ct: Container) -> Manifest:
             except IsADirectoryError:
                 raise InputError(f"{where}: source {entry.source} is a directory; list files one by one") from None
             kind = "file"
-        files.append(PinnedFile(dest, hashlib.sha256(content).hexdigest(), len(content), entry.mode,
+        mode = entry.mode if entry.mode is not None else source_mode(src)
+        files.append(PinnedFile(dest, hashlib.sha256(content).hexdigest(), len(content), mode,
                                 entry.source, kind, content))
     dests = [f.dest for f in files]
     dup = {d for d in dests if dests.count(d) > 1}
