@@ -220,7 +220,7 @@ def _render_status(sts: list[Any]) -> None:
         rows.append([
             s.run.ct, s.run.name, s.run.state, v.step if v.step is not None else "-",
             f"{last.loss:.4f}" if last and last.loss is not None else "-",
-            format_rate(last.tok_s if last else None), format_eta(last.eta_s if last else None),
+            format_rate(last.tok_s if last else None), format_eta(s.eta_s),
             sparkline(list(s.tok_s_history)), f"[{c}]{label}[/{c}]" if c else label, v.reason,
         ])
     _table(None, ["ct", "run", "state", "step", "loss", "tok/s", "ETA", "tok/s trend", "verdict", "why"], rows,
@@ -233,7 +233,7 @@ def _render_status(sts: list[Any]) -> None:
     "ctl --json status pair         # a job's run, judged whole",
 ))
 def status_cmd(
-    containers: list[str] = targets_argument(),
+    containers: list[str] = targets_argument("Containers, groups, jobs or runs (NAME, CT/NAME, #ID; default: all)."),
     slow_ratio: float = typer.Option(0.8, "--slow-ratio", help="SLOW below this fraction of the baseline's tok/s."),
     stall_after: str = typer.Option("10m", "--stall-after", help="STALLED when the log is quiet this long."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=_CHECKPOINTS_HELP),
@@ -252,7 +252,22 @@ def status_cmd(
     reg = _registry()
     recs: list[Any] = []
     seen: set[int] = set()  # a run across several containers is shown once, whichever of them named it
-    for ct in inv.select(containers or []):
+    # A word the inventory does not know as a container, group or job is a run (NAME, CT/NAME, #ID), as `ctl tail`
+    # takes it: `ctl status fresh7`.
+    m = inv.model
+    named = [w for w in containers or [] if w in m.containers or w in m.groups or w in m.jobs]
+    for ref in [w for w in containers or [] if w not in named]:
+        try:
+            rec = reg.find_run(ref)
+        except InputError as e:
+            if "/" in ref or ref.startswith("#") or "ambiguous" in str(e):
+                raise
+            raise InputError(f"{ref!r} is neither a container, group or job of {inv.path} nor a run of the "
+                             "registry (`ctl runs` lists them)") from None
+        if rec.id not in seen:
+            seen.add(rec.id)
+            recs.append(rec)
+    for ct in inv.select(named) if named or not containers else []:
         mine = reg.latest_whole(ct.name, 50)  # a node's part of a run stands for the whole run
         for rid in [rid for rid, state in mine if state.live] or [rid for rid, _ in mine[:1]]:
             if rid not in seen:

@@ -64,7 +64,7 @@ class Row:
             "reason": clean_line(v.reason), "step": v.step,
             "loss": st.last.loss if st.last else None, "tok_s": st.last.tok_s if st.last else None,
             "steady_tok_s": v.tok_s, "ratio": v.ratio, "baseline": st.baseline, "baseline_tok_s": v.baseline_tok_s,
-            "eta_s": st.last.eta_s if st.last else None, "eta": format_eta(st.last.eta_s if st.last else None),
+            "eta_s": st.eta_s, "eta": format_eta(st.eta_s), "no_ratio_why": st.no_ratio_why,
             "idle_s": v.idle_s, "crash": clean_line(v.crash) if v.crash else None,
             "exit_status": r.exit_status, "history": list(st.tok_s_history), "parent": self.parent,
             "resumed_step": r.resumed_step, "good": r.good, "started": r.started, "polled_at": self.polled_at,

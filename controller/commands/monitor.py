@@ -273,6 +273,20 @@ class RunStatus:
     error: str | None = None
     nodes: tuple[dict[str, Any], ...] = ()  # a run across several containers: each node's state, step, tok/s
 
+    @property
+    def eta_s(self) -> float | None:
+        """Time left by the newest point's ETA, while the run is live: a run that ended has none."""
+        return self.last.eta_s if self.last is not None and self.run.state.live else None
+
+    @property
+    def no_ratio_why(self) -> str | None:
+        """Why there is no ratio to the baseline (None when there is one): what the empty column says."""
+        if self.verdict.ratio is not None:
+            return None
+        if self.baseline is None:
+            return "no baseline marked (ctl mark-good RUN)"
+        return "no steady tok/s yet"
+
     def to_json(self) -> dict[str, Any]:
         v = self.verdict
         return {
@@ -281,7 +295,7 @@ class RunStatus:
             "reason": v.reason, "exit_code": int(v.exit_code), "step": v.step, "tok_s": v.tok_s,
             "baseline": self.baseline, "baseline_tok_s": v.baseline_tok_s, "ratio": v.ratio,
             "idle_s": v.idle_s, "crash": v.crash,
-            "loss": self.last.loss if self.last else None, "eta_s": self.last.eta_s if self.last else None,
+            "loss": self.last.loss if self.last else None, "eta_s": self.eta_s, "no_ratio_why": self.no_ratio_why,
             "last_tok_s": self.last.tok_s if self.last else None,
             "pull": self.pull.to_json() if self.pull else None, "error": self.error,
         }

@@ -100,7 +100,8 @@
       cell(tr, r.step === null ? "-" : r.step, "num step");
       cell(tr, fixed(r.loss, 4), "num loss");
       cell(tr, rate(r.tok_s), "num");
-      const vs = cell(tr, isNum(r.ratio) ? r.ratio.toFixed(2) + "x of " + rate(r.baseline_tok_s) : "-", "num");
+      const vs = cell(tr, isNum(r.ratio) ? r.ratio.toFixed(2) + "x of " + rate(r.baseline_tok_s) : (r.no_ratio_why || "-"),
+                      isNum(r.ratio) ? "num" : undefined);
       if (r.baseline) vs.title = "baseline " + r.baseline;
       cell(tr, r.eta, "num");
       cell(tr, "").appendChild(spark(r.history || [], r.baseline_tok_s));
