@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from controller.commands.fanout import fanout
 from controller.core.loglines import LineSplitter
-from controller.core.redact import redact_rendered, redact_vars
+from controller.core.redact import redact_rendered, redact_text, redact_vars, secret_values
 from controller.errors import (
     BusyError,
     ClobberError,
@@ -72,8 +72,23 @@ def paths_for(inv: Inventory, name: str) -> RunPaths:
 
 
 def _series_numbers(series: str, names: list[str]) -> list[int]:
-    pat = re.compile(rf"^{re.escape(series)}(\d+)$")
-    return [int(m.group(1)) for n in names if (m := pat.match(n))]
+    """The numbers of the series' names. A container's log names are untrusted: a number whose successor would
+    not be a valid run name (`fresh` and 66 digits) is ignored, so no log can block automatic naming."""
+    pat = re.compile(rf"{re.escape(series)}(\d{{1,18}})")
+    out = []
+    for name in names:
+        m = pat.fullmatch(name)
+        if m is not None and _valid_name(f"{series}{int(m[1]) + 1}"):
+            out.append(int(m[1]))
+    return out
+
+
+def _valid_name(name: str) -> bool:
+    try:
+        check_name(name)
+    except InputError:
+        return False
+    return True
 
 
 def _series_glob(inv: Inventory) -> str:
@@ -324,6 +339,8 @@ def launch(
         run_env = {**(extra_env or {}), "CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
         script = launcher_script(t, rp, start, run_env)
         command = shlex.join(["tmux", "new-session", "-d", "-s", rp.session, "bash", "-c", script])
+        known = secret_values(manifest.vars)  # replaced wherever they appear in what is recorded
+        command = redact_text(command, known)
         record = {
             "run": name, "ct": ct.name, "host": ct.host_name, "vmid": ct.spec.vmid, "created": rec.created,
             "commit": manifest.commit, "dirty": manifest.dirty, "files": manifest.hashes(),
@@ -353,7 +370,7 @@ def launch(
     rec = reg.update_run(
         rec.id, state=Lifecycle.RUNNING, started=doc.get("started"), command=command, commit_sha=manifest.commit,
         dirty=manifest.dirty, files=manifest.hashes(), vars=redact_vars(manifest.vars),
-        rendered=redact_rendered(manifest.rendered()),
+        rendered=redact_rendered(manifest.rendered(), known),
         env_fingerprint=(env or {}).get("fingerprint"), env=env,
     )
     pid = doc.get("pid")
@@ -464,8 +481,17 @@ def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRec
     doc = Agent(t).call("stop", args, timeout=None if deadline is None else deadline + 3 * grace + 30)
     if doc.get("alive"):
         raise CtlError(f"{ct.name}: run {run.name} survived SIGINT, SIGTERM and SIGKILL")
-    note = "stopped by ctl stop (" + " -> ".join(doc.get("signals", [])) + ")"
+    note = "stopped by ctl stop (" + " -> ".join(signal_steps(doc.get("signals"))) + ")"
     return reg.update_run(run.id, state=Lifecycle.STOPPED, exit_status=doc.get("exit"), ended=time.time(), note=note)
+
+
+def signal_steps(steps: Any) -> list[str]:
+    """The agent's account of a stop (`SIGINT`, `SIGTERM`, ...), each step a short signal-like word or `?`: the
+    container's words reach the record and the operator's terminal."""
+    if not isinstance(steps, list):
+        return []
+    return [x if isinstance(x, str) and re.fullmatch(r"[A-Za-z0-9_+:. ()-]{1,40}", x) else "?"
+            for x in steps[:10]]
 
 
 # --- follow --------------------------------------------------------------------------------------
