@@ -7,11 +7,14 @@ key), imports what commands use (PRELOAD) while it records which environment var
 listens on `cmd-KEY.sock` (0600, in the user's 0700 socket directory; a peer of another uid is dropped). It is
 never threaded, so each fork is a clean copy.
 
-For each command: the request and the client's descriptors arrive; the server checks the key and that every
-variable its imports read has the same value in the command's environment (else "refuse", and the client runs
-the command itself), forks, answers "pid N", and lets the child start on the client's "go", however late (a
-client that gave up in the meantime never has its command run twice). The child makes a process group of its
-own (the client signals that group), takes the client's descriptors as 0, 1, 2 and its directory, its
+For each command: the request and the client's descriptors arrive; the server checks the key, that every
+variable its imports read has the same value in the command's environment, and, reading the client's /proc by
+the pid the kernel gives (SO_PEERCRED), that the client's namespaces, cgroup, capabilities, NoNewPrivs, seccomp,
+groups and niceness are the server's own (the key is the client's word; a sandboxed client must not get its
+command forked outside its sandbox); else "refuse", and the client runs the command itself. Then it forks,
+answers "pid N", and lets the child start on the client's "go", however late (a client that gave up in the
+meantime never has its command run twice). The child makes a process group of its own (the client signals that
+group), takes the client's descriptors as 0, 1, 2 and its directory, its
 environment (and TZ), umask and argv, fresh standard streams, the client's signal dispositions, and returns out
 of the server's loop to run `ctl` as a started process would, to its normal exit (atexit, threads, exit
 status). The server kills it if the client goes away (as the command would have gone with the client), and
@@ -246,6 +249,44 @@ def limits_refusal(limits: object) -> str:
     return ""
 
 
+_STATUS = (b"Cap", b"NoNewPrivs", b"Seccomp", b"Groups:", b"Gid:")
+
+
+def proc_context(pid: int) -> dict[str, str] | None:
+    """What a process forked here would inherit from this server rather than from the process `pid`, read from
+    /proc by this server (never the client's own word): its namespaces, cgroup, capabilities, no_new_privs,
+    seccomp mode, groups and niceness. None when any of it cannot be read (the process is gone, or its /proc
+    is closed to us: a sandbox)."""
+    out: dict[str, str] = {}
+    try:
+        base = f"/proc/{pid}"
+        for ns in sorted(os.listdir(f"{base}/ns")):
+            out[f"ns/{ns}"] = os.readlink(f"{base}/ns/{ns}")
+        with open(f"{base}/cgroup", "rb") as f:
+            out["cgroup"] = f.read().decode(errors="replace")
+        with open(f"{base}/status", "rb") as f:
+            for line in f.read().splitlines():
+                if line.startswith(_STATUS):
+                    k, _, v = line.decode(errors="replace").partition(":")
+                    out[k] = " ".join(v.split())
+        with open(f"{base}/stat", "rb") as f:
+            out["nice"] = f.read().rsplit(b") ", 1)[1].split()[16].decode()
+    except (OSError, IndexError):
+        return None
+    return out
+
+
+def context_refusal(mine: dict[str, str] | None, pid: int) -> str:
+    """Why the client `pid` may not have its command forked by a server of context `mine`, else "": every
+    difference (another mount namespace, NoNewPrivs, a seccomp filter, another cgroup, nice...) runs the
+    command in the client, where its sandbox holds it."""
+    theirs = proc_context(pid)
+    if mine is None or theirs is None:
+        return "the client's context cannot be read"
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    return f"the client's {', '.join(differ)} differ from the server's" if differ else ""
+
+
 class Command:
     """A command this server forked: its pid, a pidfd to learn when it ends, the client's connection."""
 
@@ -259,8 +300,8 @@ class Pending:
     """A connection accepted whose request has not all arrived: read as poll() finds its bytes, so that a client
     that connects and then says nothing (stopped with Ctrl-Z, hung) holds back no other command."""
 
-    def __init__(self, conn: socket.socket, deadline: float) -> None:
-        self.conn, self.deadline = conn, deadline
+    def __init__(self, conn: socket.socket, deadline: float, pid: int = 0) -> None:
+        self.conn, self.deadline, self.pid = conn, deadline, pid  # pid: the kernel's word (SO_PEERCRED)
         self.msg = b""
         self.fds: list[int] = []
 
@@ -334,6 +375,7 @@ class Server:
         self.cpu = 0.0  # CPU seconds of the commands that ended (and of their children that they waited for)
         self.stopping = False
         self.ino = os.stat(path).st_ino
+        self.context = proc_context(os.getpid())  # compared with each client's, read from its /proc
 
     def serve(self) -> Request | None:
         """Answer commands until idle or stopped: None here; a Request in each forked child."""
@@ -426,11 +468,12 @@ class Server:
         except OSError:
             conn.close()
             return
-        if struct.unpack("3i", creds)[1] != os.getuid():
+        pid, uid, _gid = struct.unpack("3i", creds)
+        if uid != os.getuid():
             conn.close()
             return
         conn.setblocking(False)
-        self.pending[conn.fileno()] = Pending(conn, time.time() + REQUEST_WAIT)
+        self.pending[conn.fileno()] = Pending(conn, time.time() + REQUEST_WAIT, pid)
 
     def _read_request(self, p: Pending) -> Request | None:
         """What poll() found of a pending request; once it is whole, the request answered (or, in the forked
@@ -474,7 +517,7 @@ class Server:
                 os.close(fd)
             self._answer_op(conn, op)
             return None
-        why = self._refusal(doc, fds)
+        why = self._refusal(doc, fds) or context_refusal(self.context, p.pid)
         if why:
             for fd in fds:
                 os.close(fd)
