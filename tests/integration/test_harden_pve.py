@@ -53,6 +53,16 @@ def test_train_args_secrets_are_stored_and_shown_nowhere(pve_env: Env) -> None:
     for what, text in shown.items():
         assert SECRET not in text and HF not in text, (what, text)
     assert "--wandb-api-key <redacted>" in shown["show"] and "HF_TOKEN=<redacted>" in shown["show"]
+    # The dashboard's run page: provenance, and the diff against the baseline (sec1, marked good)
+    pve_env.ctl("mark-good", "sec1", check=True)
+    from controller.commands.dashboard import Board, Settings
+    from controller.inventory import load
+    from controller.registry import Registry
+
+    reg = Registry(pve_env.state / "registry.sqlite3")
+    board = Board(load(pve_env.inventory), reg, [], lambda: None, Settings())  # type: ignore[arg-type, return-value]
+    page = json.dumps(board.run_detail(reg.find_run("sec2").id))
+    assert '"against": "baseline"' in page and SECRET not in page and HF not in page, page
     for f in pve_env.state.glob("registry.sqlite3*"):
         data = f.read_bytes()
         assert SECRET.encode() not in data and HF.encode() not in data, f
