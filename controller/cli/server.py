@@ -32,6 +32,7 @@ import os
 import sys
 
 from controller.cli.served import FAILED
+from controller.transport.mux.spare import context_refusal, proc_context
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -247,44 +248,6 @@ def limits_refusal(limits: object) -> str:
         if hard != resource.RLIM_INFINITY and (theirs == resource.RLIM_INFINITY or theirs > hard):
             return f"{name}: a hard limit above the server's"
     return ""
-
-
-_STATUS = (b"Cap", b"NoNewPrivs", b"Seccomp", b"Groups:", b"Gid:")
-
-
-def proc_context(pid: int) -> dict[str, str] | None:
-    """What a process forked here would inherit from this server rather than from the process `pid`, read from
-    /proc by this server (never the client's own word): its namespaces, cgroup, capabilities, no_new_privs,
-    seccomp mode, groups and niceness. None when any of it cannot be read (the process is gone, or its /proc
-    is closed to us: a sandbox)."""
-    out: dict[str, str] = {}
-    try:
-        base = f"/proc/{pid}"
-        for ns in sorted(os.listdir(f"{base}/ns")):
-            out[f"ns/{ns}"] = os.readlink(f"{base}/ns/{ns}")
-        with open(f"{base}/cgroup", "rb") as f:
-            out["cgroup"] = f.read().decode(errors="replace")
-        with open(f"{base}/status", "rb") as f:
-            for line in f.read().splitlines():
-                if line.startswith(_STATUS):
-                    k, _, v = line.decode(errors="replace").partition(":")
-                    out[k] = " ".join(v.split())
-        with open(f"{base}/stat", "rb") as f:
-            out["nice"] = f.read().rsplit(b") ", 1)[1].split()[16].decode()
-    except (OSError, IndexError):
-        return None
-    return out
-
-
-def context_refusal(mine: dict[str, str] | None, pid: int) -> str:
-    """Why the client `pid` may not have its command forked by a server of context `mine`, else "": every
-    difference (another mount namespace, NoNewPrivs, a seccomp filter, another cgroup, nice...) runs the
-    command in the client, where its sandbox holds it."""
-    theirs = proc_context(pid)
-    if mine is None or theirs is None:
-        return "the client's context cannot be read"
-    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-    return f"the client's {', '.join(differ)} differ from the server's" if differ else ""
 
 
 class Command:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,3 +152,18 @@ def test_a_squatted_socket_directory_falls_back_to_direct_connections(pve_env: E
         pve_env.env.pop("XDG_RUNTIME_DIR")
         pve_env.ctl("mux", "stop", "--grace", "0")
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_a_session_serves_no_process_of_another_context(pve_env: Env) -> None:
+    """The persistent session reads each client's /proc: a command under NoNewPrivs (a sandbox of the same uid)
+    is not lent the session's root login on the host; it connects by itself, and works."""
+    first = pve_env.ctl("--debug", "ping", "ct200", check=True)
+    assert "ctl's persistent session" in first.stderr, first.stderr
+    argv = ["setpriv", "--no-new-privs", sys.executable, "-m", "controller", "-i", str(pve_env.inventory), "--debug",
+            "ping", "ct200"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=pve_env.env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ctl's session would not serve this process: the client's NoNewPrivs differ" in r.stderr, r.stderr
+    assert "reused ctl's persistent session" not in r.stderr
+    again = pve_env.ctl("--debug", "ping", "ct200", check=True)  # the session still serves its own kind
+    assert "reused ctl's persistent session" in again.stderr, again.stderr
