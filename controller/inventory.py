@@ -44,6 +44,22 @@ def _as_value_error(check: Any) -> Any:
     return run
 
 
+_USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")  # a login name: never an option (`-oProxyCommand=...`)
+
+
+def _user(v: str) -> str:
+    if not isinstance(v, str) or not _USER.fullmatch(v):
+        raise ValueError(f"{v!r} is not a user name (letters, digits, '_', '.', '-'; not starting with '-')")
+    return v
+
+
+def _host_address(v: str | None) -> str | None:
+    """Where ssh connects: a host name or an IP address, whole (it reaches ssh's command line and templates)."""
+    if v is not None and (not isinstance(v, str) or not _ADDRESS.fullmatch(v)):
+        raise ValueError(f"{v!r} is not a host name or an IP address")
+    return v
+
+
 def _gpu_indices(v: list[int] | None) -> list[int] | None:
     if v is not None and any(i < 0 for i in v):
         raise ValueError("GPU indices must be >= 0")
@@ -76,9 +92,9 @@ class KeepaliveSpec:
 class HostSpec:
     """One Proxmox host of `hosts:`: how ctl logs in over SSH and how long its session and requests may take."""
 
-    address: str
+    address: str = spec(check=_host_address)
     port: int = spec(22, ge=1, le=65535)
-    user: str = "root"
+    user: str = spec("root", check=_user)
     identity_file: str | None = None
     known_hosts: str | None = None
     pct: str = "pct"
@@ -175,7 +191,7 @@ _ADDRESS = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|[0-9
 
 
 def _ifname(v: str | None) -> str | None:
-    if v is not None and not _IFNAMES.match(v):
+    if v is not None and not _IFNAMES.fullmatch(v):
         raise ValueError(f"{v!r} is not an interface list such as 'eth0', '=eth0', '^docker,lo'")
     return v
 
@@ -231,9 +247,10 @@ class ContainerSpec:
     host: str | None = None
     vmid: int | None = spec(None, ge=100, le=999999999)
     transport: Literal["pct", "ssh", "local"] = "pct"
-    address: str | None = None  # ssh transport: where ctl connects; a job's node: where the other nodes reach it
+    # ssh transport: where ctl connects; a job's node: where the other nodes reach it
+    address: str | None = spec(None, check=_host_address)
     port: int = spec(22, ge=1, le=65535)
-    user: str = "root"
+    user: str = spec("root", check=_user)
     identity_file: str | None = None
     known_hosts: str | None = None
     root: str | None = None  # local transport: directory that stands for the container's /
@@ -562,7 +579,7 @@ def _check_jobs(name: str, model: InventoryModel, lines: dict[tuple[Any, ...], i
             if spec.address is None:
                 refuse(("containers", node), f"{node} is a node of job {jname!r} and needs `address:`, where the "
                                              "other nodes reach it")
-            elif not _ADDRESS.match(spec.address):
+            elif not _ADDRESS.fullmatch(spec.address):
                 refuse(("containers", node, "address"), f"{spec.address!r} is not a host name or an IP address")
             mine = (len(spec.gpus.target) or 1, len(spec.gpus.drafter) or 1)
             if split is None:
@@ -598,9 +615,9 @@ def _check_shell_vars(name: str, model: InventoryModel, lines: dict[tuple[Any, .
             if not isinstance(vs[var], dict):
                 refuse((*base, var), "must be a mapping")
             for key in vs[var]:
-                if not isinstance(key, str) or not pattern.match(key):
+                if not isinstance(key, str) or not pattern.fullmatch(key):
                     refuse((*base, var, key), f"{key!r} is not {what}")
         py = vs.get("python")
-        if py is not None and (not isinstance(py, str) or not _COMMAND.match(py)):
+        if py is not None and (not isinstance(py, str) or not _COMMAND.fullmatch(py)):
             refuse((*base, "python"), f"{py!r} is not an interpreter name or path (letters, digits, "
                                       "'_', '.', '/', '+', '-'; no spaces or shell characters)")

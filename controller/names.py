@@ -13,7 +13,7 @@ _SNAPSHOT = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{1,39}$")
 
 def check_name(value: str, what: str = "name") -> str:
     """Run, container, host, group and cache names: letters, digits, '.', '_', '-'; no leading dot/dash."""
-    if not isinstance(value, str) or not _NAME.match(value) or ".." in value:
+    if not isinstance(value, str) or not _NAME.fullmatch(value) or ".." in value:
         raise InputError(
             f"invalid {what} {value!r}: use letters, digits, '.', '_' and '-' "
             "(at most 64, starting with a letter or digit)"
@@ -23,7 +23,7 @@ def check_name(value: str, what: str = "name") -> str:
 
 def check_snapshot_name(value: str) -> str:
     """Proxmox's rule: ^[a-z][a-z0-9_-]+$ (case-insensitive), at most 40 chars, not current/vzdump."""
-    if not _SNAPSHOT.match(value) or value.lower() in {"current", "vzdump"}:
+    if not _SNAPSHOT.fullmatch(value) or value.lower() in {"current", "vzdump"}:
         raise InputError(
             f"invalid snapshot name {value!r}: start with a letter, then letters, digits, '_' or '-' "
             "(2-40 chars; 'current' and 'vzdump' are reserved)"

@@ -202,6 +202,34 @@ def notify_sinks(flag: list[str] | None = None) -> list[str] | None:
     return list(value) if value is not None else None
 
 
+def supervise_env_path() -> Path:
+    """The file the supervisor's systemd unit reads its secrets from (EnvironmentFile), next to config.yaml:
+    ~/.config/ctl/supervise.env on Linux."""
+    return config_path().parent / "supervise.env"
+
+
+def secret_lookup(name: str) -> str | None:
+    """A secret's value (a Slack URL, a webhook key): the environment's NAME, else supervise.env's, a file that
+    must be the user's own and 0600 (KEY=VALUE lines, as systemd's EnvironmentFile reads them)."""
+    if os.environ.get(name):
+        return os.environ[name]
+    p = supervise_env_path()
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise InputError(f"{p}: holds secrets, so it must be yours and 0600 (chmod 600 {p}); not read")
+    for raw in p.read_text().splitlines():
+        key, sep, value = raw.strip().partition("=")
+        if sep and key.strip() == name:
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            return value
+    return None
+
+
 def state_dir() -> Path:
     """Where ctl keeps its local state: CTL_STATE_DIR, else the platform's user state directory."""
     env = os.environ.get(STATE_DIR)

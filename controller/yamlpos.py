@@ -50,8 +50,10 @@ def nearest_line(lines: dict[Path_, int], loc: Path_) -> int | None:
 
 
 def dotted(loc: Path_) -> str:
-    """('containers', 'ct200', 'gpus', 0) -> 'containers.ct200.gpus[0]'."""
+    """('containers', 'ct200', 'gpus', 0) -> 'containers.ct200.gpus[0]'; a key with a control character (a
+    newline) shown as Python writes it, so the message stays one line."""
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        text = str(part) if str(part).isprintable() else repr(str(part))
+        out += f"[{part}]" if isinstance(part, int) else (f".{text}" if out else text)
     return out

@@ -58,12 +58,12 @@ class Dash:
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], 30)
         line = self.proc.stdout.readline().decode() if ready else ""
-        m = re.search(r"http://127\.0\.0\.1:(\d+)/\?token=([A-Za-z0-9_-]+)", line)
+        m = re.search(r"http://127\.0\.0\.1:(\d+)(/[A-Za-z0-9_-]{16,}/)\?token=([A-Za-z0-9_-]+)", line)
         if m is None:
             self.close()
             err = self.proc.stderr.read().decode() if self.proc.stderr else ""
             raise AssertionError(f"no URL printed: {line!r} {err}")
-        self.url, self.port, self.token = m.group(0), int(m.group(1)), m.group(2)
+        self.url, self.port, self.prefix, self.token = m.group(0), int(m.group(1)), m.group(2), m.group(3)
         self.cookie = f"ctl_dashboard_{self.port}={self.token}"
 
     def request(self, path: str, *, method: str = "GET", cookie: bool = True, host: str | None = None,
@@ -72,8 +72,8 @@ class Dash:
         headers = {"Host": host or f"127.0.0.1:{self.port}"}
         if cookie:
             headers["Cookie"] = self.cookie
-        try:
-            conn.request(method, path, headers=headers)
+        try:  # every path is served under the dashboard's secret prefix
+            conn.request(method, self.prefix + path[1:] if path.startswith("/") else path, headers=headers)
             r = conn.getresponse()
             return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
         finally:
@@ -133,9 +133,9 @@ def test_the_page_shows_live_runs_their_verdicts_and_log_lines_as_text(runs: Loc
     with dashboard(runs, "--log-lines", "5000") as d, Browser() as b:
         b.goto(d.url)
         # The token went into an HttpOnly cookie and out of the address bar.
-        assert b.evaluate("location.pathname + location.search") == "/"
+        assert b.evaluate("location.pathname + location.search") == d.prefix
         assert b.evaluate("document.cookie") == ""
-        assert b.responses()[:2] == [(d.url, 303), (f"http://127.0.0.1:{d.port}/", 200)], b.responses()
+        assert b.responses()[:2] == [(d.url, 303), (f"http://127.0.0.1:{d.port}{d.prefix}", 200)], b.responses()
         sel = "document.querySelector('#runs tr[data-run=\"loc/fresh2\"]')"
         b.wait(f"{sel} && {sel}.dataset.verdict === 'slow'", timeout=60, what="fresh2 judged SLOW on the page")
         reason = b.evaluate(f"{sel}.querySelector('td.why').textContent")
@@ -188,8 +188,8 @@ def test_the_page_shows_live_runs_their_verdicts_and_log_lines_as_text(runs: Loc
 
         # Without the cookie the same browser gets nothing but a 401.
         b.call("Network.clearBrowserCookies", session=True)
-        b.goto(f"http://127.0.0.1:{d.port}/")
-        assert b.responses() == [(f"http://127.0.0.1:{d.port}/", 401)]
+        b.goto(f"http://127.0.0.1:{d.port}{d.prefix}")
+        assert b.responses() == [(f"http://127.0.0.1:{d.port}{d.prefix}", 401)]
         assert b.evaluate("document.body.innerText").startswith("token required")
     assert d.proc.returncode == 0
 
@@ -202,8 +202,8 @@ def test_every_request_needs_the_token_and_the_host_it_was_served_on(env_noruns:
             assert (status, body) == (401, b"token required: open the URL ctl dashboard printed\n"), path
         assert d.request(f"/api/snapshot?token={d.token[:-1]}x", cookie=False)[0] == 401
         status, headers, _ = d.request(f"/api/snapshot?token={d.token}", cookie=False)
-        assert status == 303 and headers["location"] == "/api/snapshot"
-        assert headers["set-cookie"] == f"{d.cookie}; HttpOnly; SameSite=Strict; Path=/"
+        assert status == 303 and headers["location"] == f"{d.prefix}api/snapshot"
+        assert headers["set-cookie"] == f"{d.cookie}; HttpOnly; SameSite=Strict; Path={d.prefix}"
         status, headers, body = d.request("/api/snapshot")
         assert status == 200 and json.loads(body)["runs"] == []
         assert "script-src 'self'" in headers["content-security-policy"]
@@ -217,7 +217,7 @@ def test_every_request_needs_the_token_and_the_host_it_was_served_on(env_noruns:
         assert d.request("/api/run/999")[0] == 404
         status, headers, body = d.request("/")
         assert status == 200 and headers["content-type"].startswith("text/html") and b"<script" in body
-        assert re.findall(rb"<script[^>]*>", body) == [b'<script src="/static/dashboard.js" defer>']
+        assert re.findall(rb"<script[^>]*>", body) == [b'<script src="static/dashboard.js" defer>']
     assert d.proc.returncode == 0
 
 

@@ -316,8 +316,8 @@ def test_webhooks_are_signed_and_a_hanging_sink_delays_no_other() -> None:
     good, good_h = _serve(None)
     slow, slow_h = _serve(release)
     failures: list[str] = []
-    d = Deliverer([Sink.parse(f"http://127.0.0.1:{slow.server_port}/hook"),
-                   Sink.parse(f"http://127.0.0.1:{good.server_port}/hook")], b"s3cret",
+    d = Deliverer([Sink.parse(f"http://127.0.0.1:{slow.server_port}/hook", allow_http_loopback=True),
+                   Sink.parse(f"http://127.0.0.1:{good.server_port}/hook", allow_http_loopback=True)], b"s3cret",
                   lambda s, doc, err: failures.append(err), retries=())
     try:
         before = int(time.time())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 
 from controller.cli.app import OPTS, _console, _out, _table, app
@@ -9,6 +11,9 @@ from controller.cli.app import OPTS, _console, _out, _table, app
 config_app = typer.Typer(help="The user config file: where it is, and the effective settings (flag > CTL_* > "
                          "config file > default).", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+
+if TYPE_CHECKING:
+    from controller.settings import Setting
 
 
 @config_app.command("path")
@@ -29,7 +34,7 @@ def show_cmd() -> None:
     from controller import settings
 
     flags = {"inventory": OPTS.inventory, "output": OPTS.output}
-    rows = settings.effective(flags)
+    rows = [_shown(s) for s in settings.effective(flags)]
     if OPTS.json:
         _out({"path": str(settings.config_path()), "settings": [s.to_json() for s in rows]})
         return
@@ -43,3 +48,13 @@ def _text(value: object) -> str:
     if isinstance(value, list):
         return ", ".join(value) or "[]"
     return str(value)
+
+
+def _shown(s: Setting) -> Setting:
+    """A setting as shown: notification sinks with their URL paths hidden (a Slack URL is a secret)."""
+    from controller import settings
+    from controller.core.supervision import redact_sink
+
+    if s.name == "notify" and isinstance(s.value, list):
+        return settings.Setting(s.name, [redact_sink(str(v)) for v in s.value], s.source)
+    return s

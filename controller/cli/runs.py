@@ -76,6 +76,11 @@ def _launch_job(inv: Any, reg: Any, job: str, run: str | None, *, allow_drift: b
                 allow_env_mismatch: bool, follow: bool) -> int:
     from controller.commands import launcher
 
+    exposed = launcher.exposed_nodes(inv.job(job))
+    if exposed:
+        _warn([f"{job}: {', '.join(exposed)} not on a private network: the rendezvous (port "
+               f"{inv.job(job).spec.rdzv_port} of node 0) has no authentication and runs what it is sent; open it "
+               "only between the nodes (Proxmox firewall rules, a dedicated VLAN)"])
     with session(inv) as pool:
         got = launcher.launch_job(inv, pool, reg, job, run, allow_drift=allow_drift, force=force,
                                   allow_env_mismatch=allow_env_mismatch)
@@ -328,7 +333,7 @@ def stop_cmd(
     if OPTS.json:
         _out(_redacted(rec))
     else:
-        _console().print(f"{rec.ct}/{rec.name}: {rec.state} ({rec.note})")
+        _console().print(f"{rec.ct}/{rec.name}: {rec.state} ({_esc(rec.note)})")
 
 
 @app.command("attach")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import sys
@@ -22,6 +23,7 @@ from controller.cli.app import (
     _out,
     _registry,
     _seconds,
+    _warn,
     app,
     examples,
     session,
@@ -51,6 +53,8 @@ def supervise_cmd(
     once: bool = typer.Option(False, "--once", help="One poll, then exit (cron, tests)."),
     unit: bool = typer.Option(False, "--unit", help="Print a systemd user unit that runs this command; change "
                                                     "nothing."),
+    allow_http_loopback: bool = typer.Option(False, "--allow-http-loopback", help="Let an http:// sink on "
+                                             "127.0.0.1 or ::1 be used (sinks are https:// otherwise)."),
 ) -> None:
     """Watch every live run: verdict changes become events (`ctl events`) sent to the sinks.
 
@@ -65,7 +69,11 @@ def supervise_cmd(
     inv = _inv()
     spec = inv.model.runs.supervise
     configured = ctl_settings.notify_sinks(notify)  # --notify > CTL_NOTIFY > config `notify`; else the inventory's
-    sinks = tuple(Sink.parse(s) for s in (spec.notify if configured is None else configured))
+    sinks = tuple(Sink.parse(s, allow_http_loopback=allow_http_loopback, lookup=ctl_settings.secret_lookup)
+                  for s in (spec.notify if configured is None else configured))
+    if any(s.kind == "slack" and s.source is None for s in sinks):
+        _warn([f"a Slack URL given as is sits in the process list and the unit file; `--notify slack:env:NAME` "
+               f"reads it from NAME (the environment or {ctl_settings.supervise_env_path()}, 0600)"])
     secret_env = spec.notify_secret_env
     secret = os.environ.get(secret_env)
     if any(s.kind == "webhook" for s in sinks) and not secret:
@@ -119,7 +127,10 @@ def _print_unit() -> None:
     inv = OPTS.inventory or os.environ.get("CTL_INVENTORY") or "inventory.yaml"
     if "-i" not in args and "--inventory" not in args:
         args = ["-i", str(Path(inv).resolve()), *args]
-    cmd = shlex.join([sys.executable, "-m", "controller", *args])
+    if any(re.match(r"(--notify=)?slack:https?://", a) for a in args):
+        _warn(["this unit holds a Slack URL (a secret) in clear: put it in "
+               f"{ctl_settings.supervise_env_path()} (0600) as NAME=URL and use `--notify slack:env:NAME`"])
+    cmd = _systemd(shlex.join([sys.executable, "-m", "controller", *args]))
     state = os.environ.get("CTL_STATE_DIR")
     sys.stdout.write(
         "[Unit]\n"
@@ -127,12 +138,18 @@ def _print_unit() -> None:
         "After=network-online.target\n\n"
         "[Service]\n"
         f"ExecStart={cmd}\n"
-        f"WorkingDirectory={Path.cwd()}\n"
-        + (f"Environment=CTL_STATE_DIR={state}\n" if state else "")
+        f"WorkingDirectory={_systemd(str(Path.cwd()))}\n"
+        + (f"Environment={_systemd(shlex.quote(f'CTL_STATE_DIR={state}'))}\n" if state else "")
         + "# Secrets (the webhook key, PVE tokens) come from a file only you can read:\n"
           "EnvironmentFile=-%h/.config/ctl/supervise.env\n"
           "Restart=on-failure\nRestartSec=10\n\n"
           "[Install]\nWantedBy=default.target\n")
+
+
+def _systemd(text: str) -> str:
+    """A value as systemd reads it literally: `%` starts a specifier and `$` a variable there, so both are
+    doubled (a URL's %2F, a `$` in a path)."""
+    return text.replace("%", "%%").replace("$", "$$")
 
 
 @app.command("events")

@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shlex
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from controller.commands.pins import STORE, PinnedFile, pin
 from controller.errors import ClobberError, CtlError, DriftError, InputError
 from controller.inventory import Container, Inventory
 from controller.registry import DeployRecord, Registry
-from controller.remote.client import Agent, ApplyReply
+from controller.remote.client import Agent, AgentReplyError, ApplyReply
 from controller.settings import private_dir, private_file, state_dir
 from controller.transport.base import Transport
 from controller.transport.pool import Pool
@@ -88,6 +89,22 @@ def remote_hashes(t: Transport | Agent, dests: list[str], follow: list[str] | No
     agent = t if isinstance(t, Agent) else Agent(t)
     args = [f"--follow={json.dumps(follow)}", *dests] if follow else dests
     files: dict[str, dict[str, Any] | None] = agent.need(agent.call("hashes", args), "files")
+    return checked_hashes(files, t.name)
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def checked_hashes(files: Any, where: str) -> dict[str, Any]:
+    """The container's answer about its files, refused unless every sha256 in it is 64 lowercase hex digits:
+    the hashes are printed in plans and stored as deploy records, and a container is untrusted."""
+    if not isinstance(files, dict):
+        raise AgentReplyError(f"{where}: the agent's file list is not a mapping")
+    for dest, h in files.items():
+        sha = h.get("sha256") if isinstance(h, dict) else None
+        if isinstance(h, dict) and "sha256" in h and not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+            raise AgentReplyError(f"{where}: the agent answered a malformed sha256 for {dest!r}: "
+                                  f"{str(h['sha256'])[:80]!r}")
     return files
 
 
@@ -152,6 +169,7 @@ def deploy(
     follow = list(ct.spec.follow_symlinks)
     header = json.dumps({"files": entries, "dry_run": dry_run, "follow": follow}).encode() + b"\n"
     first = sync.plan(header)
+    checked_hashes(first.have, ct.name)
     try:
         fplan = [_file_plan(f, first.have.get(f.dest), ct.name) for f in manifest.files]
     except CtlError:

@@ -39,7 +39,7 @@ from controller.commands.preflight import (
 )
 from controller.commands.reconcile import TEARDOWN_GRACE_S, UNKNOWN_OUTCOME
 from controller.core import series
-from controller.core.redact import redact_rendered, redact_vars
+from controller.core.redact import redact_rendered, redact_text, redact_vars, secret_values
 from controller.errors import BusyError, ConnectionFailed, CtlError, ExitCode, InputError
 from controller.inventory import Container, Inventory, Job
 from controller.lifecycle import Lifecycle
@@ -111,6 +111,8 @@ def launch(
         run_env = {**(extra_env or {}), "CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
         script = launcher_script(t, rp, start, run_env)
         command = shlex.join(["tmux", "new-session", "-d", "-s", rp.session, "bash", "-c", script])
+        known = secret_values(manifest.vars)  # replaced wherever they appear in what is recorded
+        command = redact_text(command, known)
         record = {
             "run": name, "ct": ct.name, "host": ct.host_name, "vmid": ct.spec.vmid, "created": rec.created,
             "commit": manifest.commit, "dirty": manifest.dirty, "files": manifest.hashes(),
@@ -140,7 +142,7 @@ def launch(
     rec = reg.update_run(
         rec.id, state=Lifecycle.RUNNING, started=doc.get("started"), command=command, commit_sha=manifest.commit,
         dirty=manifest.dirty, files=manifest.hashes(), vars=redact_vars(manifest.vars),
-        rendered=redact_rendered(manifest.rendered()),
+        rendered=redact_rendered(manifest.rendered(), known),
         env_fingerprint=(env or {}).get("fingerprint"), env=env,
     )
     pid = doc.get("pid")
@@ -175,6 +177,25 @@ class JobLaunched:
     nodes: tuple[RunRecord, ...]
     checks: dict[str, list[Check]]  # node -> its preflight checks
     seconds: float
+
+
+def exposed_nodes(job: Job) -> list[str]:
+    """`CT (ADDRESS)` for each node whose address is an IP outside the private, loopback and link-local ranges.
+    torch's c10d store has no authentication and the rendezvous unpickles what it reads from it, so whoever
+    reaches node 0's rdzv_port during a run runs code as root on every node: the nodes belong on a private
+    network (a host name is not judged: resolving it here would ask the operator's resolver, not the nodes')."""
+    import ipaddress
+
+    out = []
+    for ct in job.nodes:
+        addr = (ct.spec.address or "").strip("[]")
+        try:
+            ip = ipaddress.ip_address(addr)
+        except ValueError:
+            continue
+        if not (ip.is_private or ip.is_loopback or ip.is_link_local):
+            out.append(f"{ct.name} ({addr})")
+    return out
 
 
 def _rdzv_args(job: Job, nonce: str) -> dict[str, dict[str, Any]]:
@@ -286,11 +307,13 @@ def launch_job(
         run_env = {**(extra_env or {}), "CTL_RUN": name, "CTL_RUN_DIR": t.path(rp.run_dir), "CTL_LOG": t.path(rp.log)}
         script = launcher_script(t, rp, starts[ct.name], run_env, times=True)
         manifest = manifests[ct.name]
+        known = secret_values(manifest.vars)  # replaced wherever they appear in what is recorded
+        shown = redact_text(script, known)
         record = {
             "run": name, "ct": ct.name, "host": ct.host_name, "vmid": ct.spec.vmid, "created": m.created,
             "job": job.name, "node_rank": m.node_rank, "nodes": [c.name for c in nodes],
             "rdzv_endpoint": job.rdzv_endpoint, "commit": manifest.commit, "dirty": manifest.dirty,
-            "files": manifest.hashes(), "vars": redact_vars(manifest.vars), "command": script, "log": rp.log,
+            "files": manifest.hashes(), "vars": redact_vars(manifest.vars), "command": shown, "log": rp.log,
             "run_dir": rp.run_dir, "session": rp.session,
             "env_fingerprint": (envs.get(ct.name) or {}).get("fingerprint"),
         }
@@ -299,14 +322,14 @@ def launch_job(
             doc = agent.call("launch", {"log": rp.log, "session": rp.session, "script": script, "env": run_env,
                                         "record": record, "follow": list(ct.spec.follow_symlinks)}, check=False)
         except CtlError as e:  # no answer: tmux may have started it; it is stopped with the others below
-            reg.update_run(m.id, command=script, note=f"{UNKNOWN_OUTCOME}: {e}"[:500])
+            reg.update_run(m.id, command=shown, note=f"{UNKNOWN_OUTCOME}: {e}"[:500])
             raise
         if not doc.get("ok"):
             raise agent.error(doc)
         agent.need(doc, "started", (float, int))
-        reg.update_run(m.id, state=Lifecycle.RUNNING, started=doc.get("started"), command=script,
+        reg.update_run(m.id, state=Lifecycle.RUNNING, started=doc.get("started"), command=shown,
                        commit_sha=manifest.commit, dirty=manifest.dirty, files=manifest.hashes(),
-                       vars=redact_vars(manifest.vars), rendered=redact_rendered(manifest.rendered()),
+                       vars=redact_vars(manifest.vars), rendered=redact_rendered(manifest.rendered(), known),
                        env_fingerprint=(envs.get(ct.name) or {}).get("fingerprint"), env=envs.get(ct.name))
         return doc
 

@@ -3,13 +3,18 @@ failing sink never delays polling or the other sinks. Delivery retries with back
 still fails is reported back (the supervisor records it as an event of its own).
 
     https://...        POST the event as JSON; headers X-Ctl-Timestamp and X-Ctl-Signature
-                       (sha256=HMAC-SHA256 over "<timestamp>.<body>", key from the variable the inventory names)
+                       (sha256=HMAC-SHA256 over "<timestamp>.<body>", key from the variable the inventory names);
+                       the body's event_id is the same in every retry. http:// only to loopback, with a flag
     slack:https://...  POST a Slack-compatible {"text": ...}
-    cmd:PROGRAM ARGS   run PROGRAM (no shell) with the event's JSON on stdin: mail, a pager, anything
+    env:NAME           either of those read from the variable NAME (environment or supervise.env): a Slack
+                       URL is a secret, kept out of command lines
+    cmd:PROGRAM ARGS   run PROGRAM (no shell, a minimal environment) with the event's JSON on stdin
+A redirect is a failed delivery (never followed).
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import shlex
 import subprocess
@@ -74,11 +79,47 @@ class Deliverer:
                 self.on_failure(sink, doc, error)
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A 3xx is a failed delivery: following it would send the signed event (and its headers) to wherever the
+    answer points, and count that answer as delivered."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any,
+                         newurl: str) -> None:
+        return None  # urllib then raises HTTPError(code)
+
+
+def _opener() -> urllib.request.OpenerDirector:
+    # built per delivery, not at import: its proxy handler reads the whole environment (getproxies), and the
+    # command server preloads this module while it records which variables its imports read
+    return urllib.request.build_opener(_NoRedirects)
+
+
+# What a cmd: sink's program gets of the supervisor's environment (which holds PVE tokens and the webhook key):
+# enough to find programs, write files and print text, nothing else.
+CMD_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+
+
+def cmd_env() -> dict[str, str]:
+    return {k: v for k in CMD_ENV if (v := os.environ.get(k)) is not None}
+
+
 def deliver(sink: Sink, doc: dict[str, Any], secret: bytes | None) -> None:
-    """One attempt; raises on any failure (HTTP status >= 300, timeout, non-zero exit)."""
+    """One attempt; raises on any failure (HTTP status >= 300 including any redirect, timeout, non-zero exit).
+    Error texts name the sink by its label, never its URL."""
+    try:
+        _deliver(sink, doc, secret)
+    except Exception as e:
+        text = str(e)
+        if sink.kind != "cmd" and sink.target in text:
+            raise RuntimeError(text.replace(sink.target, sink.label())) from None
+        raise
+
+
+def _deliver(sink: Sink, doc: dict[str, Any], secret: bytes | None) -> None:
     if sink.kind == "cmd":
         argv = shlex.split(sink.target)
-        r = subprocess.run(argv, input=body(doc), capture_output=True, timeout=TIMEOUT_S, check=False)
+        r = subprocess.run(argv, input=body(doc), capture_output=True, timeout=TIMEOUT_S, check=False,
+                           env=cmd_env())
         if r.returncode != 0:
             raise RuntimeError(f"{argv[0]} exited {r.returncode}: {r.stderr.decode(errors='replace')[-200:]}")
         return
@@ -92,6 +133,6 @@ def deliver(sink: Sink, doc: dict[str, Any], secret: bytes | None) -> None:
         if secret is not None:
             headers["X-Ctl-Signature"] = sign(secret, ts, payload)
     req = urllib.request.Request(sink.target, data=payload, headers=headers, method="POST")  # noqa: S310 - http(s) only
-    with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:  # noqa: S310
+    with _opener().open(req, timeout=TIMEOUT_S) as resp:
         if resp.status >= 300:
-            raise urllib.error.HTTPError(sink.target, resp.status, resp.reason, resp.headers, None)
+            raise urllib.error.HTTPError(sink.label(), resp.status, resp.reason, resp.headers, None)

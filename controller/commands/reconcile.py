@@ -8,6 +8,7 @@ its nodes (a node that ended badly makes it CRASHED and its survivors are stoppe
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -130,7 +131,7 @@ def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRec
     doc = Agent(t).call("stop", args, timeout=None if deadline is None else deadline + 3 * grace + 30)
     if doc.get("alive"):
         raise CtlError(f"{ct.name}: run {run.name} survived SIGINT, SIGTERM and SIGKILL")
-    note = "stopped by ctl stop (" + " -> ".join(doc.get("signals", [])) + ")"
+    note = "stopped by ctl stop (" + " -> ".join(signal_steps(doc.get("signals"))) + ")"
     return reg.update_run(run.id, state=Lifecycle.STOPPED, exit_status=doc.get("exit"), ended=time.time(), note=note)
 
 
@@ -212,6 +213,15 @@ def refresh_all(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord]
         except CtlError as e:
             warnings.append(f"{r.ct}/{r.name}: not settled: {e}")
     return Refreshed(tuple(fresh.get(r.id, r) for r in recs), tuple(warnings), unreachable)
+
+
+def signal_steps(steps: Any) -> list[str]:
+    """The agent's account of a stop (`SIGINT`, `SIGTERM`, ...), each step a short signal-like word or `?`: the
+    container's words reach the record and the operator's terminal."""
+    if not isinstance(steps, list):
+        return []
+    return [x if isinstance(x, str) and re.fullmatch(r"[A-Za-z0-9_+:. ()-]{1,40}", x) else "?"
+            for x in steps[:10]]
 
 
 # --- runs across several containers ------------------------------------------------------------------------

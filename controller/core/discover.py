@@ -54,9 +54,9 @@ def gpus_from_config(doc: dict[str, Any]) -> tuple[tuple[int, ...], bool]:
     """(GPU indices passed through, whether the nvidia cgroup rule (major 195) is present)."""
     seen: set[int] = set()
     for key, value in doc.items():
-        if _DEV_KEY.match(str(key)) and isinstance(value, str):
+        if _DEV_KEY.fullmatch(str(key)) and isinstance(value, str):
             path = value.split(",", 1)[0].strip().removeprefix("path=")
-            m = _NODE.match(path)
+            m = _NODE.fullmatch(path)
             if m:
                 seen.add(int(m.group(1)))
     cgroup = False
@@ -67,7 +67,7 @@ def gpus_from_config(doc: dict[str, Any]) -> tuple[tuple[int, ...], bool]:
         key, value = str(pair[0]).strip(), str(pair[1]).strip()
         if key == "lxc.mount.entry":
             src = value.split()[0] if value.split() else ""
-            m = _NODE.match(src)
+            m = _NODE.fullmatch(src)
             if m:
                 seen.add(int(m.group(1)))
         elif key in ("lxc.cgroup2.devices.allow", "lxc.cgroup.devices.allow") and re.match(r"^c\s+195:", value):

@@ -293,7 +293,7 @@ class Lock:
             prov = probe.provenance.get(name)
             url = prov.url if prov and prov.url and not prov.editable and not prov.url.startswith("file:") else None
             pins.append(Pin(name, version, url))
-        if index_url is not None and not _INDEX_URL.match(index_url):
+        if index_url is not None and not _INDEX_URL.fullmatch(index_url):
             raise InputError(f"index URL {index_url!r} must be an http(s) URL")
         return cls(
             pins=tuple(pins),
@@ -335,7 +335,7 @@ class Lock:
                 value = value.strip()
                 if opt not in ("--index-url", "--extra-index-url"):
                     raise fail(lineno, f"unsupported option {opt!r} (a lock allows --index-url, --extra-index-url)")
-                if not _INDEX_URL.match(value):
+                if not _INDEX_URL.fullmatch(value):
                     raise fail(lineno, f"{opt} needs an http(s) URL, got {value!r}")
                 if opt == "--index-url":
                     if index_url is not None:
@@ -352,7 +352,7 @@ class Lock:
         if fmt is not None and fmt != LOCK_FORMAT:
             raise InputError(f"{path}: unsupported lock format {fmt!r} (this ctl reads {LOCK_FORMAT!r})")
         python = header.get("python")
-        if python is not None and not _PY_VERSION.match(python):
+        if python is not None and not _PY_VERSION.fullmatch(python):
             line_no = _line_of(text, "python")
             raise fail(line_no, f"python version {python!r} is not like 3.12 or 3.12.3")
         return cls(
@@ -393,19 +393,19 @@ def _parse_pin(line: str, lineno: int, fail: Callable[[int, str], InputError]) -
     if " #" in line:
         line, _, comment = line.partition(" #")
         line = line.strip()
-    m = _PIN.match(line)
+    m = _PIN.fullmatch(line)
     if m:
         name, version = m.groups()
-        if not _NAME.match(name) or not _VERSION.match(version):
+        if not _NAME.fullmatch(name) or not _VERSION.fullmatch(version):
             raise fail(lineno, f"invalid pin {line!r}")
         return Pin(normalize(name), version, None, lineno)
-    m = _DIRECT.match(line)
+    m = _DIRECT.fullmatch(line)
     if m:
         name, url = m.groups()
-        if not _URL.match(url):
+        if not _URL.fullmatch(url):
             raise fail(lineno, f"{name}: direct reference {url!r} is not a URL")
         vm = re.search(r"version:\s*(\S+)", comment)
-        if not vm or not _VERSION.match(vm.group(1)):
+        if not vm or not _VERSION.fullmatch(vm.group(1)):
             raise fail(lineno, f"{name} @ URL needs its version in a comment: `# version: 1.2.3`")
         return Pin(normalize(name), vm.group(1), url, lineno)
     if re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*\s*(\[|[<>~!=])", line):
@@ -415,7 +415,7 @@ def _parse_pin(line: str, lineno: int, fail: Callable[[int, str], InputError]) -
 
 def torch_indexes(pins: Iterable[Pin]) -> tuple[str, ...]:
     """PyTorch index of every build tag in the pins (torch==2.11.0+cu130 -> .../whl/cu130), sorted."""
-    tags = {p.build_tag for p in pins if p.build_tag and _TORCH_TAG.match(p.build_tag) and not p.url}
+    tags = {p.build_tag for p in pins if p.build_tag and _TORCH_TAG.fullmatch(p.build_tag) and not p.url}
     return tuple(f"{PYTORCH_INDEX}/{t}" for t in sorted(t for t in tags if t))
 
 
@@ -647,7 +647,7 @@ def sync_plan(
     if lock_file == new or lock_file.startswith(new + "/"):
         raise InputError(f"lock path {lock_file} must not be inside the new venv {new} (uv creates that directory)")
     interpreter = _check_python(python, lock)
-    if not (_UV.match(uv) or uv.startswith("/")):
+    if not (_UV.fullmatch(uv) or uv.startswith("/")):
         raise InputError(f"uv {uv!r} must be a command name or an absolute path")
     if uv.startswith("/"):
         uv = check_container_path(uv, "uv path")
@@ -681,7 +681,7 @@ def _check_python(python: str | None, lock: Lock) -> str:
         return lock.python
     if python.startswith("/"):
         return check_container_path(python, "python interpreter")
-    if not _PY_VERSION.match(python):
+    if not _PY_VERSION.fullmatch(python):
         raise InputError(f"python {python!r} must be a version like 3.12 / 3.12.3 or an absolute interpreter path")
     if lock.python and not (python_matches(python, lock.python) or python_matches(lock.python, python)):
         raise InputError(f"python {python} does not match the lock's python {lock.python}")

@@ -214,7 +214,7 @@ class _Parser:
         if not isinstance(declared, dict):
             raise self.error(("vars",), "must be a mapping of variable names to values")
         for k, v in declared.items():
-            if not isinstance(k, str) or not _VAR.match(k):
+            if not isinstance(k, str) or not _VAR.fullmatch(k):
                 raise self.error(("vars", k), "variable names are letters, digits and '_', not starting with a digit")
             if not (v is None or isinstance(v, str | int | float | bool)):
                 raise self.error(("vars", k), "a variable is a string, number, boolean or null (null: required)")
@@ -387,7 +387,7 @@ def coerce(param: Param, value: Any) -> Any:
         if t == "runref":
             if not isinstance(value, str):
                 raise ValueError("must be a string: NAME, CT/NAME or #ID")
-            if not _RUNREF.match(value):
+            if not _RUNREF.fullmatch(value):
                 for part in value.split("/", 1):
                     check_name(part, "run")
             return value
@@ -452,7 +452,7 @@ def parse_var_options(items: list[str] | None) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items or []:
         k, sep, v = item.partition("=")
-        if not sep or not _VAR.match(k):
+        if not sep or not _VAR.fullmatch(k):
             raise InputError(f"--var {item!r}: give NAME=VALUE (NAME: letters, digits, '_')")
         if k in out:
             raise InputError(f"--var {k} given twice")

@@ -72,10 +72,11 @@ def diff(a: RunRecord, b: RunRecord) -> RunDiff:
     """Records made before secrets were redacted at launch are redacted here: a diff never shows a secret."""
     from dataclasses import replace
 
-    from controller.core.redact import redact_rendered, redact_vars
+    from controller.core.redact import redact_rendered, redact_vars, secret_values
 
-    a = replace(a, vars=redact_vars(a.vars), rendered=redact_rendered(a.rendered))
-    b = replace(b, vars=redact_vars(b.vars), rendered=redact_rendered(b.rendered))
+    known = secret_values(a.vars) | secret_values(b.vars)
+    a = replace(a, vars=redact_vars(a.vars), rendered=redact_rendered(a.rendered, known))
+    b = replace(b, vars=redact_vars(b.vars), rendered=redact_rendered(b.rendered, known))
     files = [(d, a.files.get(d), b.files.get(d)) for d in sorted(set(a.files) | set(b.files))
              if a.files.get(d) != b.files.get(d)]
     rendered = {}

@@ -6,13 +6,30 @@ from __future__ import annotations
 import posixpath
 import re
 
+from controller.errors import InputError
 from controller.inventory import RunsSpec
+from controller.names import check_name
 
 
 def numbers(series: str, names: list[str]) -> list[int]:
-    """The numbers of those names that are the series' (`fresh12` -> 12); other names are ignored."""
-    pat = re.compile(rf"{re.escape(series)}(\d+)")
-    return [int(m.group(1)) for n in names if (m := pat.fullmatch(n))]
+    """The numbers of those names that are the series' (`fresh12` -> 12); other names are ignored. A container's
+    log names are untrusted: a number whose successor would not be a valid run name (`fresh` and 66 digits) is
+    ignored too, so no log can block automatic naming."""
+    pat = re.compile(rf"{re.escape(series)}(\d{{1,18}})")
+    out = []
+    for name in names:
+        m = pat.fullmatch(name)
+        if m is not None and _valid_name(f"{series}{int(m[1]) + 1}"):
+            out.append(int(m[1]))
+    return out
+
+
+def _valid_name(name: str) -> bool:
+    try:
+        check_name(name)
+    except InputError:
+        return False
+    return True
 
 
 def log_glob(runs: RunsSpec) -> str:

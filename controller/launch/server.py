@@ -7,11 +7,14 @@ key), imports what commands use (PRELOAD) while it records which environment var
 listens on `cmd-KEY.sock` (0600, in the user's 0700 socket directory; a peer of another uid is dropped). It is
 never threaded, so each fork is a clean copy.
 
-For each command: the request and the client's descriptors arrive; the server checks the key and that every
-variable its imports read has the same value in the command's environment (else "refuse", and the client runs
-the command itself), forks, answers "pid N", and lets the child start on the client's "go", however late (a
-client that gave up in the meantime never has its command run twice). The child makes a process group of its
-own (the client signals that group), takes the client's descriptors as 0, 1, 2 and its directory, its
+For each command: the request and the client's descriptors arrive; the server checks the key, that every
+variable its imports read has the same value in the command's environment, and, reading the client's /proc by
+the pid the kernel gives (SO_PEERCRED), that the client's namespaces, cgroup, capabilities, NoNewPrivs, seccomp,
+groups and niceness are the server's own (the key is the client's word; a sandboxed client must not get its
+command forked outside its sandbox); else "refuse", and the client runs the command itself. Then it forks,
+answers "pid N", and lets the child start on the client's "go", however late (a client that gave up in the
+meantime never has its command run twice). The child makes a process group of its own (the client signals that
+group), takes the client's descriptors as 0, 1, 2 and its directory, its
 environment (and TZ), umask and argv, fresh standard streams, the client's signal dispositions, and returns out
 of the server's loop to run `ctl` as a started process would, to its normal exit (atexit, threads, exit
 status). The server kills it if the client goes away (as the command would have gone with the client), and
@@ -29,6 +32,7 @@ import os
 import sys
 
 from controller.launch.served import FAILED
+from controller.transport.mux.spare import context_refusal, proc_context
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -260,8 +264,8 @@ class Pending:
     """A connection accepted whose request has not all arrived: read as poll() finds its bytes, so that a client
     that connects and then says nothing (stopped with Ctrl-Z, hung) holds back no other command."""
 
-    def __init__(self, conn: socket.socket, deadline: float) -> None:
-        self.conn, self.deadline = conn, deadline
+    def __init__(self, conn: socket.socket, deadline: float, pid: int = 0) -> None:
+        self.conn, self.deadline, self.pid = conn, deadline, pid  # pid: the kernel's word (SO_PEERCRED)
         self.msg = b""
         self.fds: list[int] = []
 
@@ -335,6 +339,7 @@ class Server:
         self.cpu = 0.0  # CPU seconds of the commands that ended (and of their children that they waited for)
         self.stopping = False
         self.ino = os.stat(path).st_ino
+        self.context = proc_context(os.getpid())  # compared with each client's, read from its /proc
 
     def serve(self) -> Request | None:
         """Answer commands until idle or stopped: None here; a Request in each forked child."""
@@ -427,11 +432,12 @@ class Server:
         except OSError:
             conn.close()
             return
-        if struct.unpack("3i", creds)[1] != os.getuid():
+        pid, uid, _gid = struct.unpack("3i", creds)
+        if uid != os.getuid():
             conn.close()
             return
         conn.setblocking(False)
-        self.pending[conn.fileno()] = Pending(conn, time.time() + REQUEST_WAIT)
+        self.pending[conn.fileno()] = Pending(conn, time.time() + REQUEST_WAIT, pid)
 
     def _read_request(self, p: Pending) -> Request | None:
         """What poll() found of a pending request; once it is whole, the request answered (or, in the forked
@@ -475,7 +481,7 @@ class Server:
                 os.close(fd)
             self._answer_op(conn, op)
             return None
-        why = self._refusal(doc, fds)
+        why = self._refusal(doc, fds) or context_refusal(self.context, p.pid)
         if why:
             for fd in fds:
                 os.close(fd)

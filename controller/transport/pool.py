@@ -62,9 +62,16 @@ class Pool:
         file's `persist` when set, else the host's `persist:` in the inventory, else DEFAULT_PERSIST. A container
         with its own sshd (host None) follows the first two, else the default."""
         if self._persist_env is not None:
-            return self._persist_env
-        own = self.inventory.model.hosts[host].persist if host is not None else None
-        return settings.DEFAULT_PERSIST if own is None else own
+            seconds = self._persist_env
+        else:
+            own = self.inventory.model.hosts[host].persist if host is not None else None
+            seconds = settings.DEFAULT_PERSIST if own is None else own
+        if seconds:
+            from controller.transport.mux.sock import squatted
+
+            if squatted(self.warn):  # a socket directory another user holds: never used, and never fatal
+                return 0
+        return seconds
 
     def _new_relay(self, host: str) -> HostRelay:
         seconds = self.persist(host)

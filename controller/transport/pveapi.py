@@ -80,7 +80,7 @@ def snapshots_from_api(items: list[dict[str, Any]]) -> list[Snapshot]:
 
 
 def task_ok(exitstatus: str | None) -> bool:
-    return exitstatus is not None and bool(_OK.match(exitstatus))
+    return exitstatus is not None and bool(_OK.fullmatch(exitstatus))
 
 
 class PveApi:

@@ -757,14 +757,15 @@ class SshEndpoint(Transport):
                "-o", "StrictHostKeyChecking=yes"]
         if self.identity_file:
             cmd += ["-i", self.identity_file]
-        return [*cmd, f"{self.user}@{self.address}"]
+        # `-l USER -- HOST`: neither the user nor the address can be read as an option of ssh
+        return [*cmd, "-l", self.user, "--", self.address]
 
     def script(self, argv: Sequence[str]) -> str:
-        return shlex.join([*self.ssh_argv(), "--", self.command_line(argv)])
+        return shlex.join([*self.ssh_argv(), self.command_line(argv)])
 
     def interactive_argv(self, argv: Sequence[str]) -> list[str]:
         """An `ssh -t` command line for interactive use (attach): same host-key rules as ours."""
-        return [*self.ssh_argv(tty=True), "--", self.command_line(argv)]
+        return [*self.ssh_argv(tty=True), self.command_line(argv)]
 
 
 class _ChannelDuplex(Duplex):

@@ -6,6 +6,10 @@ Security, since a browser is a program that runs what others send it:
 - A random token (secrets.token_urlsafe) on every request. The URL printed once carries it as `?token=`; the
   server answers that with a cookie (HttpOnly, SameSite=Strict, named after the port so that two dashboards
   do not overwrite each other's) and a redirect to the same path without it. No token, no data: 401.
+- Everything is served under a second random path prefix (`/<prefix>/`), and the cookie's Path is that
+  prefix: cookies ignore ports, so a cookie for `/` would also go to every other server on 127.0.0.1
+  (TensorBoard, Jupyter, another user's listener); this one goes only to paths nobody else knows. Any other
+  path is 404.
 - The Host header must name the address served (DNS rebinding: a page of another site whose name resolves to
   127.0.0.1 sends its own name): 403 otherwise.
 - Read-only: GET and HEAD; anything else is 405. Nothing a request asks reaches a container.
@@ -87,6 +91,7 @@ class Access:
     token: str
     cookie: str  # the cookie's name
     hosts: frozenset[str]  # Host header values accepted
+    prefix: str = "/"  # every path served starts with it (`/<random>/`); the cookie's Path
 
     def allowed_host(self, value: str | None) -> bool:
         return value is not None and value.lower() in self.hosts
@@ -127,8 +132,10 @@ class Dashboard:
         if is_loopback(address):
             names |= {f"localhost:{self.port}", f"127.0.0.1:{self.port}", f"[::1]:{self.port}"}
         self.remote = not is_loopback(address)
-        self.access = Access(token or secrets.token_urlsafe(32), f"ctl_dashboard_{self.port}", frozenset(names))
-        self.url = f"http://{host}:{self.port}/?token={self.access.token}"
+        prefix = f"/{secrets.token_urlsafe(16)}/"
+        self.access = Access(token or secrets.token_urlsafe(32), f"ctl_dashboard_{self.port}", frozenset(names),
+                             prefix)
+        self.url = f"http://{host}:{self.port}{prefix}?token={self.access.token}"
         self.httpd.access = self.access
         self.httpd.source = source
         self.httpd.closing = threading.Event()
@@ -172,6 +179,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._plain(HTTPStatus.FORBIDDEN, "unexpected Host header: open the URL ctl dashboard printed\n")
             return None
         url = urlsplit(self.path)
+        if not url.path.startswith(access.prefix):
+            self._plain(HTTPStatus.NOT_FOUND, "not found: open the URL ctl dashboard printed\n")
+            return None
         query = parse_qs(url.query)
         given = query.get("token", [None])[-1]
         if given is not None:
@@ -180,15 +190,16 @@ class _Handler(BaseHTTPRequestHandler):
                 return None
             # Move the token into a cookie and out of the address bar (and of the page's history).
             self.send_response(HTTPStatus.SEE_OTHER)
-            self.send_header("Location", url.path or "/")
-            self.send_header("Set-Cookie", f"{access.cookie}={access.token}; HttpOnly; SameSite=Strict; Path=/")
+            self.send_header("Location", url.path)
+            self.send_header("Set-Cookie", f"{access.cookie}={access.token}; HttpOnly; SameSite=Strict; "
+                                           f"Path={access.prefix}")
             self._common(0)
             self.end_headers()
             return None
         if not access.valid(self._cookie()):
             self._plain(HTTPStatus.UNAUTHORIZED, "token required: open the URL ctl dashboard printed\n")
             return None
-        return url.path, query
+        return "/" + url.path[len(access.prefix):], query
 
     def _cookie(self) -> str | None:
         raw = self.headers.get("Cookie")

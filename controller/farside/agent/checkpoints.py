@@ -110,7 +110,7 @@ def ckptscan(args):
             names = os.listdir(base)
         except OSError:
             continue
-        steps = sorted(((int(m.group(1)), n) for n in names if (m := re.match(r"^step_(\d+)$", n))), reverse=True)
+        steps = sorted(((int(m.group(1)), n) for n in names if (m := re.fullmatch(r"step_(\d+)", n))), reverse=True)
         for step, name in steps:
             d = os.path.join(base, name)
             why = _ckpt_problem(d)

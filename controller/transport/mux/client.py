@@ -168,6 +168,13 @@ class MuxRelay(HostRelay):
                 sock.close()
                 time.sleep(0.05)
                 continue
+            if hello.get("refused"):  # it reads this process's /proc: another context (a sandbox) goes alone
+                sock.close()
+                self._state = RelayState.UNAVAILABLE
+                self.why_unavailable = f"ctl's session would not serve this process: {hello['refused']}"
+                if self.note is not None:
+                    self.note(f"{self.host.name}: {self.why_unavailable}; connecting directly")
+                return
             stale = self._stale(hello)
             if stale is None:
                 break

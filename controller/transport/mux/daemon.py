@@ -41,13 +41,19 @@ from controller.transport.mux.sock import (
     connect,
     end_payload,
     error_doc,
+    peer,
     peer_uid,
     private,
     recv_batches,
 )
+from controller.transport.mux.spare import context_refusal, proc_context
 from controller.transport.relay import MAX_SID, HostRelay, pack
 from controller.transport.ssh import SshEndpoint
 from controller.transport.wire import Kind
+
+# What a client must share with its session: namespaces, capabilities, NoNewPrivs, seccomp (not its cgroup or
+# nice: commands of other terminals, in other scopes, use the same session)
+SANDBOX = ("ns/", "Cap", "NoNewPrivs", "Seccomp")
 
 STOP_GRACE = 10.0  # seconds clients still running get after SIGTERM
 
@@ -91,6 +97,10 @@ class _Mux(HostRelay):
         self.stop_asked: tuple[str, float] | None = None  # (why, deadline): take no client, end when done
         self.next_gsid = 1
         self.asking: list[_Client] = []  # clients waiting for the relay's T (its staying agents), in order
+        # Compared with each client's, read from its /proc: a sandboxed command of the same uid (another mount or
+        # user namespace, fewer capabilities, NoNewPrivs, seccomp) is refused and connects by itself, so the
+        # session's root login on the host is not lent to it
+        self.context = proc_context(os.getpid())
 
     def _dispatch_batch(self, batch: list[tuple[bytes, int, bytes]]) -> None:
         """The relay's frames of one read, to the clients that own their streams: one write per client."""
@@ -159,11 +169,15 @@ class _Mux(HostRelay):
     def serve_client(self, client: _Client) -> None:
         sock = client.sock
         try:
+            refused = context_refusal(self.context, peer(sock)[0], SANDBOX)
             client.send(Kind.HELLO, 0, json.dumps({"mux": PROTOCOL, "build": build(), "pid": os.getpid(),
                                              "host": self.host.name, "python": self.python or "?",
                                              "connects": self.host.connects, "idle": self.idle,
                                              "relay": 3 if self.staying else 2,
-                                             "hostkey": self.host.server_key}).encode())
+                                             "hostkey": self.host.server_key,
+                                             **({"refused": refused} if refused else {})}).encode())
+            if refused:
+                return
             for batch in recv_batches(sock):
                 if not self._forward(client, batch):
                     break

@@ -43,7 +43,7 @@ import re
 import socket
 import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,31 @@ def socket_dir(create: bool) -> Path:
     """The short per-user directory of the sockets: $XDG_RUNTIME_DIR/ctl when XDG_RUNTIME_DIR is our own 0700
     directory, else /tmp/ctl-<uid> (spare.socket_place)."""
     return private(Path(socket_place(os.environ)), create=create, what="ctl's socket directory")
+
+
+_SQUAT_WARNED: set[str] = set()
+
+
+def squatted(warn: Callable[[str], None] | None = None) -> bool:
+    """Whether the socket directory exists but is not ours alone (another user made /tmp/ctl-<uid> first: cron,
+    sudo or ssh without pam_systemd leave XDG_RUNTIME_DIR unset). Then the command connects directly, without
+    persistent sessions, and says so once per process: a squatter must not stop every command, and its
+    directory is never used."""
+    d = socket_place(os.environ)
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    if ours_alone(st):
+        return False
+    if d not in _SQUAT_WARNED and warn is not None:
+        _SQUAT_WARNED.add(d)
+        why = _refuse(Path(d), st, "ctl's socket directory").message.split(";")[0]
+        warn(f"{why}; persistent sessions are off, connecting directly (remove it, or set XDG_RUNTIME_DIR to a "
+             "directory of yours)")
+    return True
 
 
 def session_key(ep: SshEndpoint, state: Path | None = None) -> str:

@@ -81,6 +81,44 @@ def socket_place(environ: Mapping[str, str]) -> str:
     return f"/tmp/ctl-{os.getuid()}"
 
 
+_STATUS = (b"Cap", b"NoNewPrivs", b"Seccomp", b"Groups:", b"Gid:")
+
+
+def proc_context(pid: int) -> dict[str, str] | None:
+    """What a process forked here would inherit from this server rather than from the process `pid`, read from
+    /proc by this server (never the client's own word): its namespaces, cgroup, capabilities, no_new_privs,
+    seccomp mode, groups and niceness. None when any of it cannot be read (the process is gone, or its /proc
+    is closed to us: a sandbox)."""
+    out: dict[str, str] = {}
+    try:
+        base = f"/proc/{pid}"
+        for ns in sorted(os.listdir(f"{base}/ns")):
+            out[f"ns/{ns}"] = os.readlink(f"{base}/ns/{ns}")
+        with open(f"{base}/cgroup", "rb") as f:
+            out["cgroup"] = f.read().decode(errors="replace")
+        with open(f"{base}/status", "rb") as f:
+            for line in f.read().splitlines():
+                if line.startswith(_STATUS):
+                    k, _, v = line.decode(errors="replace").partition(":")
+                    out[k] = " ".join(v.split())
+        with open(f"{base}/stat", "rb") as f:
+            out["nice"] = f.read().rsplit(b") ", 1)[1].split()[16].decode()
+    except (OSError, IndexError):
+        return None
+    return out
+
+
+def context_refusal(mine: dict[str, str] | None, pid: int, only: tuple[str, ...] = ("",)) -> str:
+    """Why the client `pid` may not be served by a process of context `mine`, else "": every difference in the
+    keys starting with one of `only` (all, by default: another mount namespace, NoNewPrivs, a seccomp filter,
+    another cgroup, nice...) leaves the client to do the work itself, where its sandbox holds it."""
+    theirs = proc_context(pid)
+    if mine is None or theirs is None:
+        return "the client's context cannot be read"
+    differ = sorted(k for k in set(mine) | set(theirs) if k.startswith(only) and mine.get(k) != theirs.get(k))
+    return f"the client's {', '.join(differ)} differ from the server's" if differ else ""
+
+
 def _sessions_up(environ: Mapping[str, str]) -> bool:
     """A socket of one of the user's sessions exists (a warm user: the command will likely find its session)."""
     try:

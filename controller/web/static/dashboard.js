@@ -261,7 +261,7 @@
   async function loadDetail(id) {
     detailAsked = Date.now();
     try {
-      const r = await fetch("/api/run/" + encodeURIComponent(id), { credentials: "same-origin", cache: "no-store" });
+      const r = await fetch("api/run/" + encodeURIComponent(id), { credentials: "same-origin", cache: "no-store" });
       if (!r.ok) { $("detail").hidden = true; return; }
       const d = await r.json();
       if (d.id === selected) renderDetail(d);
@@ -282,7 +282,7 @@
 
   function connect() {
     const live = $("live");
-    const es = new EventSource("/api/stream");
+    const es = new EventSource("api/stream");
     es.addEventListener("snapshot", (e) => {
       live.textContent = "live";
       live.classList.remove("off");
