@@ -58,7 +58,7 @@ def test_ssh_command_lines_end_options_before_the_host() -> None:
 
 
 def test_a_log_name_of_66_digits_does_not_block_naming() -> None:
-    from controller.commands.runs import _series_numbers
+    from controller.core.series import numbers as _series_numbers
 
     huge = "fresh" + "9" * 66
     assert _series_numbers("fresh", ["fresh3", huge, "fresh12\n", "fresh" + "1" * 19]) == [3]
@@ -66,7 +66,7 @@ def test_a_log_name_of_66_digits_does_not_block_naming() -> None:
 
 
 def test_the_stop_account_of_the_agent_is_words_only() -> None:
-    from controller.commands.runs import signal_steps
+    from controller.commands.reconcile import signal_steps
 
     assert signal_steps(["SIGINT", "SIGTERM", "kill-session", "swept 2 straggler(s)"]) == [
         "SIGINT", "SIGTERM", "kill-session", "swept 2 straggler(s)"]
@@ -86,8 +86,7 @@ def test_a_malformed_hash_from_a_container_is_refused() -> None:
 
 
 def test_nodes_outside_private_ranges_are_named(tmp_path: Path) -> None:
-    from controller.commands.jobs import exposed_nodes
-
+    from controller.commands.launcher import exposed_nodes
     from controller.inventory import load
 
     p = tmp_path / "inventory.yaml"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_served import CTL, World
+from tests.served_world import CTL, World
 
 pytestmark = pytest.mark.skipif(not CTL.exists(), reason=f"no installed ctl script at {CTL} (pip install -e .)")
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not CTL.exists(), reason=f"no installed ctl scri
 # optionally after setting no_new_privs on itself; prints what served.run returned (None: not served).
 CLIENT = """
 import ctypes, json, sys
-from controller.cli import served
+from controller.launch import served
 k = sys.argv[1]
 served.key = lambda environ, path=None: k
 served.installed_command = lambda: True
@@ -72,7 +72,7 @@ def test_a_client_under_other_no_new_privs_is_refused(served_world: World) -> No
 
 
 def test_the_server_reads_the_context_of_a_pid_itself() -> None:
-    from controller.cli.server import context_refusal, proc_context
+    from controller.launch.server import context_refusal, proc_context
 
     mine = proc_context(os.getpid())
     assert mine is not None and "NoNewPrivs" in mine and "ns/mnt" in mine and "cgroup" in mine and "nice" in mine

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import pytest
 
 from controller.errors import InputError
-from tests.conftest import wait_for
+from tests.helpers import wait_for
 
 EVIL = ["```", "<!channel> wake up", "<https://evil.example|https://pve.internal/sso>", "a & b",
         "\x1b]52;c;cGF5bG9hZA==\x07clipboard", "```", "*bold* `tick`"]
@@ -79,7 +79,7 @@ def test_a_slack_sink_receives_the_escaped_text() -> None:
                               allow_http_loopback=True)], None, lambda s, doc, err: failures.append(err), retries=())
     try:
         d.send({"summary": "s", "action": "a", "last_lines": EVIL})
-        wait_for("the slack message", lambda: hook.got, timeout=10)
+        wait_for("the slack message", lambda: hook.got, timeout=60)
     finally:
         d.close(wait_s=5)
         srv.shutdown()
@@ -98,7 +98,7 @@ def test_a_redirect_is_a_failed_delivery_and_is_not_followed() -> None:
                   b"key", lambda s, doc, err: failures.append((s.label(), err)), retries=())
     try:
         d.send({"run": "ct200/fresh1", "summary": "one"})
-        wait_for("the delivery's outcome", lambda: failures or target_h.got, timeout=10)
+        wait_for("the delivery's outcome", lambda: failures or target_h.got, timeout=60)
     finally:
         d.close(wait_s=5)
         hop.shutdown()
@@ -217,7 +217,7 @@ def test_a_cmd_sink_gets_a_minimal_environment(tmp_path: Path, monkeypatch: pyte
     d = Deliverer([Sink.parse(f"cmd:{prog}")], b"hook-SeCrEt", lambda s, doc, err: failures.append(err), retries=())
     try:
         d.send({"run": "ct/r", "summary": "x"})
-        wait_for("the sink program", lambda: out.exists() and out.read_text(), timeout=10)
+        wait_for("the sink program", lambda: out.exists() and out.read_text(), timeout=60)
     finally:
         d.close(wait_s=5)
     seen = dict(x.split("=", 1) for x in out.read_text().splitlines() if "=" in x)

@@ -13,7 +13,7 @@ import pytest
 
 from controller.core.gpu import mount_entry
 from tests.conftest import install_torch
-from tests.integration.conftest import Env, container_venv
+from tests.integration.conftest import PveEnv, container_venv
 from tests.pvehost import gpu
 
 VMID, CT, NODE = 201, "ct201", "pve1"
@@ -28,7 +28,7 @@ CGROUP_CONFIG = ["lxc.cgroup2.devices.allow: c 195:* rwm", "lxc.cgroup2.devices.
 
 
 @pytest.fixture
-def patient(pve_env: Env) -> Iterator[Env]:
+def patient(pve_env: PveEnv) -> Iterator[PveEnv]:
     """ct201 with a split of two GPUs and a training venv (torch for CUDA 12.4); pve1 with 2 GPUs of driver
     550.54.15 (CUDA 12.4), PVE 8.2. Afterwards: no GPUs on pve1, ct201 restarted plain."""
     inside, venv = container_venv(pve_env, VMID)
@@ -42,7 +42,7 @@ def patient(pve_env: Env) -> Iterator[Env]:
         gpu.reset_ct(pve_env.host, VMID)
 
 
-def doctor(env: Env, *names: str) -> tuple[int, dict[str, Any], str]:
+def doctor(env: PveEnv, *names: str) -> tuple[int, dict[str, Any], str]:
     r = env.ctl("doctor", *names, "--json")
     docs = json.loads(r.stdout) if r.stdout.strip() else []
     checks = {c["check"]: c for doc in docs for c in doc.get("checks", [])}
@@ -55,7 +55,7 @@ def statuses(checks: dict[str, Any]) -> dict[str, str]:
     return {k: v["status"] for k, v in checks.items()}
 
 
-def test_a_healthy_container_passes_every_check(patient: Env) -> None:
+def test_a_healthy_container_passes_every_check(patient: PveEnv) -> None:
     gpu.set_config(patient.host, VMID, DEV_CONFIG)
     gpu.place(patient.host, VMID, HEALTHY_NODES)
     rc, checks, text = doctor(patient, CT)
@@ -70,7 +70,7 @@ def test_a_healthy_container_passes_every_check(patient: Env) -> None:
 
 
 @pytest.mark.parametrize("style", ["dev", "cgroup"])
-def test_a_missing_nvidia_uvm_gets_the_lines_of_the_containers_own_style(patient: Env, style: str) -> None:
+def test_a_missing_nvidia_uvm_gets_the_lines_of_the_containers_own_style(patient: PveEnv, style: str) -> None:
     config = [x for x in (DEV_CONFIG if style == "dev" else CGROUP_CONFIG) if "nvidia-uvm" not in x
               and "508" not in x]
     gpu.set_config(patient.host, VMID, config)
@@ -95,7 +95,7 @@ def test_a_missing_nvidia_uvm_gets_the_lines_of_the_containers_own_style(patient
         assert f"\n          {line}\n" in text
 
 
-def test_a_cgroup_deny_is_eperm_and_gets_its_allow_rule(patient: Env) -> None:
+def test_a_cgroup_deny_is_eperm_and_gets_its_allow_rule(patient: PveEnv) -> None:
     """The config mounts nvidia-uvm but has no allow rule for its major: the node is there, open() gets EPERM."""
     gpu.set_config(patient.host, VMID, [x for x in CGROUP_CONFIG if "508" not in x])
     gpu.place(patient.host, VMID, {**HEALTHY_NODES, "/dev/nvidia-uvm": "denied"})
@@ -107,7 +107,7 @@ def test_a_cgroup_deny_is_eperm_and_gets_its_allow_rule(patient: Env) -> None:
                                                                  "pct reboot 201"]
 
 
-def test_a_node_without_a_driver_is_enxio(patient: Env) -> None:
+def test_a_node_without_a_driver_is_enxio(patient: PveEnv) -> None:
     gpu.set_config(patient.host, VMID, DEV_CONFIG)
     gpu.place(patient.host, VMID, {**HEALTHY_NODES, "/dev/nvidia-uvm": "nodriver"})
     rc, checks, text = doctor(patient, CT)
@@ -116,7 +116,7 @@ def test_a_node_without_a_driver_is_enxio(patient: Env) -> None:
     assert "no driver behind it (ENXIO)" in seen and f"major is {gpu.NO_DRIVER_MAJOR} but" in seen, seen
 
 
-def test_a_driver_library_mismatch_names_both_and_launch_refuses(patient: Env) -> None:
+def test_a_driver_library_mismatch_names_both_and_launch_refuses(patient: PveEnv) -> None:
     msg = gpu.messages()["nvml_mismatch"]
     gpu.set_config(patient.host, VMID, DEV_CONFIG)
     gpu.place(patient.host, VMID, HEALTHY_NODES, libs="550.54.14")
@@ -136,7 +136,7 @@ def test_a_driver_library_mismatch_names_both_and_launch_refuses(patient: Env) -
     assert json.loads(patient.ctl("runs", CT, "--json", check=True).stdout) == []  # nothing started or kept
 
 
-def test_torch_built_for_a_newer_cuda_than_the_driver(patient: Env) -> None:
+def test_torch_built_for_a_newer_cuda_than_the_driver(patient: PveEnv) -> None:
     """The seeds' cu128/cu130 story told the other way round: a cu130 build on a driver of CUDA 12.4."""
     inside = f"/root/{patient.tag}/venv"  # the fixture's
     install_torch(patient.host.rootfs(VMID) / inside.lstrip("/"), "2.11.0+cu130", "13.0")
@@ -152,7 +152,7 @@ def test_torch_built_for_a_newer_cuda_than_the_driver(patient: Env) -> None:
                                     "https://download.pytorch.org/whl/cu124"]
 
 
-def test_a_split_index_the_container_lacks(patient: Env) -> None:
+def test_a_split_index_the_container_lacks(patient: PveEnv) -> None:
     patient.write(containers={CT: {"gpus": {"target": [0, 1, 2], "drafter": []}}})
     gpu.set_host(patient.host, NODE, count=4)
     gpu.set_config(patient.host, VMID, DEV_CONFIG)
@@ -163,7 +163,7 @@ def test_a_split_index_the_container_lacks(patient: Env) -> None:
     assert n2["status"] == "FAIL" and next(f["lines"] for f in n2["fix"]) == ["pct set 201 --dev5 /dev/nvidia2"]
 
 
-def test_a_gpu_of_the_split_used_by_another_container(patient: Env) -> None:
+def test_a_gpu_of_the_split_used_by_another_container(patient: PveEnv) -> None:
     gpu.set_host(patient.host, NODE, count=2, apps=[(1, 73311, "python3", 30000, 200)])
     gpu.set_config(patient.host, VMID, DEV_CONFIG)
     gpu.place(patient.host, VMID, HEALTHY_NODES)
@@ -172,7 +172,7 @@ def test_a_gpu_of_the_split_used_by_another_container(patient: Env) -> None:
     assert "GPU 1 is used by CT 200: pid 73311 python3 (30000 MiB)" in checks["GPU split"]["seen"]
 
 
-def test_a_64mb_dev_shm_warns(patient: Env) -> None:
+def test_a_64mb_dev_shm_warns(patient: PveEnv) -> None:
     gpu.set_config(patient.host, VMID, DEV_CONFIG)
     gpu.place(patient.host, VMID, HEALTHY_NODES, shm_mib=64)
     rc, checks, text = doctor(patient, CT)
@@ -182,7 +182,7 @@ def test_a_64mb_dev_shm_warns(patient: Env) -> None:
     assert shm["fix"][0]["lines"] == ["mount -o remount,size=16G /dev/shm"]
 
 
-def test_bad_input_is_one_clear_line_each(patient: Env) -> None:
+def test_bad_input_is_one_clear_line_each(patient: PveEnv) -> None:
     r = patient.ctl("doctor", "nope")
     assert r.returncode == 4 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "unknown container 'nope'" in r.stderr
@@ -199,7 +199,7 @@ def test_bad_input_is_one_clear_line_each(patient: Env) -> None:
                                                     "missing; nvidia-smi: NVIDIA-SMI has failed")
 
 
-def test_a_job_node_without_its_address_or_nccl_interface(patient: Env) -> None:
+def test_a_job_node_without_its_address_or_nccl_interface(patient: PveEnv) -> None:
     """A node of a job: its `address:` must be one of the container's own, `nccl.socket_ifname` must select one of
     its interfaces, and the memlock limit is reported (NCCL over InfiniBand pins memory)."""
     venv = f"/root/{patient.tag}/venv"

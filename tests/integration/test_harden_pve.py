@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import Env
+from tests.integration.conftest import PveEnv
 
 pytestmark = pytest.mark.pvehost
 
@@ -31,11 +31,11 @@ exec python3 {{ payload["emit_metrics.py"] }} --tok-s {{ tok_s }} --steps {{ ste
 """
 
 
-def _in_ct(env: Env, *argv: str) -> bytes:
+def _in_ct(env: PveEnv, *argv: str) -> bytes:
     return bytes(env.host.ssh("pve1", "pct", "exec", "200", "--", *argv).stdout)
 
 
-def test_train_args_secrets_are_stored_and_shown_nowhere(pve_env: Env) -> None:
+def test_train_args_secrets_are_stored_and_shown_nowhere(pve_env: PveEnv) -> None:
     (pve_env.dir / "templates" / "start_training.sh.j2").write_text(START)
     base = pve_env.base_extra["vars"]
     for run, steps in (("sec1", 3), ("sec2", 4)):
@@ -72,7 +72,7 @@ def test_train_args_secrets_are_stored_and_shown_nowhere(pve_env: Env) -> None:
     assert SECRET not in record.read_text() and HF not in record.read_text()
 
 
-def test_a_log_named_with_66_digits_does_not_block_naming(pve_env: Env) -> None:
+def test_a_log_named_with_66_digits_does_not_block_naming(pve_env: PveEnv) -> None:
     pve_env.ctl("deploy", "ct200", "--allow-dirty", check=True)
     logs = pve_env.host.rootfs(200) / "workspace" / pve_env.tag
     logs.mkdir(parents=True, exist_ok=True)
@@ -92,7 +92,7 @@ set -o pipefail
 
 
 @pytest.fixture
-def hostile_python(pve_env: Env) -> Iterator[Path]:
+def hostile_python(pve_env: PveEnv) -> Iterator[Path]:
     pve_env.env["CTL_PERSIST"] = "0"  # one exec per request: each goes through the wrapper
     wrapper = pve_env.host.rootfs(200) / "sbin" / "python3"
     yield wrapper
@@ -104,7 +104,7 @@ def _hostile(wrapper: Path, sed: str) -> None:
     wrapper.chmod(0o755)
 
 
-def test_a_stop_account_with_markup_is_shown_as_text(pve_env: Env, hostile_python: Path) -> None:
+def test_a_stop_account_with_markup_is_shown_as_text(pve_env: PveEnv, hostile_python: Path) -> None:
     pve_env.write(vars={**pve_env.base_extra["vars"], "steps": 100000, "interval": 0.2})
     pve_env.ctl("deploy", "ct200", "--allow-dirty", check=True)
     pve_env.ctl("launch", "ct200", "--run", "mark1", check=True)
@@ -120,7 +120,7 @@ def test_a_stop_account_with_markup_is_shown_as_text(pve_env: Env, hostile_pytho
     assert run["state"] == "stopped" and "[" not in str(run["note"]), run
 
 
-def test_a_malformed_sha256_from_the_container_is_refused(pve_env: Env, hostile_python: Path) -> None:
+def test_a_malformed_sha256_from_the_container_is_refused(pve_env: PveEnv, hostile_python: Path) -> None:
     pve_env.ctl("deploy", "ct200", "--allow-dirty", check=True)
     _hostile(hostile_python, r's|"sha256": "[0-9a-f]\{64\}"|"sha256": "[link=https://evil.example]ok[/link]"|g')
     r = pve_env.ctl("deploy", "ct200", "--allow-dirty", "--dry-run")
@@ -131,7 +131,7 @@ def test_a_malformed_sha256_from_the_container_is_refused(pve_env: Env, hostile_
     assert r.returncode != 0 and "malformed sha256" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
-def test_a_squatted_socket_directory_falls_back_to_direct_connections(pve_env: Env) -> None:
+def test_a_squatted_socket_directory_falls_back_to_direct_connections(pve_env: PveEnv) -> None:
     nobody = 65534
     run = Path(tempfile.mkdtemp(prefix="ctl-run-"))  # a runtime dir as systemd makes it (0700, ours)
     try:
@@ -154,7 +154,7 @@ def test_a_squatted_socket_directory_falls_back_to_direct_connections(pve_env: E
         shutil.rmtree(run, ignore_errors=True)
 
 
-def test_a_session_serves_no_process_of_another_context(pve_env: Env) -> None:
+def test_a_session_serves_no_process_of_another_context(pve_env: PveEnv) -> None:
     """The persistent session reads each client's /proc: a command under NoNewPrivs (a sandbox of the same uid)
     is not lent the session's root login on the host; it connects by itself, and works."""
     first = pve_env.ctl("--debug", "ping", "ct200", check=True)
