@@ -158,6 +158,22 @@ SCHEMA = [
     """
     CREATE INDEX runs_ct_created ON runs(ct, created);
     """,
+    # version 8: drafters exported from a run's checkpoints (`ctl export`, listed by `ctl show`)
+    """
+    CREATE TABLE exports (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        run_id INTEGER NOT NULL REFERENCES runs(id),
+        time REAL NOT NULL,
+        step INTEGER NOT NULL,
+        dtype TEXT NOT NULL,
+        node TEXT NOT NULL,             -- the container the exporter ran in (a job's: the one holding the step)
+        checkpoint TEXT NOT NULL,       -- its path there
+        path TEXT NOT NULL,             -- the local directory written
+        files TEXT NOT NULL,            -- JSON {name: {sha256, bytes}}
+        provenance TEXT NOT NULL        -- JSON: the directory's provenance.json
+    );
+    CREATE INDEX exports_run ON exports(run_id, id);
+    """,
 ]
 
 
@@ -721,6 +737,26 @@ class Registry:
     def drop_lease(self, name: str, holder: str) -> None:
         with self.tx() as db:
             db.execute("DELETE FROM leases WHERE name=? AND holder=?", (name, holder))
+
+    # --- exports (schema version 8) ------------------------------------------------------------------
+
+    def add_export(self, run_id: int, *, step: int, dtype: str, node: str, checkpoint: str, path: str,
+                   files: dict[str, Any], provenance: dict[str, Any], when: float | None = None) -> int:
+        with self.tx() as db:
+            cur = db.execute(
+                "INSERT INTO exports (run_id, time, step, dtype, node, checkpoint, path, files, provenance) "
+                "VALUES (?,?,?,?,?,?,?,?,?)",
+                (run_id, time.time() if when is None else when, step, dtype, node, checkpoint, path,
+                 json.dumps(files, sort_keys=True), json.dumps(provenance, sort_keys=True, default=str)))
+            export_id = cur.lastrowid
+        assert export_id is not None
+        return export_id
+
+    def exports(self, run_id: int) -> list[dict[str, Any]]:
+        """A run's exports, oldest first."""
+        rows = self._db.execute("SELECT * FROM exports WHERE run_id=? ORDER BY id", (run_id,))
+        return [{**dict(r), "files": json.loads(r["files"]), "provenance": json.loads(r["provenance"])}
+                for r in rows]
 
     # --- runbook runs (schema version 3) ----------------------------------------------------------
 

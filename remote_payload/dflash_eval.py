@@ -8,7 +8,8 @@ that agree with it, up to the first disagreement, are accepted; the target's tok
 (the bonus token). Convention (the reference's): a block counts `accepted + 1` tokens, so tau is in
 [1, block_size], 1 meaning no draft token ever accepted and block_size every one (a perfect drafter). A block
 cut short by a stop token counts the tokens up to and including it; decoding of a prompt ends there or after
-`max_new_tokens`.
+`max_new_tokens`, the last block counting only the tokens within that budget (z-lab's `dflash_generate` does the
+same: tests/payload/test_export_reference.py checks the two measures against each other).
 
 The target here is a full causal LM (with its LM head), run without a KV cache (simple, exact; eval is short).
 """
@@ -97,7 +98,9 @@ def acceptance_length(target, propose: Proposer, prompts: Sequence[torch.Tensor]
             posterior = out.logits[0, start:start + block_size].argmax(-1)  # the target's token after each
             agree = (draft[0] == posterior[:-1]).long().cumprod(0)
             accepted = int(agree.sum())
-            new = torch.cat([draft[0, :accepted], posterior[accepted:accepted + 1]])
+            # At most the tokens still allowed: the last block of a prompt counts what it adds within
+            # max_new_tokens, as the reference counts it (its verify step there is cut to the budget).
+            new = torch.cat([draft[0, :accepted], posterior[accepted:accepted + 1]])[: max_new_tokens - produced]
             hits = [i for i, t in enumerate(new.tolist()) if t in stop_ids]
             if hits:
                 new, stopped = new[: hits[0] + 1], True

@@ -2,10 +2,11 @@
 """Export a trained drafter in the layout of the DFlash reference implementation (z-lab/dflash,
 `DFlashDraftModel`; the same layout SpecForge trains and SGLang / vLLM load):
 
-    python dflash_export.py CKPT OUTDIR [--dtype bfloat16|float16|float32] [--num-target-layers N]
+    python dflash_export.py CKPT OUTDIR [--dtype bfloat16|float16|float32] [--num-target-layers N] [--step N]
+                            [--metrics RUN_DIR/metrics.jsonl] [--json]
 
 CKPT: a full checkpoint (checkpoints/step_N/, its manifest verified), a run's checkpoints/ or run directory
-(the newest one), or a weights-only checkpoints/step_N.pt. OUTDIR gets:
+(the newest one, or step N with --step), or a weights-only checkpoints/step_N.pt. OUTDIR gets:
   config.json        Qwen3-style config: architectures ["DFlashDraftModel"], widths, num_hidden_layers (drafter
                      layers), num_target_layers, block_size and dflash_config {block_size, mask_token_id,
                      target_layer_ids}; plus "dflash_training": target name and sha256, tokenizer/data sha256,
@@ -13,12 +14,17 @@ CKPT: a full checkpoint (checkpoints/step_N/, its manifest verified), a run's ch
   model.safetensors  fc, hidden_norm, norm and per layer self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
                      mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm (no embedding, no LM head:
                      the target's are used, as in training).
-Exit 0; 2 with one `error: ...` line for a checkpoint that cannot be used.
+--metrics: the run's metrics.jsonl; the loss and accept_len logged at the exported step (else the last ones
+before it, with the step they were logged at) go into the summary. --json: one JSON line on stdout summing up
+what was written (step, checkpoint, each file's sha256 and size, the training provenance, those metrics): what
+`ctl export` reads, checks the copied files against, and keeps beside them.
+Exit 0; 2 with one `error: ...` line for a checkpoint that cannot be used or an OUTDIR that cannot be written.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import sys
@@ -34,6 +40,10 @@ ARCHITECTURE = "DFlashDraftModel"
 _MLP = re.compile(r"^layers\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MLP_REF = re.compile(r"^layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
 SYNTHETIC_LAYERS = {"tiny": 8, "1b": 14}  # the pipeline's random targets (train_dflash_pipeline.TINY / ONE_B)
+
+
+class OutputError(ValueError):
+    """OUTDIR could not be written, said in one line."""
 
 
 def to_reference(state: dict) -> dict:
@@ -119,10 +129,13 @@ def export(ckpt: str, out_dir: str, dtype: torch.dtype = torch.bfloat16, num_tar
         provenance["target"] = meta["args"].get("model")
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in to_reference(state).items()}
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config = export_config(c, n_target, dtype, provenance, meta)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    except OSError as e:  # a full disk, no permission: one line, not a traceback
+        raise OutputError(f"writing {out_dir}: {e.strerror or e}") from None
     return config
 
 
@@ -152,6 +165,64 @@ def load_exported(out_dir: str, embed_tokens, lm_head, dtype: torch.dtype = torc
     return drafter
 
 
+def step_checkpoint(path: str, step: int) -> str:
+    """checkpoints/step_N of a run directory, a checkpoints/ directory or a step directory itself; one line naming
+    the steps there when N is not one of them."""
+    p = Path(path)
+    if ck._STEP_DIR.search(p.name):
+        p = p.parent
+    bases = [b for b in (p, p / "checkpoints") if b.is_dir()]
+    for base in bases:
+        if (base / f"step_{step}").is_dir():
+            return str(base / f"step_{step}")
+    steps = sorted({int(m.group(1)) for b in bases for d in b.glob("step_*")
+                    if d.is_dir() and (m := ck._STEP_DIR.search(d.name))})
+    there = ", ".join(map(str, steps)) if steps else "none"
+    raise ck.CheckpointError(f"checkpoint {path}: no step {step} (steps there: {there})")
+
+
+def metrics_at(path: str, step: int) -> dict:
+    """The loss and accept_len of metrics.jsonl at `step`, else the last logged before it (with its step): a run
+    logs every --log-every steps and evaluates every --eval-every, so the exported step may fall between them."""
+    found: dict = {}
+    try:
+        lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        try:
+            rec = json.loads(line)
+            s = int(rec["step"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a crash, or not ours
+        if s > step:
+            continue
+        for key in ("loss", "accept_len"):
+            if isinstance(rec.get(key), (int, float)) and s >= found.get(f"{key}_step", -1):
+                found[key], found[f"{key}_step"] = float(rec[key]), s
+    return found
+
+
+def file_facts(path: Path) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {"sha256": h.hexdigest(), "bytes": path.stat().st_size}
+
+
+def summary(cfg: dict, out_dir: str, dtype: str, metrics: dict) -> dict:
+    t = cfg["dflash_training"]
+    return {"ok": True, "step": t["step"], "checkpoint": t["checkpoint"], "checkpoint_kind": t["checkpoint_kind"],
+            "checkpoint_sha256": t["checkpoint_sha256"], "dtype": dtype,
+            "files": {n: file_facts(Path(out_dir, n)) for n in ("config.json", "model.safetensors")},
+            "provenance": {k: t.get(k) for k in ("target", "target_sha256", "tokenizer_sha256", "data_sha256")},
+            "drafter": {"layers": cfg["num_hidden_layers"], "num_target_layers": cfg["num_target_layers"],
+                        "target_layer_ids": cfg["dflash_config"]["target_layer_ids"], "block_size": cfg["block_size"],
+                        "mask_token_id": cfg["dflash_config"]["mask_token_id"]},
+            "metrics": metrics}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("ckpt")
@@ -159,10 +230,19 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--num-target-layers", type=int, default=None,
                    help="the target's layer count, when the checkpoint does not record it (old weights-only ones)")
+    p.add_argument("--step", type=int, default=None, help="export step N of a run or checkpoints directory")
+    p.add_argument("--metrics", default=None, help="the run's metrics.jsonl: loss and accept_len at the step")
+    p.add_argument("--json", action="store_true", help="one JSON line on stdout summing up what was written")
     args = p.parse_args(argv)
     try:
-        cfg = export(args.ckpt, args.out_dir, getattr(torch, args.dtype), args.num_target_layers)
-    except ck.CheckpointError as e:
+        ckpt = step_checkpoint(args.ckpt, args.step) if args.step is not None else args.ckpt
+        cfg = export(ckpt, args.out_dir, getattr(torch, args.dtype), args.num_target_layers)
+        if args.json:
+            step = cfg["dflash_training"]["step"]
+            found = metrics_at(args.metrics, int(step)) if args.metrics and step is not None else {}
+            print(json.dumps(summary(cfg, args.out_dir, args.dtype, found)), flush=True)
+            return 0
+    except (ck.CheckpointError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t = cfg["dflash_training"]

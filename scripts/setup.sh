@@ -9,7 +9,7 @@
 #   why, where it is not root or a package cannot be installed. Elsewhere a missing one is a warning, and the tests
 #   that need it skip, saying why.
 #   python: a project venv at .venv (CTL_VENV overrides) holding ctl (editable) with its dev tools and the
-#           payload's torch/transformers. Nothing is installed into the system interpreter: Debian 12 refuses
+#           payload's torch/transformers (and z-lab's `dflash` reference, for a test). Nothing is installed into the system interpreter: Debian 12 refuses
 #           that (PEP 668, externally managed), and a project venv keeps the checkout's tools apart.
 # Prints the venv's python on its last line, for the scripts that call it.
 set -euo pipefail
@@ -62,4 +62,8 @@ VENV_PY="$VENV/bin/python"
 # setuptools calls compat mode transitional: where a later one refuses it, the default editable install is used.
 "$VENV_PY" -m pip install -q --disable-pip-version-check -e '.[dev,payload]' --config-settings editable_mode=compat >&2 ||
   "$VENV_PY" -m pip install -q --disable-pip-version-check -e '.[dev,payload]' >&2
+# z-lab's DFlash reference implementation, for tests/payload/test_export_reference.py (it loads what `ctl export`
+# writes and decodes with it). Pinned, and WITHOUT its dependencies: its own pins would bring datasets, requests
+# and tqdm and replace this venv's torch and transformers, while dflash.model needs only those two.
+"$VENV_PY" -m pip install -q --disable-pip-version-check --no-deps "dflash==0.1.0" >&2
 echo "$VENV_PY"

@@ -1,4 +1,4 @@
-"""The run verbs: `ctl launch`, `tail`, `runs`, `show`, `stop`, `attach`, `diff`."""
+"""The run verbs: `ctl launch`, `tail`, `runs`, `show`, `stop`, `attach`, `diff`, `export`."""
 
 from __future__ import annotations
 
@@ -282,8 +282,10 @@ def show_cmd(run: str = typer.Argument(..., autocompletion=_c.runs, help="Run as
     reg = _registry()
     rec = reg.find_run(run)
     data = _redacted(rec)
+    exports = reg.exports(rec.id)
     if OPTS.json:
-        _out({**data, "members": [_redacted(m) for m in reg.members(rec.id)]} if rec.multi else data)
+        doc = {**data, "members": [_redacted(m) for m in reg.members(rec.id)]} if rec.multi else data
+        _out({**doc, "exports": exports})
         return
     con = _console()
     for k in ("ct", "name", "state", "exit_status", "crash", "host", "session", "log_path", "run_dir", "commit_sha",
@@ -299,6 +301,13 @@ def show_cmd(run: str = typer.Argument(..., autocompletion=_c.runs, help="Run as
                   + (f", exit {m.exit_status}" if m.exit_status is not None else "")
                   + (f", {m.crash}" if m.crash else "") + (f" ({m.note})" if m.note else "")
                   + f", log {m.log_path}", markup=False)
+    if exports:
+        con.print("exports:")
+    for e in exports:  # `ctl export`: the drafter in the reference layout, where it went
+        at = e["provenance"].get("metrics") or {}
+        shown = "".join(f" {k}={at[k]:g}" for k in ("loss", "accept_len") if isinstance(at.get(k), (int, float)))
+        con.print(f"  step {e['step']:<8} {e['dtype']:<9} {time.strftime('%Y-%m-%d %H:%M', time.localtime(e['time']))}"
+                  f"  {e['files']['model.safetensors']['sha256'][:16]}{shown}  {e['path']}", markup=False)
 
 
 @app.command("stop")
@@ -394,3 +403,34 @@ def diff_cmd(
     else:
         _console().print(d.render(), markup=False)
     raise typer.Exit(0 if d.same else 1)
+
+
+@app.command("export")
+def export_cmd(
+    run: str = typer.Argument(..., autocompletion=_c.runs, help="Run as NAME, CT/NAME or #ID."),
+    out: str | None = typer.Option(None, "-o", "--output", help="Directory to write (default ./exports/RUN-stepN)."),
+    step: int | None = typer.Option(None, "--step", help="Export this step (default: the newest complete "
+                                                          "checkpoint)."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="Weights as bfloat16, float16 or float32."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
+) -> None:
+    """Export the run's drafter for SGLang, vLLM or z-lab's dflash.
+
+    The newest complete checkpoint (or --step N) in the reference DFlash layout: config.json and model.safetensors,
+    checked by sha256, with provenance.json (run, step, commit, hashes, loss and accept_len at that step)."""
+    from controller.commands import export
+
+    inv = _inv()
+    reg = _registry()
+    rec = reg.find_run(run)
+    with session(inv) as pool:
+        done = export.export_run(inv, pool, reg, rec, out=out, step=step, dtype=dtype, force=force)
+    if OPTS.json:
+        _out(done.to_json())
+        return
+    m = done.metrics
+    shown = ", ".join(f"{k} {m[k]:g}" + (f" (step {m[k + '_step']})" if m.get(k + "_step") != done.step else "")
+                      for k in ("loss", "accept_len") if isinstance(m.get(k), (int, float)))
+    _console().print(f"{done.run}: step {done.step} exported from {done.node}:{done.checkpoint} to {done.dir} "
+                     f"({done.dtype}{', replaced' if done.replaced else ''})" + (f"; {shown}" if shown else ""),
+                     markup=False)

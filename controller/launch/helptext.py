@@ -35,6 +35,7 @@ TEXT = (
     '  stop       SIGINT the training, wait, escalate, end its tmux session;...\n'
     "  attach     Attach to the run's tmux session interactively (ssh -t + pct...\n"
     '  diff       What changed between two runs: payload hashes, rendered...\n'
+    "  export     Export the run's drafter for SGLang, vLLM or z-lab's dflash.\n"
     '  rollback   Shortcut for `ctl snapshot rollback`.\n'
     '  supervise  Watch every live run: verdict changes become events (`ctl...\n'
     '  events     What `ctl supervise` saw and did: verdict changes, restarts,...\n'

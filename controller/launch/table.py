@@ -11,7 +11,7 @@ COMMANDS: dict[str, str] = {
     "deploy": "deploy", "ping": "inventory", "inventory": "inventory",
     "mark-good": "metrics", "status": "metrics", "watch": "metrics", "plot": "metrics", "metrics": "metrics",
     "launch": "runs", "tail": "runs", "runs": "runs", "show": "runs", "stop": "runs", "attach": "runs",
-    "diff": "runs", "rollback": "snapshot", "snapshot": "snapshot", "supervise": "supervise",
+    "diff": "runs", "export": "runs", "rollback": "snapshot", "snapshot": "snapshot", "supervise": "supervise",
     "events": "supervise", "config": "config", "env": "env", "cache": "env", "mux": "mux", "runbook": "runbook",
     "store": "store", "dashboard": "dashboard", "doctor": "doctor",
 }

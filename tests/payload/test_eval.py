@@ -60,6 +60,14 @@ def test_oracle_drafter_reaches_the_block_size(trained_target):
         assert r.tau == bs and r.blocks == 2 * (32 // bs) and set(r.per_block) == {bs}
 
 
+def test_the_last_block_counts_only_the_tokens_within_the_budget(trained_target):
+    """As z-lab's dflash_generate counts it: 20 new tokens are 1 from the prompt's read, a block of 16, then 3 of
+    the next block (its verify step cut to the budget there), not a second 16 past max_new_tokens."""
+    r = de.acceptance_length(trained_target, de.target_proposer(trained_target, 16), prompts(1), [1], 16,
+                             max_new_tokens=20)
+    assert r.per_block == [16, 3] and r.tokens == 20 and r.tau == 9.5
+
+
 def test_a_wrong_drafter_gets_only_the_bonus_token(trained_target):
     """Drafts the target never agrees with: each block yields 1 token (the target's own): tau == 1."""
     def contrary(feats, seq):

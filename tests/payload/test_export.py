@@ -134,3 +134,36 @@ def test_damaged_checkpoint_is_refused_in_one_line(tiny, tmp_path, capsys):
     (path / ck.MANIFEST).unlink()
     assert ex.main([str(path), str(tmp_path / "out")]) == 2
     assert "no manifest.json" in capsys.readouterr().err
+
+
+def test_step_metrics_and_summary_for_ctl(tiny, tmp_path, capsys):
+    """What `ctl export` runs: --step N of a run directory (one line naming the steps there when N is not one),
+    the loss and accept_len of metrics.jsonl at that step (else the last before it), one JSON line summing up."""
+    import hashlib
+
+    _, d = tiny
+    full_checkpoint(tmp_path, d, step=3)
+    full_checkpoint(tmp_path, d, step=6)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 2, "loss": 4.0, "accept_len": 1.5}, {"step": 3, "loss": 3.0}, {"step": 5, "loss": 2.0},
+        {"step": 6, "loss": 1.0, "accept_len": 7.25})) + '{"step": 7, "loss"')  # a line cut short by a crash
+    assert ex.main([str(tmp_path), str(tmp_path / "out"), "--step", "3", "--metrics", str(metrics), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["ok"] and doc["step"] == 3 and doc["checkpoint"].endswith("checkpoints/step_3")
+    assert doc["metrics"] == {"loss": 3.0, "loss_step": 3, "accept_len": 1.5, "accept_len_step": 2}
+    assert doc["provenance"]["target_sha256"] == "cd" * 32 and doc["dtype"] == "bfloat16"
+    for name in ("config.json", "model.safetensors"):
+        data = (tmp_path / "out" / name).read_bytes()
+        assert doc["files"][name] == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    assert ex.main([str(tmp_path / "checkpoints"), str(tmp_path / "o2"), "--metrics", str(metrics), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["step"] == 6 and doc["metrics"] == {"loss": 1.0, "loss_step": 6, "accept_len": 7.25,
+                                                    "accept_len_step": 6}
+    assert ex.main([str(tmp_path), str(tmp_path / "o3"), "--step", "4", "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("no step 4 (steps there: 3, 6)") and not (tmp_path / "o3").exists()
+    (tmp_path / "full").write_text("")  # OUTDIR under a file: cannot be written, one line
+    assert ex.main([str(tmp_path), str(tmp_path / "full" / "out"), "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: writing {tmp_path / 'full' / 'out'}: ")
