@@ -13,7 +13,6 @@ one probe exec where the live torch build matters.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import posixpath
 import shlex
@@ -26,6 +25,7 @@ from typing import Any
 from controller.commands import envprobe
 from controller.core.envlock import Probe, split_local
 from controller.errors import ClobberError, EnvMismatch, InputError, RemoteCommandError, VerifyError
+from controller.files import file_sha256
 from controller.inventory import Container, Inventory
 from controller.names import check_container_path, check_name
 from controller.remote.client import Agent
@@ -178,7 +178,7 @@ def save(inv: Inventory, ct: Container, t: Transport, name: str, *, local_dir: s
         local.parent.mkdir(parents=True, exist_ok=True)
         part = local.with_name(f".{local.name}.part")
         t.get(path, str(part))
-        got = _file_sha256(part)
+        got = file_sha256(part)
         if got != side["sha256"]:
             part.unlink()
             raise VerifyError(f"{ct.name}: {path} arrived as sha256 {got[:12]}, saved as {side['sha256'][:12]}")
@@ -226,14 +226,6 @@ def restore(inv: Inventory, ct: Container, t: Transport, name: str, *, force: bo
 
 def _raise(ct: Container, t: Transport, doc: dict[str, Any]) -> None:
     raise Agent(t).error(doc)
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # --- warm ----------------------------------------------------------------------------------------

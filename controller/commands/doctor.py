@@ -24,6 +24,8 @@ from controller.transport.pool import Pool
 
 @dataclass(frozen=True)
 class Report:
+    """One container's check list: its name, how it is shown (host/vmid), and each check in order."""
+
     ct: str
     label: str
     checks: tuple[Check, ...]

@@ -37,6 +37,7 @@ from controller.errors import (
     RemoteCommandError,
     VerifyError,
 )
+from controller.files import file_sha256, replace_dir
 from controller.inventory import Container, Inventory
 from controller.registry import Registry, RunRecord
 from controller.remote.client import Agent
@@ -164,29 +165,6 @@ def summary_of(ct: str, res_out: str) -> dict[str, Any]:
     return doc
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _replace_dir(src: Path, dest: Path) -> bool:
-    """Rename `src` to `dest`; an existing `dest` (--force) is moved aside first and removed once `src` is in
-    place. Whether one was replaced."""
-    old = None
-    if dest.exists() or dest.is_symlink():
-        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".ctl-old", dir=dest.parent))
-        os.replace(dest, old / dest.name)
-    os.replace(src, dest)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return old is not None
-
-
 def export_run(inv: Inventory, pool: Pool, reg: Registry, rec: RunRecord, *, out: str | None = None,
                step: int | None = None, dtype: str = "bfloat16", force: bool = False) -> Exported:
     """Export `rec`'s newest complete checkpoint (or step `step`) to `out` (default ./exports/RUN-stepN)."""
@@ -269,7 +247,7 @@ def _land(t: Transport, remote: str, dest: Path, files: dict[str, dict[str, Any]
     try:
         for name in FILES:
             t.get(f"{remote}/{name}", str(tmp / name))
-            got = _sha256(tmp / name)
+            got = file_sha256(tmp / name)
             if got != files[name]["sha256"]:
                 raise VerifyError(f"{t.name}: {name} arrived with sha256 {got[:16]}, the exporter wrote "
                                   f"{files[name]['sha256'][:16]}: nothing written to {dest}")
@@ -280,7 +258,7 @@ def _land(t: Transport, remote: str, dest: Path, files: dict[str, dict[str, Any]
         os.chmod(tmp, 0o755)  # noqa: S103 - an export is for serving: readable by others, as a checkout is
         if (dest.exists() or dest.is_symlink()) and not force:  # taken meanwhile (another ctl export)
             raise ClobberError(f"{dest} exists; refusing to overwrite it", hint="choose another -o or --force")
-        return _replace_dir(tmp, dest)
+        return replace_dir(tmp, dest)
     except OSError as e:
         raise _local_error(dest, e) from None
     finally:

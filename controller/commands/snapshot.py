@@ -151,6 +151,8 @@ class SnapshotList:
 
 @dataclass(frozen=True)
 class SnapshotResult:
+    """A snapshot made, rolled back to or deleted (or, on a dry run, what would be): where, how, and the task."""
+
     ct: str
     host: str
     vmid: int

@@ -53,6 +53,8 @@ class Check:
 
 @dataclass(frozen=True)
 class HostGpu:
+    """One GPU as the host's nvidia-smi lists it."""
+
     index: int
     uuid: str
     name: str

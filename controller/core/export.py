@@ -20,6 +20,7 @@ from typing import Any
 from controller.core.metrics import MetricPoint
 from controller.core.plot import export_points
 from controller.errors import ClobberError, InputError
+from controller.files import replace_dir
 
 FORMATS = ("tensorboard", "csv", "jsonl")
 # Scalars written to TensorBoard, by tag; a point without the field writes nothing for it.
@@ -157,7 +158,7 @@ def write_tensorboard(runs: Sequence[RunPoints], out_dir: Path, *, overwrite: bo
                     writer.add_scalar(tag, value, global_step=step, walltime=wt if wt is not None else r.started)
             finally:
                 writer.close()
-            _replace_dir(tmp, dest)
+            replace_dir(tmp, dest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -165,12 +166,3 @@ def write_tensorboard(runs: Sequence[RunPoints], out_dir: Path, *, overwrite: bo
     return done
 
 
-def _replace_dir(src: Path, dest: Path) -> None:
-    """Rename `src` to `dest`; an existing `dest` is moved aside first and removed once `src` is in place."""
-    old = None
-    if dest.exists() or dest.is_symlink():
-        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".ctl-old", dir=dest.parent))
-        os.replace(dest, old / dest.name)
-    os.replace(src, dest)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -12,7 +12,6 @@ connection is opened only when there is none (or the host cannot run it).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shlex
@@ -27,6 +26,7 @@ from controller.errors import (
     RemoteCommandError,
     VerifyError,
 )
+from controller.files import file_sha256
 from controller.transport.base import AgentStart, Answered, Duplex, Result, Submitted, Transport
 from controller.transport.ssh import SshEndpoint
 
@@ -37,14 +37,6 @@ _NOT_RUNNING = re.compile(r"container '(\d+)' not running!|can only (push|pull) 
 _NO_CONFIG = re.compile(r"Configuration file '([^']+)' does not exist")
 
 Status = Literal["running", "stopped", "missing"]
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class PctContainer(Transport):
