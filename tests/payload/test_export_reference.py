@@ -31,7 +31,7 @@ from controller.registry import Registry
 from remote_payload import dflash_eval as de
 from remote_payload import dflash_export as ex
 from remote_payload import train_dflash_pipeline as tp
-from tests.conftest import Env
+from tests.conftest import LocalEnv
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
 dflash_model = pytest.importorskip("dflash.model", reason="z-lab's dflash is not installed (scripts/setup.sh pins it)")
@@ -45,7 +45,7 @@ TRAIN = {"model": "tiny", "synthetic": "progressions", "pretrain-target": 100, "
 
 
 @pytest.fixture(scope="module")
-def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEnv]:
     """The quickstart's recipe, shorter, run by ctl on a `local` target: run fresh1, finished, checkpoints at
     steps 75 and 150."""
     tmp = tmp_path_factory.mktemp("export")
@@ -64,7 +64,7 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     env = dict(os.environ, CTL_STATE_DIR=str(tmp / "state"), TMUX_TMPDIR=str(tmp / "tmux"), PYTHONPATH=str(REPO),
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # python3 in the run: this venv's
                DFLASH_CPU_THREADS="1", OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")  # no spinning on 2 cores
-    e = Env(tmp, tmp / "root", inv, env)
+    e = LocalEnv(tmp, tmp / "root", inv, env)
     (tmp / "root").mkdir()
     try:
         e.ok("deploy", "local", "--allow-dirty")
@@ -121,7 +121,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def test_the_export_runs_losslessly_in_the_reference_with_its_accept_len(ran: Env, tmp_path: Path,
+def test_the_export_runs_losslessly_in_the_reference_with_its_accept_len(ran: LocalEnv, tmp_path: Path,
                                                                           one_thread: None) -> None:
     r = ran.ctl("--json", "export", "fresh1", "--dtype", "float32", "-o", str(tmp_path / "drafter"), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -162,7 +162,7 @@ def test_the_export_runs_losslessly_in_the_reference_with_its_accept_len(ran: En
     assert abs(logged - reference) <= 0.5, (logged, reference)  # what the trainer logged at the exported step
 
 
-def test_provenance_registry_and_show(ran: Env) -> None:
+def test_provenance_registry_and_show(ran: LocalEnv) -> None:
     """The default directory, what provenance.json says, the registry's record and `ctl show`."""
     r = ran.ctl("export", "fresh1", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -210,7 +210,7 @@ def leftovers(d: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir() if ".ctl-" in p.name) if d.exists() else []
 
 
-def test_bad_input_is_one_line_and_nothing_is_half_written(ran: Env, tmp_path: Path) -> None:
+def test_bad_input_is_one_line_and_nothing_is_half_written(ran: LocalEnv, tmp_path: Path) -> None:
     dest = tmp_path / "mine"
     dest.mkdir()
     (dest / "keep.txt").write_text("mine\n")
@@ -248,7 +248,7 @@ def test_bad_input_is_one_line_and_nothing_is_half_written(ran: Env, tmp_path: P
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs (a full disk) needs root")
-def test_a_full_local_disk_is_one_line_and_leaves_nothing(ran: Env, tmp_path: Path) -> None:
+def test_a_full_local_disk_is_one_line_and_leaves_nothing(ran: LocalEnv, tmp_path: Path) -> None:
     small = tmp_path / "small"
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], check=True)
