@@ -1,0 +1,62 @@
+"""What the fault soak (bench/chaos.py) found, each with its test: a stalled (SIGSTOPped) trainer is not an exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.integration.conftest import Env
+
+pytestmark = pytest.mark.pvehost
+
+
+def test_stall_sigstop_is_not_an_exit(pve_env: Env) -> None:
+    """A trainer stopped with SIGSTOP (a stall) is still alive: its launcher must not write an exit status for it
+    (with job control on, bash's `wait` returned 147 at the stop, so ctl reported a crash and relaunched while the
+    stalled process kept its GPUs). Killed afterwards, its exit is the kill's, 137."""
+    doc = dict(pve_env.base_extra)
+    doc["vars"] = {**doc["vars"], "steps": 100000, "interval": 0.2}
+    pve_env.host.write_inventory(pve_env.inventory, **doc)
+    pve_env.ctl("deploy", "ct200", "--allow-dirty", check=True)
+    pve_env.ctl("launch", "ct200", "--run", "st1", check=True)
+    log = pve_env.host.rootfs(200) / "workspace" / pve_env.tag / "train_stdout_st1.log"
+    wait_for("the trainer's pid", lambda: log.with_name(log.name + ".pid").exists(), timeout=30)
+    pid = log.with_name(log.name + ".pid").read_text().strip()
+    node = pve_env.host.node_of(200).name
+
+    def attach(*argv: str) -> str:
+        return subprocess.run(["lxc-attach", "-P", str(pve_env.host.lxcpath(node)), "-n", "200", "--", *argv],
+                              capture_output=True, text=True, timeout=30, check=True).stdout
+
+    attach("kill", "-STOP", pid)
+    wait_for("the trainer stopped", lambda: attach("cat", f"/proc/{pid}/stat").rsplit(") ", 1)[1][0] == "T",
+             timeout=10)
+    attach("kill", "-KILL", pid)
+    exit_file = log.with_name(log.name + ".exit")
+    wait_for("the launcher's exit file", exit_file.exists, timeout=30)
+    assert exit_file.read_text().strip() == "137"
+    (run,) = json.loads(pve_env.ctl("--json", "runs", check=True).stdout)
+    assert run["exit_status"] == 137, run
+
+
+def test_stall_sigstop_then_stop_ends_it_with_the_first_signal(pve_env: Env) -> None:
+    """`ctl stop` of a stalled run (its trainer SIGSTOPped, as the supervisor does before relaunching a STALLED
+    run): SIGINT alone ends it, as for a running one, instead of sitting out the grace and SIGTERM's 10 s
+    waiting on a process that cannot act on either until it is continued."""
+    doc = dict(pve_env.base_extra)
+    doc["vars"] = {**doc["vars"], "steps": 100000, "interval": 0.2}
+    pve_env.host.write_inventory(pve_env.inventory, **doc)
+    pve_env.ctl("deploy", "ct200", "--allow-dirty", check=True)
+    pve_env.ctl("launch", "ct200", "--run", "st2", check=True)
+    log = pve_env.host.rootfs(200) / "workspace" / pve_env.tag / "train_stdout_st2.log"
+    wait_for("the trainer's pid", lambda: log.with_name(log.name + ".pid").exists(), timeout=30)
+    pid = log.with_name(log.name + ".pid").read_text().strip()
+    node = pve_env.host.node_of(200).name
+    subprocess.run(["lxc-attach", "-P", str(pve_env.host.lxcpath(node)), "-n", "200", "--", "kill", "-STOP", pid],
+                   check=True, timeout=30)
+    pve_env.ctl("stop", "st2", "--grace", "20", check=True, timeout=120)
+    shown = json.loads(pve_env.ctl("--json", "show", "st2", check=True).stdout)
+    assert shown["state"] == "stopped" and "stopped by ctl stop (SIGINT)" in (shown.get("note") or ""), shown
