@@ -229,6 +229,11 @@ class Supervisor:
             failed = self.reg.run_by_id(row["failed_run_id"])
             if failed.ct not in self.inv.model.containers and not (failed.multi and failed.ct in self.inv.model.jobs):
                 continue
+            if row["state"] == "planned" and failed.state == Lifecycle.STOPPED:
+                # `ctl stop` raced the poll: its signal ended the training, the poll saw an exit and called it a
+                # crash, then the stop recorded what it was. An operator's stop is never undone by a relaunch.
+                self._refuse(failed, f"refused: {failed.note or 'stopped by the operator'}")
+                continue
             try:
                 self._relaunch(pool, failed, row, doc, out)
             except (DriftError, InputError, InventoryError) as e:

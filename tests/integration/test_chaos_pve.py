@@ -1,4 +1,5 @@
-"""What the fault soak (bench/chaos.py) found, each with its test: a stalled (SIGSTOPped) trainer is not an exit."""
+"""What the fault soak (bench/chaos.py) found, each with its test: a stalled (SIGSTOPped) trainer is not an exit;
+an operator's stop that races a supervisor poll is never relaunched."""
 
 from __future__ import annotations
 
@@ -60,3 +61,38 @@ def test_stall_sigstop_then_stop_ends_it_with_the_first_signal(pve_env: Env) -> 
     pve_env.ctl("stop", "st2", "--grace", "20", check=True, timeout=120)
     shown = json.loads(pve_env.ctl("--json", "show", "st2", check=True).stdout)
     assert shown["state"] == "stopped" and "stopped by ctl stop (SIGINT)" in (shown.get("note") or ""), shown
+
+
+def test_opstop_racing_a_poll_is_never_relaunched(pve_env: Env) -> None:
+    """The soak's race: `ctl stop`'s SIGINT ends the training, a supervisor poll sees the exit first and plans a
+    relaunch of a CRASHED run, then the stop records STOPPED. When the relaunch is due, the operator's stop wins:
+    refused, and no run started."""
+    from controller.lifecycle import Lifecycle
+    from controller.registry import Registry
+
+    doc = dict(pve_env.base_extra)
+    doc["vars"] = {**doc["vars"], "steps": 100000, "interval": 0.2}
+    pve_env.host.write_inventory(pve_env.inventory, **doc)
+    pve_env.ctl("deploy", "ct200", "--allow-dirty", check=True)
+    pve_env.ctl("launch", "ct200", "--run", "op1", check=True)
+    log = pve_env.host.rootfs(200) / "workspace" / pve_env.tag / "train_stdout_op1.log"
+    wait_for("the trainer's pid", lambda: log.with_name(log.name + ".pid").exists(), timeout=30)
+    pid = log.with_name(log.name + ".pid").read_text().strip()
+    node = pve_env.host.node_of(200).name
+    subprocess.run(["lxc-attach", "-P", str(pve_env.host.lxcpath(node)), "-n", "200", "--", "kill", "-INT", pid],
+                   check=True, timeout=30)  # what ctl stop sends first
+    wait_for("the exit status", log.with_name(log.name + ".exit").exists, timeout=30)
+    once = ["supervise", "--once", "--restart", "on-failure:3", "--backoff", "600s"]
+    first = pve_env.ctl(*once, check=True)
+    assert "CRASHED" in first.stdout and "relaunch as the next run" in first.stdout, first.stdout
+    reg = Registry(pve_env.state / "registry.sqlite3")
+    try:
+        run = reg.find_run("ct200/op1")
+        reg.update_run(run.id, state=Lifecycle.STOPPED, note="stopped by ctl stop (SIGINT)")  # as ctl stop ends
+        reg.set_restart(run.id, doc=json.dumps({"verdict": "crashed", "not_before": 0, "attempts": 0}))
+    finally:
+        reg.close()
+    second = pve_env.ctl(*once, check=True)
+    assert "not relaunched: refused: stopped by ctl stop (SIGINT)" in second.stdout, second.stdout
+    runs = json.loads(pve_env.ctl("--json", "runs", check=True).stdout)
+    assert [(r["name"], r["state"]) for r in runs] == [("op1", "stopped")]
