@@ -14,6 +14,7 @@ import hmac
 import json
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,10 +69,13 @@ class Event:
     action: str
     time: float = field(default_factory=time.time)
     detail: dict[str, Any] = field(default_factory=dict)  # exit, crash, tok/s vs baseline, log, last lines...
+    # one per event, the same in the registry and in every sink: a receiver drops a delivery it has seen
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def doc(self) -> dict[str, Any]:
-        return {"kind": self.kind, "run": self.run, "ct": self.ct, "host": self.host, "from": self.before,
-                "to": self.after, "summary": self.summary, "action": self.action, "time": self.time,
+        return {"id": self.id, "kind": self.kind, "run": self.run, "ct": self.ct, "host": self.host,
+                "from": self.before, "to": self.after, "summary": self.summary, "action": self.action,
+                "time": self.time,
                 "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.time)), **self.detail}
 
 

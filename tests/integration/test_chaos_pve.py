@@ -1,17 +1,41 @@
-"""What the fault soak (bench/chaos.py) found, each with its test: a stalled (SIGSTOPped) trainer is not an exit;
-an operator's stop that races a supervisor poll is never relaunched."""
+"""The fault soak of bench/chaos.py, short: every fault type it builds once, in a seeded order, against one
+`ctl supervise --restart on-failure:N` and its `--standby`, then every invariant (one crash one relaunch,
+no relaunch of an operator-stopped run, UNREACHABLE never CRASHED, resume from the newest complete checkpoint,
+nothing lost, events once per sink, `ctl runs` agrees with the containers)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import uuid
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
+from bench.chaos import FAULTS, soak
+from tests.conftest import end_sessions, wait_for
 from tests.integration.conftest import Env
+from tests.pvehost import PveHost
 
 pytestmark = pytest.mark.pvehost
+
+
+def test_every_fault_once_keeps_every_invariant(pvehost: PveHost, tmp_path: Path) -> None:
+    seed = 42
+    try:
+        s = soak(pvehost, tmp_path, seed, 0, each_once=True, tag="ch" + uuid.uuid4().hex[:6], freeze_s=(20, 20))
+    finally:
+        end_sessions(tmp_path / "state")
+        for vmid in (200, 201, 300, 301):
+            if not pvehost.running(vmid):
+                pvehost.start(vmid)
+    print(s.figure())
+    assert sorted(f.kind for f in s.faults) == sorted(FAULTS), s.figure()
+    assert s.violations == [], s.figure()
+    for f in s.faults:
+        assert f.recovered is not None, f"{f.kind} on {f.target}: not recovered ({f.note})\n{s.figure()}"
+        if f.kind in ("kill9", "oom", "stall", "ctstop"):
+            assert f.note == "restart", f"{f.kind} on {f.run}: {f.note}"
 
 
 def test_stall_sigstop_is_not_an_exit(pve_env: Env) -> None:
