@@ -702,6 +702,14 @@ class Registry:
         return [dict(r) for r in self._db.execute(
             "SELECT * FROM restarts WHERE state IN ('planned', 'launching') ORDER BY time")]
 
+    def take_restart(self, failed_run_id: int) -> bool:
+        """planned -> launching, for one caller only: False when another process took it first (two supervisors
+        that both believe they hold the lease, one of them stalled past its expiry)."""
+        with self.tx() as db:
+            cur = db.execute("UPDATE restarts SET state='launching' WHERE failed_run_id=? AND state='planned'",
+                             (failed_run_id,))
+            return cur.rowcount == 1
+
     def set_restart(self, failed_run_id: int, **fields: Any) -> None:
         with self.tx() as db:
             db.execute(f"UPDATE restarts SET {', '.join(f'{k}=?' for k in fields)} WHERE failed_run_id=?",  # noqa: S608

@@ -399,3 +399,20 @@ def test_the_systemd_unit_runs_this_inventory(sup: LocalEnv) -> None:
     unit = sup.ok("supervise", "--unit", "--restart", "on-failure:3")
     assert "[Service]" in unit and f"-i {sup.inventory}" in unit and "supervise --restart on-failure:3" in unit
     assert "--unit" not in unit.split("ExecStart=")[1].splitlines()[0]
+
+
+def test_supkill_during_reglock_a_failure_is_taken_by_one_supervisor(tmp_path: Path) -> None:
+    """The soak's double relaunch: a supervisor whose poll stalled on a locked registry past its lease and the
+    standby that took over both found the same planned restart; only one may move it to `launching`."""
+    from controller.registry import Registry
+
+    reg = Registry(tmp_path / "registry.sqlite3")
+    other = Registry(tmp_path / "registry.sqlite3")  # the second supervisor's own connection
+    try:
+        run = reg.claim_run("r1", "loc")
+        assert reg.plan_restart(run.id, {"verdict": "crashed", "not_before": 0}) is not None
+        assert [reg.take_restart(run.id), other.take_restart(run.id)] == [True, False]
+        assert reg.restart(run.id)["state"] == "launching"
+    finally:
+        reg.close()
+        other.close()

@@ -225,6 +225,9 @@ def launcher_script(t: Transport, rp: RunPaths, start_script: str, env: dict[str
         "exec 3>&-",
         *sampler,
         f"tail -n +1 -F --pid=$pid {log} 2>/dev/null &",
+        # Without job control from here: with it, `wait` also returns when the training is merely stopped
+        # (SIGSTOP, a stall), and 147 would be written as its exit while it still holds its GPUs.
+        "set +m",
         "wait $pid; rc=$?",
         f"echo $rc > {log}.exit.tmp && mv -f {log}.exit.tmp {log}.exit",
         "wait",

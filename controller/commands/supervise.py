@@ -237,6 +237,16 @@ class Supervisor:
             failed = self.reg.run_by_id(row["failed_run_id"])
             if failed.ct not in self.inv.model.containers and not (failed.multi and failed.ct in self.inv.model.jobs):
                 continue
+            # The lease again, right before acting: a poll stalled past its expiry (a registry held by another
+            # writer) must not relaunch what the supervisor that took over relaunches too.
+            held, holder = self.reg.take_lease(LEASE, self.holder, self.lease_ttl())
+            if not held:
+                raise BusyError(f"lost the supervisor lease to {holder and holder['holder']}: stopping")
+            if row["state"] == "planned" and failed.state == Lifecycle.STOPPED:
+                # `ctl stop` raced the poll: its signal ended the training, the poll saw an exit and called it a
+                # crash, then the stop recorded what it was. An operator's stop is never undone by a relaunch.
+                self._refuse(failed, f"refused: {failed.note or 'stopped by the operator'}")
+                continue
             try:
                 self._relaunch(pool, failed, row, doc, out)
             except (DriftError, InputError, InventoryError) as e:
@@ -267,6 +277,8 @@ class Supervisor:
                 self._launched(failed, adopted, out)
                 return
         else:
+            if row["state"] == "planned" and not self.reg.take_restart(failed.id):
+                return  # another supervisor took this one
             if failed.state.live:  # a stalled run still holds its GPUs: stop it first
                 failed, _stopped = launcher.stop_job(self.inv, pool, self.reg, failed, grace=30)
             name = launcher.next_job_name(self.inv, pool, self.reg, failed.ct)
@@ -313,6 +325,8 @@ class Supervisor:
                 self._launched(failed, adopted, out)
                 return
         else:
+            if row["state"] == "planned" and not self.reg.take_restart(failed.id):
+                return  # another supervisor took this one
             if failed.state.live:  # a stalled run still holds its GPUs: stop it first
                 failed = reconcile.refresh(self.inv, ct, t, self.reg, [failed])[0]
                 failed = reconcile.stop(self.inv, ct, t, self.reg, failed, grace=30)

@@ -419,6 +419,8 @@ def stop(args):
         for sig, wait in escalation:
             try:
                 os.killpg(pid, sig)
+                if sig != signal.SIGKILL:  # a stopped (stalled) group acts on it only once continued
+                    os.killpg(pid, signal.SIGCONT)
             except ProcessLookupError:
                 break
             steps.append(sig.name)
