@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from bench.chaos import FAULTS, free_port, soak
-from tests.conftest import end_sessions, wait_for
-from tests.integration.conftest import Env
+from tests.conftest import end_sessions
+from tests.helpers import wait_for
+from tests.integration.conftest import PveEnv
 from tests.pvehost import PveHost
 
 pytestmark = pytest.mark.pvehost
@@ -40,7 +41,7 @@ def test_every_fault_once_keeps_every_invariant(pvehost: PveHost, tmp_path: Path
             assert f.note == "restart", f"{f.kind} on {f.run}: {f.note}"
 
 
-def test_stall_sigstop_is_not_an_exit(pve_env: Env) -> None:
+def test_stall_sigstop_is_not_an_exit(pve_env: PveEnv) -> None:
     """A trainer stopped with SIGSTOP (a stall) is still alive: its launcher must not write an exit status for it
     (with job control on, bash's `wait` returned 147 at the stop, so ctl reported a crash and relaunched while the
     stalled process kept its GPUs). Killed afterwards, its exit is the kill's, 137."""
@@ -69,7 +70,7 @@ def test_stall_sigstop_is_not_an_exit(pve_env: Env) -> None:
     assert run["exit_status"] == 137, run
 
 
-def test_stall_sigstop_then_stop_ends_it_with_the_first_signal(pve_env: Env) -> None:
+def test_stall_sigstop_then_stop_ends_it_with_the_first_signal(pve_env: PveEnv) -> None:
     """`ctl stop` of a stalled run (its trainer SIGSTOPped, as the supervisor does before relaunching a STALLED
     run): SIGINT alone ends it, as for a running one, instead of sitting out the grace and SIGTERM's 10 s
     waiting on a process that cannot act on either until it is continued."""
@@ -89,7 +90,7 @@ def test_stall_sigstop_then_stop_ends_it_with_the_first_signal(pve_env: Env) -> 
     assert shown["state"] == "stopped" and "stopped by ctl stop (SIGINT)" in (shown.get("note") or ""), shown
 
 
-def test_opstop_racing_a_poll_is_never_relaunched(pve_env: Env) -> None:
+def test_opstop_racing_a_poll_is_never_relaunched(pve_env: PveEnv) -> None:
     """The soak's race: `ctl stop`'s SIGINT ends the training, a supervisor poll sees the exit first and plans a
     relaunch of a CRASHED run, then the stop records STOPPED. When the relaunch is due, the operator's stop wins:
     refused, and no run started."""
