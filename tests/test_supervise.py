@@ -351,7 +351,7 @@ def test_a_slack_sink_gets_the_text_message_of_each_transition_once(sup: LocalEn
     try:
         (sup.root / "root" / "args" / "fresh1").write_text("--tok-s 12800 --steps 6 --interval 0.05")
         sup.ok("launch", "loc", "--run", "fresh1")
-        sink = ("--notify", f"slack:http://127.0.0.1:{srv.server_port}/services/T0/B0")
+        sink = ("--notify", f"slack:http://127.0.0.1:{srv.server_port}/services/T0/B0", "--allow-http-loopback")
         supervise(sup, *sink)  # first sight of a healthy run: recorded, nobody woken
         wait_for("the run's end", lambda: (sup.root / "workspace" / "train_stdout_fresh1.log.exit").exists(), 30)
         supervise(sup, *sink)  # -> FINISHED: one message
