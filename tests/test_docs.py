@@ -109,6 +109,8 @@ def ctl_lines(text: str) -> list[tuple[int, list[str]]]:
             continue
         if fence is None or lang not in _SHELL:
             continue
+        if lang == "console" and not line.lstrip().startswith("$ "):
+            continue  # a console block: a command after `$ `, what it printed on the lines between
         try:
             words = shlex.split(line.strip().removeprefix("$ "), comments=True)
         except ValueError as e:
@@ -202,6 +204,9 @@ def test_lines_outside_shell_blocks_and_other_programs_are_not_taken() -> None:
     text = ("ctl nosuch (prose)\n```yaml\nctl: nosuch\n```\n```bash\nbash scripts/test.sh\n"
             "CTL_PERSIST=0 ctl deploy ct200 | tee log\nctl supervise --once \\\n  --interval 1m  # one poll\n```\n")
     assert ctl_lines(text) == [(7, ["deploy", "ct200"]), (9, ["supervise", "--once", "--interval", "1m"])]
+    # a console block: the command after `$ `; what it printed (an apostrophe in it, a `ctl` it names) is output
+    console = "```console\n$ ctl doctor ct200\nct200: the host's driver\nctl nosuch --is-output\n```\n"
+    assert ctl_lines(console) == [(2, ["doctor", "ct200"])]
 
 
 # --- the built site's links ---------------------------------------------------------------------------------------

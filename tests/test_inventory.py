@@ -40,7 +40,7 @@ def test_good_inventory_loads(tmp_path: Path) -> None:
     assert ct.spec.gpus.all == [0, 1, 2]
     assert [c.name for c in inv.select(["train"])] == ["ct200", "ct201"]
     assert [c.name for c in inv.select(["ct201", "train"])] == ["ct201", "ct200"]
-    assert inv.model.payload[0].mode == "0644"
+    assert inv.model.payload[0].mode is None  # no mode: deployed with its source's own permission bits
 
 
 def test_the_same_file_and_text_are_built_once_an_edit_is_read(tmp_path: Path) -> None:

@@ -84,11 +84,12 @@ def test_a_good_runbook_parses_with_on_as_a_key_and_its_branches(tmp_path: Path)
      "RB:3: steps[0]: one step kind per step, found deploy, launch"),
     ("name: x\nsteps:\n  - stop: {run: r1}\n    on: {CRASHED: [{fail: x}]}\n",
      "RB:4: steps[0].on.CRASHED: unknown exit-code name (known: OK, FAILURE, USAGE, INVENTORY, INPUT, CONNECTION, "
-     "HOST_KEY, NOT_RUNNING, DRIFT, BUSY, CLOBBER, ENV_MISMATCH, DISK, VERIFY, RUN_FAILED, SLOW, STALLED, API)"),
+     "HOST_KEY, NOT_RUNNING, DRIFT, BUSY, CLOBBER, ENV_MISMATCH, DISK, VERIFY, GPU_SETUP, RUN_FAILED, SLOW, STALLED, "
+     "API)"),
     ("name: x\nsteps:\n  - watch: {run: r1, for: 1m}\n    on: {SLOWISH: [{fail: x}]}\n",
      "RB:4: steps[0].on.SLOWISH: unknown verdict or exit-code name (known: FINISHED, OK, WARMUP, NO_BASELINE, "
      "SLOW, STALLED, CRASHED, FAILURE, USAGE, INVENTORY, INPUT, CONNECTION, HOST_KEY, NOT_RUNNING, DRIFT, BUSY, "
-     "CLOBBER, ENV_MISMATCH, DISK, VERIFY, RUN_FAILED, API)"),
+     "CLOBBER, ENV_MISMATCH, DISK, VERIFY, GPU_SETUP, RUN_FAILED, API)"),
     ("name: x\nsteps:\n  - watch: {run: r1, for: 1m}\n    on: {SLOW: {fail: x}}\n",
      "RB:4: steps[0].on.SLOW: must be a non-empty list of steps"),
     ("name: x\nsteps:\n  - fail: {message: x}\n", "RB:3: steps[0].fail: give the message as a string: `- fail: TEXT`"),
