@@ -54,7 +54,11 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEnv]:
                and e["src"].endswith(".py")]
     inv.write_text(yaml.safe_dump({
         "containers": {"local": {"transport": "local", "root": str(tmp / "root"),
-                                 "vars": {"python": "python3", "train_args": TRAIN}}},
+                                 "vars": {"python": "python3", "train_args": TRAIN,
+                                          # the run's own limits (its start script exports them): the suite's
+                                          # other trainings share these 2 cores
+                                          "env": {"DFLASH_CPU_THREADS": "1", "OMP_NUM_THREADS": "1",
+                                                  "OMP_WAIT_POLICY": "PASSIVE"}}}},
         "payload": [{**e, "src": str(REPO / e["src"])} for e in payload]
         + [{"template": str(REPO / "templates" / "start_training.sh.j2"), "dest": "/root/start_training.sh",
             "mode": "0755"}],
