@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -58,3 +61,17 @@ class World:
             time.sleep(0.05)
         logs = "".join(p.read_text() for p in self.sockets.glob("cmd-*.log"))
         raise AssertionError(f"no command server came up; its log: {logs}")
+
+
+def served_world(tmp: Path) -> Iterator[World]:
+    """A World with a runtime directory of its own (short: a socket path must fit in 104 bytes); its command
+    server and sessions are stopped, and the directory removed, when the test ends."""
+    run = Path(tempfile.mkdtemp(prefix="ctl-srv-"))
+    os.chmod(run, 0o700)
+    w = World(tmp, run)
+    try:
+        yield w
+    finally:
+        subprocess.run([*w.ctl, "mux", "stop", "--grace", "0"], capture_output=True, env=w.env, cwd=w.tmp, timeout=60)
+        shutil.rmtree(run, ignore_errors=True)
+

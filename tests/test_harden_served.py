@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.served_world import CTL, World
+from tests.served_world import served_world as _served_world
 
 pytestmark = pytest.mark.skipif(not CTL.exists(), reason=f"no installed ctl script at {CTL} (pip install -e .)")
 
@@ -38,14 +37,7 @@ print(json.dumps({"code": code}), flush=True)
 
 @pytest.fixture
 def served_world(tmp_path: Path) -> Iterator[World]:
-    run = Path(tempfile.mkdtemp(prefix="ctl-srv-"))  # short: a socket path must fit in 104 bytes
-    os.chmod(run, 0o700)
-    w = World(tmp_path, run)
-    try:
-        yield w
-    finally:
-        subprocess.run([*w.ctl, "mux", "stop", "--grace", "0"], capture_output=True, env=w.env, cwd=w.tmp, timeout=60)
-        shutil.rmtree(run, ignore_errors=True)
+    yield from _served_world(tmp_path)
 
 
 def _client(world: World, k: str, mode: str) -> tuple[int | None, str]:

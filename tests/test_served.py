@@ -24,6 +24,7 @@ import pytest
 
 from controller.launch import served
 from tests.served_world import CTL, World
+from tests.served_world import served_world as _served_world
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not CTL.exists(), reason=f"no installed ctl script at {CTL} (pip install -e .)")
@@ -31,14 +32,7 @@ pytestmark = pytest.mark.skipif(not CTL.exists(), reason=f"no installed ctl scri
 
 @pytest.fixture
 def world(tmp_path: Path) -> Iterator[World]:
-    run = Path(tempfile.mkdtemp(prefix="ctl-srv-"))  # short: a socket path must fit in 104 bytes
-    os.chmod(run, 0o700)
-    w = World(tmp_path, run)
-    try:
-        yield w
-    finally:
-        subprocess.run([*w.ctl, "mux", "stop", "--grace", "0"], capture_output=True, env=w.env, cwd=w.tmp, timeout=60)
-        shutil.rmtree(run, ignore_errors=True)
+    yield from _served_world(tmp_path)
 
 
 def _masked(text: str) -> str:
