@@ -3,7 +3,8 @@ container), on the local Proxmox test host with a healthy GPU setup faked as tes
 fakes it. Root, LXC and sshd, like the integration tests; prints medians and writes nothing. Run through pytest,
 which brings the test host up:
 
-    .venv/bin/python -m pytest -q -s -p no:cacheprovider -p tests.integration.conftest bench/doctor_warm.py
+    .venv/bin/python -m pytest -q -s -p no:cacheprovider -p tests.conftest -p tests.integration.conftest \
+        bench/doctor_warm.py
 
 Both commands run as `python -m controller` (never through the command server), after an untimed ping that
 starts the host's persistent session: what is timed is the command, its round trips on a warm session, and
