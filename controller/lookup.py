@@ -70,7 +70,11 @@ def containers_ran_in(ref: str | None) -> list[str]:
 
     def query(db: Any) -> list[str]:
         if ref is None:
-            rows = db.execute("SELECT DISTINCT ct FROM runs WHERE state IN ('starting', 'running')").fetchall()
+            from controller.lifecycle import LIVE  # one enum module: the live states are said once
+
+            live = sorted(s.value for s in LIVE)
+            marks = ", ".join("?" * len(live))
+            rows = db.execute(f"SELECT DISTINCT ct FROM runs WHERE state IN ({marks})", live).fetchall()  # noqa: S608
             return sorted(str(r[0]) for r in rows)
         if ref.startswith("#") and ref[1:].isdigit():
             ids = db.execute("SELECT id FROM runs WHERE id = ?", (int(ref[1:]),)).fetchall()
