@@ -8,8 +8,8 @@ that agree with it, up to the first disagreement, are accepted; the target's tok
 (the bonus token). Convention (the reference's): a block counts `accepted + 1` tokens, so tau is in
 [1, block_size], 1 meaning no draft token ever accepted and block_size every one (a perfect drafter). A block
 cut short by a stop token counts the tokens up to and including it; decoding of a prompt ends there or after
-`max_new_tokens`, the last block counting only the tokens within that budget (z-lab's `dflash_generate` does the
-same: tests/payload/test_export_reference.py checks the two measures against each other).
+`max_new_tokens`, the last block drafted cut to that budget and counting only the tokens within it (z-lab's
+`dflash_generate` does the same: tests/payload/test_export_reference.py checks the two measures against each other).
 
 The target here is a full causal LM (with its LM head), run without a KV cache (simple, exact; eval is short).
 """
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-Proposer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (features [1, P, kH] of positions < P, tokens [1, P + 1], n) -> n draft tokens [1, n], n <= block_size - 1
+Proposer = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @dataclass
@@ -39,12 +40,13 @@ def context_features(out, layer_ids: Sequence[int]) -> torch.Tensor:
 
 
 def drafter_proposer(drafter) -> Proposer:
-    """The drafter's greedy block: (features [1, P, kH] of positions < P, tokens [1, P + 1]) -> [1, bs - 1].
+    """The drafter's greedy block of n drafts: [last token, MASK x n] (n + 1 = the block size, or fewer in the
+    last block of a prompt, as the reference drafts it).
 
     Runs eagerly with a dense mask (`set_stance('force_eager')`: compiled regions of a --compile drafter are
     traced for the training shapes only and would recompile for every eval length)."""
 
-    def propose(feats: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    def propose(feats: torch.Tensor, seq: torch.Tensor, n: int) -> torch.Tensor:
         p = seq.shape[1] - 1
         hidden = torch.cat([feats, feats.new_zeros(1, 1, feats.shape[-1])], dim=1)  # position p: never seen
         anchors = torch.tensor([[p]], device=seq.device)
@@ -54,7 +56,7 @@ def drafter_proposer(drafter) -> Proposer:
             else contextlib.nullcontext()
         try:
             with stance:
-                h = drafter(hidden.to(feats.dtype), seq, anchors)
+                h = drafter(hidden.to(feats.dtype), seq, anchors, block_size=n + 1)
         finally:
             drafter.attn_backend = backend
         return drafter.lm_head(h[:, 1:].to(drafter.lm_head.weight.dtype)).argmax(-1)
@@ -62,12 +64,12 @@ def drafter_proposer(drafter) -> Proposer:
     return propose
 
 
-def target_proposer(target, block_size: int) -> Proposer:
+def target_proposer(target) -> Proposer:
     """An oracle: the target's own greedy continuation (what a perfect drafter would propose)."""
 
-    def propose(feats: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    def propose(feats: torch.Tensor, seq: torch.Tensor, n: int) -> torch.Tensor:
         s = seq
-        for _ in range(block_size - 1):
+        for _ in range(n):
             nxt = target(input_ids=s, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
             s = torch.cat([s, nxt], dim=1)
         return s[:, seq.shape[1]:]
@@ -91,15 +93,16 @@ def acceptance_length(target, propose: Proposer, prompts: Sequence[torch.Tensor]
         stopped = int(first) in stop_ids
         while produced < max_new_tokens and not stopped:
             start = seq.shape[1] - 1  # the last token: the block's anchor, its hidden state not yet computed
-            draft = propose(feats, seq).to(seq.dtype)
-            block = torch.cat([seq[:, start:], draft], dim=1)  # [1, bs]
+            # The last block of a prompt is drafted cut to the budget, as the reference's verify step is there: n
+            # drafts, and of them and the bonus token it counts only what fits within max_new_tokens.
+            n = min(block_size - 1, max_new_tokens - produced)
+            draft = propose(feats, seq, n).to(seq.dtype)
+            block = torch.cat([seq[:, start:], draft], dim=1)  # [1, n + 1]
             out = target(input_ids=torch.cat([seq[:, :start], block], dim=1), output_hidden_states=True,
                          use_cache=False)
-            posterior = out.logits[0, start:start + block_size].argmax(-1)  # the target's token after each
+            posterior = out.logits[0, start:start + n + 1].argmax(-1)  # the target's token after each
             agree = (draft[0] == posterior[:-1]).long().cumprod(0)
             accepted = int(agree.sum())
-            # At most the tokens still allowed: the last block of a prompt counts what it adds within
-            # max_new_tokens, as the reference counts it (its verify step there is cut to the budget).
             new = torch.cat([draft[0, :accepted], posterior[accepted:accepted + 1]])[: max_new_tokens - produced]
             hits = [i for i, t in enumerate(new.tolist()) if t in stop_ids]
             if hits:

@@ -292,14 +292,17 @@ class DFlashDrafter(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor):
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                block_size: int | None = None):
         """hidden [B, S, k*H] (target layers, concatenated); input_ids [B, S]; anchors [B, N] sorted.
 
-        Returns the drafter's final hidden states [B, N*bs, H] (no LM head: see `loss`).
+        Returns the drafter's final hidden states [B, N*bs, H] (no LM head: see `loss`). `block_size` below the
+        configured one drafts a shorter block (decoding's last block, cut to the token budget): its mask tokens
+        attend to one another, so a shorter block is a different input, not a prefix of the full one's output.
         """
         c = self.c
         b, s = input_ids.shape
-        n, bs = anchors.shape[1], c.block_size
+        n, bs = anchors.shape[1], block_size or c.block_size
         dev = input_ids.device
         ctx = self._context(hidden)
         noise = torch.full((b, n, bs), c.mask_token_id, dtype=torch.long, device=dev)

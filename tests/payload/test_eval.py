@@ -54,7 +54,7 @@ def prompts(n=4, length=10):
 def test_oracle_drafter_reaches_the_block_size(trained_target):
     """Proposing the target's own greedy continuation: every draft token accepted, tau == block size."""
     for bs in (16, 4):
-        r = de.acceptance_length(trained_target, de.target_proposer(trained_target, bs), prompts(2), [1], bs,
+        r = de.acceptance_length(trained_target, de.target_proposer(trained_target), prompts(2), [1], bs,
                                  max_new_tokens=33)
         # 1 token from the prompt's read, then 32 more in blocks of bs
         assert r.tau == bs and r.blocks == 2 * (32 // bs) and set(r.per_block) == {bs}
@@ -63,15 +63,30 @@ def test_oracle_drafter_reaches_the_block_size(trained_target):
 def test_the_last_block_counts_only_the_tokens_within_the_budget(trained_target):
     """As z-lab's dflash_generate counts it: 20 new tokens are 1 from the prompt's read, a block of 16, then 3 of
     the next block (its verify step cut to the budget there), not a second 16 past max_new_tokens."""
-    r = de.acceptance_length(trained_target, de.target_proposer(trained_target, 16), prompts(1), [1], 16,
+    r = de.acceptance_length(trained_target, de.target_proposer(trained_target), prompts(1), [1], 16,
                              max_new_tokens=20)
     assert r.per_block == [16, 3] and r.tokens == 20 and r.tau == 9.5
 
 
+def test_the_last_block_is_drafted_cut_to_the_budget(trained_target):
+    """The reference drafts its last verify step at the budget's size (verify_size = min(block, what is left)):
+    the drafter's mask tokens see one another, so 3 drafts of a 4-token block differ from the first 3 of a 16-token
+    block, and accept_len must ask for the 3."""
+    asked = []
+    oracle = de.target_proposer(trained_target)
+
+    def recording(feats, seq, n):
+        asked.append(n)
+        return oracle(feats, seq, n)
+
+    r = de.acceptance_length(trained_target, recording, prompts(1), [1], 16, max_new_tokens=20)
+    assert asked == [15, 3] and r.per_block == [16, 3]
+
+
 def test_a_wrong_drafter_gets_only_the_bonus_token(trained_target):
     """Drafts the target never agrees with: each block yields 1 token (the target's own): tau == 1."""
-    def contrary(feats, seq):
-        return torch.full((1, 15), 45, dtype=torch.long)  # never produced: the language stays in 2..41
+    def contrary(feats, seq, n):
+        return torch.full((1, n), 45, dtype=torch.long)  # never produced: the language stays in 2..41
 
     r = de.acceptance_length(trained_target, contrary, prompts(2), [1], 16, max_new_tokens=9)
     assert r.tau == 1.0 and r.blocks == 2 * 8
@@ -79,9 +94,9 @@ def test_a_wrong_drafter_gets_only_the_bonus_token(trained_target):
 
 def test_stop_token_ends_a_block_and_the_prompt(trained_target):
     p = prompts(1)[0]
-    greedy = de.target_proposer(trained_target, 16)(None, p.view(1, -1))[0]
+    greedy = de.target_proposer(trained_target)(None, p.view(1, -1), 15)[0]
     stop = int(greedy[4])  # greedy[0] is read off the prompt's pass; the first block drafts greedy[1:]
-    r = de.acceptance_length(trained_target, de.target_proposer(trained_target, 16), [p], [1], 16,
+    r = de.acceptance_length(trained_target, de.target_proposer(trained_target), [p], [1], 16,
                              max_new_tokens=64, stop_ids=[stop])
     first = [int(t) for t in greedy].index(stop)  # it may occur earlier than position 4
     assert first >= 1 and r.blocks == 1 and r.per_block == [first]  # greedy[1..first], the stop included
