@@ -40,14 +40,14 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS, CKPT_EVERY, EVAL_TOKENS, EVAL_SAMPLES, SEQ = 150, 75, 48, 4, 64
 TRAIN = {"model": "tiny", "synthetic": "progressions", "pretrain-target": 100, "steps": STEPS, "seq-len": SEQ,
          "batch-size": 4, "num-anchors": 16, "drafter-layers": 2, "lr": 0.003, "log-every": 25,
-         "eval-every": STEPS, "eval-tokens": EVAL_TOKENS, "eval-samples": EVAL_SAMPLES, "ckpt-every": CKPT_EVERY,
+         "eval-every": CKPT_EVERY, "eval-tokens": EVAL_TOKENS, "eval-samples": EVAL_SAMPLES, "ckpt-every": CKPT_EVERY,
          "no-compile": True, "timeout-s": 1800}  # a peer's wait: generous, beside a loaded machine's other tests
 
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEnv]:
-    """The quickstart's recipe, shorter, run by ctl on a `local` target: run fresh1, finished, checkpoints at
-    steps 75 and 150."""
+    """The quickstart's recipe, shorter, run by ctl on a `local` target: run fresh1, finished, checkpoints and
+    accept_len evaluations at steps 75 and 150."""
     tmp = tmp_path_factory.mktemp("export")
     inv = tmp / "inventory.yaml"
     payload = [e for e in yaml.safe_load((REPO / "inventory.yaml").read_text())["payload"] if "src" in e
@@ -160,7 +160,10 @@ def test_the_export_runs_losslessly_in_the_reference_with_its_accept_len(ran: Lo
     logged = prov["metrics"]["accept_len"]
     print(f"accept_len: reference {reference:.3f} over {len(per_step)} verify steps {per_step}, ours {ours.tau:.3f} "
           f"{ours.per_block}, logged by the run at step {prov['metrics']['accept_len_step']} {logged:.3f}")
-    assert reference >= 8.0, per_step
+    # Well above a drafter that drafts nothing useful (1.0). Not higher: this tiny run's numbers follow the CPU's
+    # float kernels bit for bit, and 150 steps leave them far from converged (12.5 on one machine, 4.95 on an AMD
+    # EPYC with the same seed), so the bar is what every machine clears, and losslessness is the claim here.
+    assert reference >= 3.0, per_step
     # The same count, verify step by verify step: accepted drafts + 1, the last step of a prompt cut to the budget.
     assert ours.per_block == per_step and abs(ours.tau - reference) <= 0.5, (ours.per_block, per_step)
     assert abs(logged - reference) <= 0.5, (logged, reference)  # what the trainer logged at the exported step
@@ -201,7 +204,35 @@ def test_provenance_registry_and_show(ran: LocalEnv) -> None:
     assert json.loads(r.stdout)["step"] == CKPT_EVERY
     early = json.loads((ran.dir / "exports" / f"fresh1-step{CKPT_EVERY}" / "provenance.json").read_text())
     assert early["metrics"]["loss"] == next(m["loss"] for m in metrics if m["step"] == CKPT_EVERY)
-    assert early["metrics"].get("accept_len") is None  # no eval before step 150
+    assert early["metrics"]["accept_len"] == next(m["accept_len"] for m in metrics if m["step"] == CKPT_EVERY)
+
+
+def test_a_taught_target_gives_a_rising_accept_len_and_is_built_once(ran: LocalEnv, tmp_path: Path) -> None:
+    """The tiny target is taught progressions (a random target's next tokens follow no rule: accept_len stays 1),
+    then the drafter trains on them and accept_len climbs. The taught target is stored in the run's cache: a
+    later run with the same teaching loads the same weights (same sha256) instead of teaching it again."""
+    from tests.payload.test_pipeline_run import torchrun
+
+    log = (ran.root / "workspace" / "train_stdout_fresh1.log").read_text().splitlines()
+    assert "data: synthetic progressions (seed 0)" in log
+    taught = [x for x in log if x.startswith(f"target: taught progressions for {TRAIN['pretrain-target']} steps")]
+    assert len(taught) == 1 and "(cache built," in taught[0], log[:10]
+    model = next(x for x in log if x.startswith("model: tiny"))
+    assert f"taught progressions for {TRAIN['pretrain-target']} steps" in model
+    metrics = [json.loads(x) for x in (ran.root / "workspace/runs/fresh1/metrics.jsonl").read_text().splitlines()]
+    taus = [m["accept_len"] for m in metrics if m.get("accept_len") is not None]
+    assert len(taus) == 2 and taus[1] >= taus[0] + 0.5 and taus[1] >= 2.0, taus
+    cache = ran.root / "workspace" / ".cache" / "dflash"
+    assert len(list((cache / "target").glob("target-*.pt"))) == 1
+
+    teach = [f"--{k}" if v is True else f"--{k}={v}" for k, v in TRAIN.items()
+             if k in ("synthetic", "pretrain-target", "seq-len", "batch-size", "num-anchors", "drafter-layers",
+                      "lr", "no-compile")]
+    again = torchrun(tmp_path / "again", *teach, "--steps", "1", "--cache-dir", str(cache), timeout=200)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(cache hit," in next(x for x in again.stdout.splitlines() if x.startswith("target: taught"))
+    assert model in again.stdout.splitlines()  # the same target, by its sha256
+    assert len(list((cache / "target").glob("target-*.pt"))) == 1
 
 
 def one_line(r: subprocess.CompletedProcess[str]) -> str:
