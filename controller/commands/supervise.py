@@ -388,7 +388,7 @@ class Supervisor:
                 dirs.append({"run": r.name, "dir": template.replace("{dir}", r.run_dir).replace("{run}", r.name)})
         if not dirs:
             return None
-        doc = Agent(t).call("ckptscan", {"dirs": dirs}, timeout=600)
+        doc = Agent.of(t).call("ckptscan", {"dirs": dirs}, timeout=600)
         found: dict[str, Any] | None = doc.get("found")
         return found
 
