@@ -144,16 +144,20 @@ class Pool:
                 self._relay(ct.host_name)
             with self._lock:
                 relay = self._relays.get(ct.host_name)
+
+        def kept() -> Transport | None:  # (called holding the lock)
+            got = self._containers.get(ct.name)
+            return got[2] if got is not None and got[1] is relay and (got[0] is ct or got[0] == ct) else None
+
         with self._lock:
-            kept = self._containers.get(ct.name)
-        if kept is not None and kept[1] is relay and (kept[0] is ct or kept[0] == ct):
-            return kept[2]
-        t = self._new_container(ct, relay)
-        with self._lock:
-            kept = self._containers.get(ct.name)
-            if kept is not None and kept[1] is relay and (kept[0] is ct or kept[0] == ct):
-                return kept[2]  # another thread made it first
-            self._containers[ct.name] = (ct, relay, t)
+            t = kept()
+        if t is None:
+            made = self._new_container(ct, relay)
+            with self._lock:
+                t = kept()  # another thread's, made meanwhile
+                if t is None:
+                    t = made
+                    self._containers[ct.name] = (ct, relay, t)
         return t
 
     def _new_container(self, ct: Container, relay: HostRelay | None) -> Transport:
