@@ -16,6 +16,7 @@ from controller.errors import InputError
 
 TYPE_CHECKING = False  # this module answers a shell's TAB (launch/complete.py): no typing, no dataclasses to import
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 CONFIG = "CTL_CONFIG"  # the user config file (default: platformdirs' user config dir for "ctl", config.yaml)
@@ -293,33 +294,31 @@ def notify_retries() -> tuple[float, ...]:
     return waits
 
 
-def _whole(name: str, minimum: int, need: str) -> int | None:
-    """A CTL_* variable holding a whole number >= minimum (None when unset); else an InputError naming it."""
+def _number(name: str, kind: type[int] | type[float], fits: Callable[[float], bool], need: str) -> float | None:
+    """A CTL_* variable holding a number of that kind that fits (None when unset); else an InputError naming it."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return None
     try:
-        value = int(raw)
+        value = kind(raw)
     except ValueError:
-        value = minimum - 1
-    if value < minimum:
+        value = float("nan")  # fits nothing
+    if not fits(value):
         raise InputError(f"{name}: expected {need}, got {raw!r}")
     return value
 
 
+def _whole(name: str, minimum: int, need: str) -> int | None:
+    """A CTL_* variable holding a whole number >= minimum (None when unset); else an InputError naming it."""
+    value = _number(name, int, lambda v: v >= minimum, need)
+    return None if value is None else int(value)
+
+
 def _seconds(name: str, *, allow_zero: bool) -> float | None:
     """A CTL_* variable holding seconds (None when unset); malformed or out of range: InputError naming it."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
-        need = ">= 0" if allow_zero else "> 0"
-        raise InputError(f"{name}: expected seconds {need}, got {raw!r}")
-    return value
+    if allow_zero:
+        return _number(name, float, lambda v: 0 <= v < float("inf"), "seconds >= 0")
+    return _number(name, float, lambda v: 0 < v < float("inf"), "seconds > 0")
 
 
 def keepalive_interval() -> float | None:

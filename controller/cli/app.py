@@ -20,9 +20,21 @@ import typer
 from controller.core.terminal import cell_width, clean, clean_line, escape_markup, markup_text
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Protocol, TypeVar
+
+    from rich.console import Console
+
+    from controller.commands.fanout import Outcome
     from controller.inventory import Container, Inventory
     from controller.registry import Registry, RunRecord
-    from controller.transport.pool import Pool
+    from controller.transport.base import Transport as Transport  # for the verb modules' annotations: only this
+    from controller.transport.pool import Pool as Pool  # module of cli/ may name transport/ (tests/test_layers.py)
+
+    class _Shown(Protocol):
+        def to_json(self) -> Any: ...
+
+    V = TypeVar("V", bound=_Shown)
 
 app = typer.Typer(
     name="ctl",
@@ -104,7 +116,7 @@ def _note(msg: str) -> None:
         sys.stderr.write(f"ctl: debug: {clean_line(msg)}\n")
 
 
-def _out(obj: Any) -> None:
+def _out(obj: object) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
@@ -116,9 +128,9 @@ class _Console:
     as typed: `:x:` in a log line is text, not a picture."""
 
     def __init__(self) -> None:
-        self._rich: Any = None
+        self._rich: Console | None = None
 
-    def rich(self) -> Any:
+    def rich(self) -> Console:
         if self._rich is None:
             from rich.console import Console
 
@@ -167,7 +179,7 @@ def _console() -> _Console:
     return _Console()
 
 
-def _outcomes(results: list[Any], ok: Any) -> None:
+def _outcomes(results: list[Outcome[V]], ok: Callable[[_Console, str, V], None]) -> None:
     """One line per container of a fan-out: --json prints each value's to_json() (or the error); otherwise a
     FAILED line naming the container, or `ok(console, container, value)` for the ones that worked."""
     if OPTS.json:
@@ -182,7 +194,7 @@ def _outcomes(results: list[Any], ok: Any) -> None:
             ok(con, r.ct, r.value)
 
 
-def _esc(text: Any) -> str:
+def _esc(text: object) -> str:
     """Text that may come from a container, for a string printed with markup on: no control bytes, no newline,
     its `[` escaped so that `[link=...]` or `[conceal]` stay literal."""
     return escape_markup(clean_line(str(text)))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from typing import Any
 
 import typer
 
@@ -48,7 +47,7 @@ def dashboard_cmd(
     web = Dashboard(board, bind, port, allow_remote=allow_remote)
     stop = threading.Event()
 
-    def _term(*_: Any) -> None:
+    def _term(*_: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _term)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -24,6 +24,12 @@ from controller.cli.app import (
     targets_argument,
 )
 from controller.errors import CtlError, ExitCode
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+    from controller.cli.app import _Console
+    from controller.commands.deploy import DeployResult
 
 
 @app.command("deploy", epilog=examples(
@@ -66,7 +72,7 @@ def deploy_cmd(
                 results = deploy.deploy_all(inv, pool, cts, reg, dry_run=dry_run, allow_dirty=allow_dirty,
                                             progress=progress)
 
-    def show(con: Any, ct: str, res: Any) -> None:
+    def show(con: _Console, ct: str, res: DeployResult) -> None:
         con.print(f"{ct:<12} {res.summary()}")
         if dry_run or len(cts) == 1:
             for p in res.plan:
@@ -88,8 +94,8 @@ class _TransferProgress:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.t0 = time.monotonic()
-        self.bar: Any = None
-        self.tasks: dict[str, Any] = {}
+        self.bar: Progress | None = None
+        self.tasks: dict[str, TaskID] = {}
 
     def __enter__(self) -> _TransferProgress | None:
         return self if self.enabled else None

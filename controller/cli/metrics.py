@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -21,6 +21,11 @@ from controller.cli.app import targets_argument
 from controller.errors import CtlError, InputError
 from controller.lifecycle import Lifecycle
 from controller.settings import checkpoint_glob
+
+if TYPE_CHECKING:
+    from controller.commands.monitor import RunStatus
+    from controller.inventory import Inventory
+    from controller.registry import Registry, RunRecord
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
@@ -51,7 +56,7 @@ def _ratio(value: float) -> float:
     return value
 
 
-def _pull_first(inv: Any, reg: Any, recs: list[Any], doing: str) -> None:
+def _pull_first(inv: Inventory, reg: Registry, recs: list[RunRecord], doing: str) -> None:
     """Pull the runs' new log bytes before using their stored points; a run that cannot be reached is a warning
     (its stored points are used as they are)."""
     from controller.commands import monitor
@@ -325,7 +330,7 @@ def watch_cmd(
         inv.container(rec.ct)  # refused when the run's container left the inventory
     con = _console()
 
-    def tick(st: Any) -> None:
+    def tick(st: RunStatus) -> None:
         if not OPTS.json:
             v = st.verdict
             step = v.step if v.step is not None else "-"

@@ -14,12 +14,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from controller.cli import app as _cli
 from controller.core.terminal import clean_line, escape_markup
+
+if TYPE_CHECKING:
+    from controller.core.runbook import StepResult
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
@@ -63,7 +66,7 @@ def check_cmd(
                      markup=False)
 
 
-def _print_step(r: Any) -> None:
+def _print_step(r: StepResult) -> None:
     con = _console()
     colour = {"ok": "green", "OK": "green", "FINISHED": "green", "planned": "cyan", "FAILED": "red", "SLOW": "yellow",
               "STALLED": "red", "CRASHED": "red"}.get(r.outcome)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -28,6 +28,11 @@ from controller.cli.app import (
     session,
 )
 from controller.errors import CtlError, ExitCode, InputError
+
+if TYPE_CHECKING:
+    from controller.cli.app import Pool, Transport
+    from controller.inventory import Inventory
+    from controller.registry import Registry, RunRecord
 
 
 @app.command("launch", epilog=examples(
@@ -72,7 +77,7 @@ def launch_cmd(
             raise typer.Exit(_follow(t, reg, rec, -1, True, launched_pid=got.pid))
 
 
-def _launch_job(inv: Any, reg: Any, job: str, run: str | None, *, allow_drift: bool, force: bool,
+def _launch_job(inv: Inventory, reg: Registry, job: str, run: str | None, *, allow_drift: bool, force: bool,
                 allow_env_mismatch: bool, follow: bool) -> int:
     from controller.commands import launcher
 
@@ -102,7 +107,8 @@ def _launch_job(inv: Any, reg: Any, job: str, run: str | None, *, allow_drift: b
     return 0
 
 
-def _follow_job(inv: Any, pool: Any, reg: Any, rec: Any, lines: int, follow: bool, node: str | None) -> int:
+def _follow_job(inv: Inventory, pool: Pool, reg: Registry, rec: RunRecord, lines: int, follow: bool,
+                node: str | None) -> int:
     from controller.commands import runs
     from controller.core import metrics
 
@@ -124,7 +130,8 @@ def _follow_job(inv: Any, pool: Any, reg: Any, rec: Any, lines: int, follow: boo
     return end.exit_code
 
 
-def _follow(t: Any, reg: Any, rec: Any, lines: int, follow: bool, *, launched_pid: int | None = None) -> int:
+def _follow(t: Transport, reg: Registry, rec: RunRecord, lines: int, follow: bool, *,
+            launched_pid: int | None = None) -> int:
     from controller.commands import runs
     from controller.core import metrics
 
@@ -251,7 +258,7 @@ def runs_cmd(
     raise typer.Exit(code)
 
 
-def _render_tree(reg: Any, recs: list[Any]) -> None:
+def _render_tree(reg: Registry, recs: list[RunRecord]) -> None:
     from controller.commands.supervise import lineages
 
     chains = list(lineages(reg, recs))
@@ -269,7 +276,7 @@ def _render_tree(reg: Any, recs: list[Any]) -> None:
         con.print(f"{chain[0].ct:<10} " + " -> ".join(parts), markup=False)
 
 
-def _redacted(rec: Any) -> dict[str, Any]:
+def _redacted(rec: RunRecord) -> dict[str, Any]:
     """A run's record as --json prints it: secrets redacted (records made before launches redacted them too)."""
     from controller.core.redact import redact_run
 

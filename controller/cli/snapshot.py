@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -19,6 +19,9 @@ from controller.cli import app as _cli
 from controller.cli import names as _c
 from controller.cli.app import container_argument
 from controller.errors import CtlError, InputError
+
+if TYPE_CHECKING:
+    from controller.commands.snapshot import SnapshotResult
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
@@ -54,7 +57,7 @@ def _when(ts: int | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
 
 
-def _render(res: Any) -> None:
+def _render(res: SnapshotResult) -> None:
     if OPTS.json:
         _out(res.to_json())
         return

@@ -3,12 +3,16 @@ files, what `ctl deploy --rollback` restores from). Nothing is deleted except by
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 
 from controller.cli import app as _cli
 from controller.cli.app import ONLY_BY_DEFAULT, all_option, targets_argument
+
+if TYPE_CHECKING:
+    from controller.cli.app import _Console
+    from controller.commands.store import StoreReport
 
 app: typer.Typer = _cli.app
 OPTS = _cli.OPTS
@@ -64,7 +68,7 @@ def prune_cmd(
     reg = _cli._registry()
     with _cli.session(inv) as pool:
         results = store.prune_all(pool, cts, reg, dry_run=dry_run)
-    def show(con: Any, ct: str, v: Any) -> None:
+    def show(con: _Console, ct: str, v: StoreReport) -> None:
         verb = "would delete" if dry_run else "deleted"
         n = len(v.delete) if dry_run else len(v.deleted)
         con.print(f"{ct:<12} {verb} {n} of {v.objects} objects ({_mib(v.delete_bytes)}), kept {v.keep}",

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -30,6 +30,9 @@ from controller.cli.app import (
     targets_argument,
 )
 from controller.errors import InputError
+
+if TYPE_CHECKING:
+    from controller.core.supervision import Event
 
 
 @app.command("supervise", epilog=examples(
@@ -89,7 +92,7 @@ def supervise_cmd(
     reg = _registry()
     con = _console()
 
-    def on_event(ev: Any) -> None:
+    def on_event(ev: Event) -> None:
         if OPTS.json:
             import json
 

@@ -120,7 +120,7 @@ def settings(inv: Inventory, ct: Container) -> CacheSettings:
 def _call(t: Transport, verb: str, args: dict[str, Any], *, long: bool = False) -> dict[str, Any]:
     """One cache verb; `long` ones (save, restore: tarballs of GBs) get settings.LONG_TIMEOUT, not the
     request deadline."""
-    return Agent(t).call(verb, args, timeout=LONG_TIMEOUT if long else None, check=False)
+    return Agent.of(t).call(verb, args, timeout=LONG_TIMEOUT if long else None, check=False)
 
 
 def _saved(doc: dict[str, Any]) -> SavedCache:
@@ -225,7 +225,7 @@ def restore(inv: Inventory, ct: Container, t: Transport, name: str, *, force: bo
 
 
 def _raise(ct: Container, t: Transport, doc: dict[str, Any]) -> None:
-    raise Agent(t).error(doc)
+    raise Agent.of(t).error(doc)
 
 
 # --- warm ----------------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ def warm(inv: Inventory, ct: Container, t: Transport, *, gpus: list[int] | None 
     torch 2.11), streaming its output; then write the cache's marker with the live torch build."""
     script = warmup_dest(inv)
     s = settings(inv, ct)
-    have = Agent(t).call("hashes", [script])
+    have = Agent.of(t).call("hashes", [script])
     if not (have.get("files") or {}).get(script):
         raise InputError(f"{ct.name}: {script} is not in the container: run `ctl deploy {ct.name}` first")
     order: list[int | None] = list(gpus) if gpus else list(ct.spec.gpus.drafter or ct.spec.gpus.all) or [None]

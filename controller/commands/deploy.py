@@ -86,7 +86,7 @@ class DeployResult:
 def remote_hashes(t: Transport | Agent, dests: list[str], follow: list[str] | None = None
                   ) -> dict[str, dict[str, Any] | None]:
     """sha256/size/mode of each destination, walked without following symlinks except under `follow`."""
-    agent = t if isinstance(t, Agent) else Agent(t)
+    agent = t if isinstance(t, Agent) else Agent.of(t)
     args = [f"--follow={json.dumps(follow)}", *dests] if follow else dests
     files: dict[str, dict[str, Any] | None] = agent.need(agent.call("hashes", args), "files")
     return checked_hashes(files, t.name)
@@ -149,7 +149,7 @@ def deploy(
     agent (a warm host session), one request instead, and a second one to apply what changed."""
     t0 = time.monotonic()
     deploy_id = _new_id()
-    agent = Agent(t)
+    agent = Agent.of(t)
     # The way to the agent does not depend on the pins: it opens in the background (Sync), so that the SSH handshake
     # and the host's start of pct + agent overlap with pinning (templates, hashes, git state) here.
     sync = agent.begin_sync(t.path(STORE), deploy_id)
@@ -281,7 +281,7 @@ def rollback(ct: Container, t: Transport, reg: Registry) -> DeployResult:
             "rolling back would mean deleting them, which ctl never does"
         )
     follow = list(ct.spec.follow_symlinks)
-    agent = Agent(t)  # one client for the rollback's two requests
+    agent = Agent.of(t)  # one client for the rollback's two requests
     have = remote_hashes(agent, [f["dest"] for f in restore], follow)
     drifted = [f["dest"] for f in restore if (have.get(f["dest"]) or {}).get("sha256") != f["sha256"]]
     if drifted:

@@ -183,7 +183,7 @@ def sync(
     lock_in_ct = f"{new}.lock"
     kept_as = f"{venv}-orig-{stamp}"
     candidates = [uv] if uv else list(UV_CANDIDATES)
-    agent = Agent(t)
+    agent = Agent.of(t)
     facts = agent.call("envfacts", {"venv": venv, "uv": candidates, "paths": [new, lock_in_ct, kept_as]})
     if facts.get("taken"):
         raise ClobberError(f"{ct.name}: {', '.join(facts['taken'])} already exists: not touched (retry in a second)")

@@ -43,7 +43,7 @@ def settings(inv: Inventory, ct: Container) -> EnvSettings:
 
 def run_probe(t: Transport, *, venv: str | None, cache_dir: str | None) -> dict[str, Any]:
     """One exec: probe_env.py over stdin, run by the container's python3 (`--venv` names the training venv)."""
-    return Agent(t).probe_env(venv=venv, cache_dir=cache_dir)
+    return Agent.of(t).probe_env(venv=venv, cache_dir=cache_dir)
 
 
 def probe_doc(inv: Inventory, ct: Container, t: Transport, *, venv: str | None = None) -> dict[str, Any]:
@@ -91,14 +91,14 @@ def preflight_env(inv: Inventory, ct: Container, probe_json: dict[str, Any] | No
 def probe_request(inv: Inventory, ct: Container, t: Transport) -> tuple[dict[str, Any], bytes]:
     """What makes the launch preflight's agent `probe` run the environment probe too (Agent.env_probe_request)."""
     s = settings(inv, ct)
-    return Agent(t).env_probe_request(venv=s.venv, cache_dir=s.cache_dir)
+    return Agent.of(t).env_probe_request(venv=s.venv, cache_dir=s.cache_dir)
 
 
 def probe_for_launch(inv: Inventory, ct: Container, t: Transport, *, allow_mismatch: bool = False,
                      reply: Any = None) -> dict[str, Any] | None:
     """What `ctl launch` records (the probe JSON), after refusing an environment that differs from its lock.
     `reply`: the probe's output as the agent's `probe` returned it (env_probe); None runs the probe now."""
-    doc = probe_doc(inv, ct, t) if reply is None else Agent(t).env_from_probe(reply)
+    doc = probe_doc(inv, ct, t) if reply is None else Agent.of(t).env_from_probe(reply)
     if not allow_mismatch:
         preflight_env(inv, ct, doc)
     return doc

@@ -178,7 +178,7 @@ def export_run(inv: Inventory, pool: Pool, reg: Registry, rec: RunRecord, *, out
     script = export_dest(inv)
     ckdir = checkpoints_dir(inv, rec)
     nodes = nodes_of(inv, reg, rec)
-    scans = fanout(pool, nodes, lambda ct, t: Agent(t).call(
+    scans = fanout(pool, nodes, lambda ct, t: Agent.of(t).call(
         "ckptscan", {"dirs": [{"run": rec.name, "dir": ckdir}]}, timeout=LONG_TIMEOUT))
     failed = [o for o in scans if not o.ok]
     if failed:  # a node not heard from may hold the newest checkpoint: never export an older one instead
@@ -191,7 +191,7 @@ def export_run(inv: Inventory, pool: Pool, reg: Registry, rec: RunRecord, *, out
     _check_dest(dest, force)
     ct = inv.container(found.node)
     t = pool.container(ct)
-    have = (Agent(t).call("hashes", [script]).get("files") or {}).get(script)
+    have = (Agent.of(t).call("hashes", [script]).get("files") or {}).get(script)
     if not isinstance(have, dict) or not isinstance(have.get("sha256"), str):
         raise InputError(f"{ct.name}: {script} is not in the container: run `ctl deploy {ct.name}` first")
     remote = f"{posixpath.dirname(ckdir.rstrip('/'))}/exports/.ctl-export-{os.urandom(8).hex()}"

@@ -158,7 +158,7 @@ def flows(pool: Pool, cts: list[Container], flow: Callable[[Container, Agent], F
     call() at a time. A request past its transport's deadline fails its container with DeadlineExceeded."""
 
     def alone(ct: Container, t: Transport) -> T:
-        agent = Agent(t)
+        agent = Agent.of(t)
         return _flow_here(flow(ct, agent), agent)
 
     if len(cts) <= 1:
@@ -174,7 +174,7 @@ def flows(pool: Pool, cts: list[Container], flow: Callable[[Container, Agent], F
         probed = keeps[_host_of(ct)]
         if probed.ok and probed.value:
             try:
-                driver.add(i, Agent(pool.container(ct)))
+                driver.add(i, Agent.of(pool.container(ct)))
             except CtlError as e:
                 driver.settle(i, Outcome(ct.name, None, str(e), int(e.exit_code)))
         elif probed.exit_code == int(ExitCode.CONNECTION):  # the host did not answer: its containers are told so,

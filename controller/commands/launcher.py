@@ -62,7 +62,7 @@ class Launched:
 
 def next_name(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> str:
     """The next of the series (one agent round trip to list the container's logs)."""
-    agent = Agent(t)
+    agent = Agent.of(t)
     doc = agent.call("probe", {"series_glob": series.log_glob(inv.model.runs)})
     return next_of_series(inv, reg, [ct.name], agent.need(checked_probe(agent, doc), "series_logs", list))
 
@@ -87,7 +87,7 @@ def launch(
                          f"for that job's rendezvous; launch the job (`ctl launch {job.name}`)")
     manifest = pin(inv, ct)
     start = start_script(inv, manifest)
-    agent = Agent(t)
+    agent = Agent.of(t)
     probed = None
     # One round trip answers the preflight, the environment probe and (without a name) which name is next.
     env_req = probe_request(inv, ct, t) if probe_env else None
@@ -317,7 +317,7 @@ def launch_job(
             "run_dir": rp.run_dir, "session": rp.session,
             "env_fingerprint": (envs.get(ct.name) or {}).get("fingerprint"),
         }
-        agent = Agent(t)
+        agent = Agent.of(t)
         try:
             doc = agent.call("launch", {"log": rp.log, "session": rp.session, "script": script, "env": run_env,
                                         "record": record, "follow": list(ct.spec.follow_symlinks)}, check=False)
@@ -401,7 +401,7 @@ def next_job_name(inv: Inventory, pool: Pool, reg: Registry, job_name: str) -> s
     agent round trip per node, in parallel)."""
     job = inv.job(job_name)
     pattern = series.log_glob(inv.model.runs)
-    got = fanout(pool, list(job.nodes), lambda ct, t: Agent(t).call("probe", {"series_glob": pattern}))
+    got = fanout(pool, list(job.nodes), lambda ct, t: Agent.of(t).call("probe", {"series_glob": pattern}))
     err = _first_failure(job.name, got)
     if err is not None:
         raise err
@@ -418,7 +418,7 @@ def find_checkpoint(inv: Inventory, pool: Pool, reg: Registry, failed: RunRecord
     if not dirs:
         return None
     job = inv.job(failed.ct)
-    got = fanout(pool, list(job.nodes), lambda ct, t: Agent(t).call("ckptscan", {"dirs": dirs}, timeout=600))
+    got = fanout(pool, list(job.nodes), lambda ct, t: Agent.of(t).call("ckptscan", {"dirs": dirs}, timeout=600))
     best: dict[str, Any] | None = None
     for o in got:
         found = (o.value or {}).get("found")
@@ -433,46 +433,20 @@ def spread_checkpoint(inv: Inventory, pool: Pool, job_name: str, found: dict[str
     own copy, at the same path): nodes that have it complete keep theirs; to the others it is carried from the
     node that has it, through this machine (base64 lines in, a tar stream out, unpacked beside its place and
     checked against its manifest before it is renamed there). Returns the nodes it was copied to."""
-    import base64
-
-    from controller.remote.client import agent_source
-
     job = inv.job(job_name)
     path, step = str(found["dir"]), int(found["step"])
     parent = path.rstrip("/").rsplit("/", 1)[0]
     scans = fanout(pool, [c for c in job.nodes if c.name != found["node"]],
-                   lambda ct, t: Agent(t).call("ckptscan", {"dirs": [{"run": "", "dir": parent}]}, timeout=600))
+                   lambda ct, t: Agent.of(t).call("ckptscan", {"dirs": [{"run": "", "dir": parent}]}, timeout=600))
     lacking = [inv.container(o.ct) for o in scans
                if not (o.ok and ((o.value or {}).get("found") or {}).get("step") == step
                        and ((o.value or {}).get("found") or {}).get("dir") == path)]
     if not lacking:
         return []
-    src_t = pool.container(inv.container(str(found["node"])))
-    src_agent = Agent(src_t)
-    src = src_t.open(src_agent.argv("packdir", {"dir": path}))
-    src.send(agent_source())
-    dests = []
-    for ct in lacking:
-        t = pool.container(ct)
-        d = t.open(Agent(t).argv("unpackdir", {"dir": path, "follow": list(ct.spec.follow_symlinks)}))
-        d.send(agent_source())
-        dests.append((ct, t, d))
-    head = Agent.json_line(src.readline(timeout=120))
-    if head is None or not head.get("ok"):
-        src_agent.fail("packdir", src.finish(timeout=30))
-    while True:
-        line = src.readline(timeout=600)
-        if not line:
-            raise ConnectionFailed(f"{job_name}: {found['node']}: the checkpoint {path} stream ended early")
-        if line.startswith(b"{"):
-            break
-        chunk = base64.b64decode(line)
-        for _ct, _t, d in dests:
-            d.send(chunk)
-    src.finish(timeout=60)
-    for ct, t, d in dests:
-        doc = Agent(t).parse("unpackdir", d.finish(timeout=600))
+    src = Agent.of(pool.container(inv.container(str(found["node"]))))
+    answers = src.copy_dir(path, [(Agent.of(pool.container(ct)), ct.spec.follow_symlinks) for ct in lacking])
+    for ct, doc in zip(lacking, answers, strict=True):
         if not doc.get("ok"):
             raise node_error(job_name, f"{ct.name}: copying checkpoint {path} from {found['node']}: "
                                        f"{doc.get('error')}", int(ExitCode.VERIFY))
-    return [ct.name for ct, _t, _d in dests]
+    return [ct.name for ct in lacking]

@@ -170,7 +170,7 @@ def pull(
 ) -> PullResult:
     """Fetch the log bytes after the run's cursor (looping `chunk` bytes per call until caught up),
     store the new metric points and the cursor after each call, and note crash signatures."""
-    return _Pull(reg, run, chunk=chunk, checkpoints=checkpoints, hashes=hashes).finish(Agent(t))
+    return _Pull(reg, run, chunk=chunk, checkpoints=checkpoints, hashes=hashes).finish(Agent.of(t))
 
 
 def _check_header(agent: Agent, header: dict[str, Any]) -> None:
@@ -465,7 +465,7 @@ def poll_many(inv: Inventory, reg: Registry, pool: Pool, recs: list[RunRecord], 
         return more
 
     def read_on(ct: Container, t: Transport) -> dict[int, PullResult | str]:
-        agent = Agent(t)
+        agent = Agent.of(t)
         got: dict[int, PullResult | str] = {}
         for p in going[ct.name]:
             try:

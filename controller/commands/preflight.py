@@ -82,7 +82,7 @@ def probe(inv: Inventory, ct: Container, t: Transport, manifest: Manifest, rp: R
     payload = b""
     if env is not None:
         args["env_probe"], payload = env
-    agent = Agent(t)
+    agent = Agent.of(t)
     return checked_probe(agent, agent.call("probe", args, payload=payload, timeout=180 if env else None))
 
 
@@ -121,7 +121,7 @@ def preflight(
 ) -> list[Check]:
     """Judge the probe (one agent round trip, or `doc` when the launch already made it); raises the first
     failing check as its own error (and exit code)."""
-    doc = probe(inv, ct, t, manifest, rp) if doc is None else checked_probe(Agent(t), doc)
+    doc = probe(inv, ct, t, manifest, rp) if doc is None else checked_probe(Agent.of(t), doc)
     checks: list[Check] = [Check("container", True, "running")]
 
     drift = []

@@ -48,7 +48,7 @@ def refresh(inv: Inventory, ct: Container, t: Transport, reg: Registry, runs: li
     live = [r for r in runs if r.state.live]
     if not live:
         return runs
-    agent = Agent(t)
+    agent = Agent.of(t)
     doc = agent.call("runstate", {"runs": [state_request(r) for r in live]})
     return record_states(reg, runs, live, checked_states(ct.name, agent.need(doc, "runs", list), len(live)))
 
@@ -128,7 +128,7 @@ def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRec
     args = {"log": run.log_path, "session": run.session, "grace": grace, "run": run.name}
     if term_first:
         args["term_first"] = True
-    doc = Agent(t).call("stop", args, timeout=None if deadline is None else deadline + 3 * grace + 30)
+    doc = Agent.of(t).call("stop", args, timeout=None if deadline is None else deadline + 3 * grace + 30)
     if doc.get("alive"):
         raise CtlError(f"{ct.name}: run {run.name} survived SIGINT, SIGTERM and SIGKILL")
     note = "stopped by ctl stop (" + " -> ".join(signal_steps(doc.get("signals"))) + ")"
@@ -140,7 +140,7 @@ def last_lines(t: Transport, run: RunRecord, lines: int, *, timeout: float | Non
     lines at 4 KiB). Raw text from the container: clean it before showing it."""
     if not run.log_path or lines <= 0:
         return []
-    info = Agent(t).call("tailinfo", {"log": run.log_path, "lines": lines}, check=False, timeout=timeout)
+    info = Agent.of(t).call("tailinfo", {"log": run.log_path, "lines": lines}, check=False, timeout=timeout)
     if not info.get("ok"):
         return []
     return str(info.get("text") or "").splitlines()[-lines:]
@@ -152,7 +152,7 @@ def state_of(t: Transport, run: RunRecord) -> tuple[Lifecycle, int | None]:
 
 
 def runstate(t: Transport, run: RunRecord) -> dict[str, Any]:
-    agent = Agent(t)
+    agent = Agent.of(t)
     doc = agent.call("runstate", {"runs": [{"name": run.name, "log": run.log_path, "session": run.session}]})
     return checked_states(run.ct, agent.need(doc, "runs", list), 1)[0]
 
@@ -275,7 +275,7 @@ def _signature(pool: Pool, inv: Inventory, m: RunRecord) -> str:
     if crash is None and m.log_path and m.ct in inv.model.containers:
         try:
             t = pool.container(inv.container(m.ct))
-            info = Agent(t).call("tailinfo", {"log": m.log_path, "lines": 60}, check=False, timeout=30)
+            info = Agent.of(t).call("tailinfo", {"log": m.log_path, "lines": 60}, check=False, timeout=30)
             for line in str(info.get("text") or "").splitlines():
                 found = detect_crash(line)
                 if found is not None and (crash is None or crash == "traceback"):
@@ -331,7 +331,7 @@ def teardown(inv: Inventory, pool: Pool, reg: Registry, members: list[RunRecord]
         if m.state.live:
             rec = stop(inv, ct, t, reg, m, grace=TEARDOWN_GRACE_S, term_first=True)
             return reg.update_run(rec.id, note=note[:500])
-        return Agent(t).call("stop", {"log": m.log_path, "session": m.session, "grace": 0, "run": m.name,
+        return Agent.of(t).call("stop", {"log": m.log_path, "session": m.session, "grace": 0, "run": m.name,
                                       "term_first": True}, timeout=60)
 
     return fanout(pool, [inv.container(m.ct) for m in todo], one)

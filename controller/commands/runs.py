@@ -64,7 +64,7 @@ def follow(
     if start_offset is not None:  # the caller showed the history (several nodes' logs merged)
         offset = start_offset
     elif lines >= 0 or not follow:
-        agent = Agent(t)
+        agent = Agent.of(t)
         info = agent.call("tailinfo", {"log": run.log_path, "lines": max(lines, 0)}, check=False)
         if not info.get("ok"):
             raise InputError(f"{run.ct}: cannot read {run.log_path}: {info.get('error')}")
@@ -198,7 +198,7 @@ def history(inv: Inventory, pool: Pool, members: list[RunRecord], lines: int) ->
     with no sample keeps its place after the one before it): [(node, line)], and each node's log size then."""
     def one(ct: Container, t: Transport) -> dict[str, Any]:
         m = next(x for x in members if x.ct == ct.name)
-        return Agent(t).call("tailinfo", {"log": m.log_path, "lines": max(lines, 0), "times": True}, check=False)
+        return Agent.of(t).call("tailinfo", {"log": m.log_path, "lines": max(lines, 0), "times": True}, check=False)
 
     got = fanout(pool, [inv.container(m.ct) for m in members], one)
     merged: list[tuple[float, int, int, str, str]] = []

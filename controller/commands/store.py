@@ -103,7 +103,7 @@ def _report(ct: Container, listing: dict[str, Any]) -> StoreReport:
 
 
 def _listing(t: Transport) -> dict[str, Any]:
-    return Agent(t).call("storelist", {"store": t.path(STORE)})
+    return Agent.of(t).call("storelist", {"store": t.path(STORE)})
 
 
 def status(ct: Container, t: Transport) -> StoreReport:
@@ -124,7 +124,7 @@ def prune(ct: Container, t: Transport, reg: Registry | None, *, dry_run: bool = 
     sizes = {**listing.get("temps", {}), **listing.get("objects", {})}
     deleted: tuple[str, ...] = ()
     if delete and not dry_run:
-        agent = Agent(t)
+        agent = Agent.of(t)
         deleted = tuple(agent.need(agent.call("storeprune", {"store": t.path(STORE), "objects": delete}), "deleted"))
     return StoreReport(base.ct, base.objects, base.bytes, base.dests, base.unreferenced, len(keep), tuple(delete),
                        sum(int(sizes[n]["bytes"]) for n in delete), deleted, dry_run, keep)

@@ -267,23 +267,36 @@ class Supervisor:
                    f"{failed.ct}/{failed.name}: not relaunched: {why}", why)
         self._record(failed.id, ev)
 
+    def _claim(self, failed: RunRecord, row: dict[str, Any], out: Poll, *, adopt: Callable[[str], RunRecord | None],
+               stop: Callable[[RunRecord], RunRecord], next_name: Callable[[], str]) -> tuple[RunRecord, str] | None:
+        """This supervisor's claim on the relaunch: (the failed run, now stopped; the new run's name, recorded before
+        the launch) when it is ours to make, else None: another supervisor took it, or the launch a crashed
+        supervisor began had started (adopted as the relaunch)."""
+        if row["state"] == "launching" and row["new_name"]:
+            name = str(row["new_name"])
+            adopted = adopt(name)
+            if adopted is not None:
+                self._launched(failed, adopted, out)
+                return None
+            return failed, name
+        if row["state"] == "planned" and not self.reg.take_restart(failed.id):
+            return None  # another supervisor took this one
+        if failed.state.live:  # a stalled run still holds its GPUs: stop it first
+            failed = stop(failed)
+        name = next_name()
+        self.reg.set_restart(failed.id, state="launching", new_name=name)
+        _die_if("launching")
+        return failed, name
+
     def _relaunch_job(self, pool: Pool, failed: RunRecord, row: dict[str, Any], out: Poll) -> None:
         """A run across several containers is restarted whole: every node, from the newest complete checkpoint
         any node holds, copied first to the nodes that lack it (each resumes from its own copy)."""
-        if row["state"] == "launching" and row["new_name"]:
-            name = str(row["new_name"])
-            adopted = self._adopt_job(pool, failed.ct, name)
-            if adopted is not None:
-                self._launched(failed, adopted, out)
-                return
-        else:
-            if row["state"] == "planned" and not self.reg.take_restart(failed.id):
-                return  # another supervisor took this one
-            if failed.state.live:  # a stalled run still holds its GPUs: stop it first
-                failed, _stopped = launcher.stop_job(self.inv, pool, self.reg, failed, grace=30)
-            name = launcher.next_job_name(self.inv, pool, self.reg, failed.ct)
-            self.reg.set_restart(failed.id, state="launching", new_name=name)
-            _die_if("launching")
+        claimed = self._claim(failed, row, out, adopt=lambda name: self._adopt_job(pool, failed.ct, name),
+                              stop=lambda run: launcher.stop_job(self.inv, pool, self.reg, run, grace=30)[0],
+                              next_name=lambda: launcher.next_job_name(self.inv, pool, self.reg, failed.ct))
+        if claimed is None:
+            return
+        failed, name = claimed
         found = launcher.find_checkpoint(self.inv, pool, self.reg, failed)
         env = {"CTL_PARENT_RUN": failed.name}
         lineage: dict[str, Any] = {"parent_id": failed.id}
@@ -318,21 +331,16 @@ class Supervisor:
             return
         ct = self.inv.container(failed.ct)
         t = pool.container(ct)
-        if row["state"] == "launching" and row["new_name"]:
-            name = str(row["new_name"])
-            adopted = self._adopt(ct, t, name)
-            if adopted is not None:
-                self._launched(failed, adopted, out)
-                return
-        else:
-            if row["state"] == "planned" and not self.reg.take_restart(failed.id):
-                return  # another supervisor took this one
-            if failed.state.live:  # a stalled run still holds its GPUs: stop it first
-                failed = reconcile.refresh(self.inv, ct, t, self.reg, [failed])[0]
-                failed = reconcile.stop(self.inv, ct, t, self.reg, failed, grace=30)
-            name = launcher.next_name(self.inv, ct, t, self.reg)
-            self.reg.set_restart(failed.id, state="launching", new_name=name)
-            _die_if("launching")
+
+        def stop(run: RunRecord) -> RunRecord:
+            return reconcile.stop(self.inv, ct, t, self.reg, reconcile.refresh(self.inv, ct, t, self.reg, [run])[0],
+                                  grace=30)
+
+        claimed = self._claim(failed, row, out, adopt=lambda name: self._adopt(ct, t, name), stop=stop,
+                              next_name=lambda: launcher.next_name(self.inv, ct, t, self.reg))
+        if claimed is None:
+            return
+        failed, name = claimed
         found = self._checkpoint(t, failed)
         env = {"CTL_PARENT_RUN": failed.name}
         lineage: dict[str, Any] = {"parent_id": failed.id}
@@ -380,7 +388,7 @@ class Supervisor:
                 dirs.append({"run": r.name, "dir": template.replace("{dir}", r.run_dir).replace("{run}", r.name)})
         if not dirs:
             return None
-        doc = Agent(t).call("ckptscan", {"dirs": dirs}, timeout=600)
+        doc = Agent.of(t).call("ckptscan", {"dirs": dirs}, timeout=600)
         found: dict[str, Any] | None = doc.get("found")
         return found
 

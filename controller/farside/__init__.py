@@ -22,15 +22,16 @@ import sys
 from functools import cache
 from types import ModuleType
 
-#: Each program's parts, in the order they are joined: the first holds the program's docstring, and a part may use
-#: only what the parts before it define at their top level.
+#: Each program's parts, in the order they are joined: the first holds the program's docstring (the GPU probes':
+#: their own part, after the procs.py they share), and a part may use only what the parts before it define at their
+#: top level.
 PROGRAMS: dict[str, tuple[str, ...]] = {
     "agent": ("agent/__init__.py", "common.py", "agent/base.py", "agent/fs.py", "agent/deploy.py", "agent/logs.py",
               "agent/runs.py", "agent/cache.py", "agent/checkpoints.py", "agent/serve.py"),
     "relay": ("relay/__init__.py", "common.py", "relay/base.py", "relay/mux.py", "relay/agents.py", "relay/main.py"),
     "probe_env": ("probe_env.py",),
-    "probe_gpu": ("probe_gpu.py",),  # ctl doctor's, in containers (probe_env's source is put into it)
-    "probe_host_gpu": ("probe_host_gpu.py",),  # ctl doctor's, on Proxmox hosts
+    "probe_gpu": ("procs.py", "probe_gpu.py"),  # ctl doctor's, in containers (probe_env's source is put into it)
+    "probe_host_gpu": ("procs.py", "probe_host_gpu.py"),  # ctl doctor's, on Proxmox hosts
 }
 
 

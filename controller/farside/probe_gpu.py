@@ -22,12 +22,15 @@ import stat
 import subprocess
 import sys
 
+from .procs import _finish, _start
+
 ENV_PROBE_SOURCE = None  # ctl puts probe_env.py's source here when it ships this file (controller/remote/client.py)
 
 _LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
              "/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/lib/x86_64-linux-gnu", "/lib64")
 _LIBS = ("libnvidia-ml.so.1", "libcuda.so.1")
 _SMI_QUERY = ["--query-gpu=index,uuid,pci.bus_id", "--format=csv,noheader"]
+_SMI_TIMEOUT = 20
 
 
 def node(path):
@@ -96,26 +99,6 @@ def libs():
                 break
         out[name] = found
     return out
-
-
-def _start(argv):
-    try:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    except OSError as e:
-        return {"rc": 127, "out": "", "err": "%s: %s" % (argv[0], e.strerror)}
-
-
-def _finish(proc, timeout=20):
-    if isinstance(proc, dict):
-        return proc
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return {"rc": 124, "out": "", "err": "nvidia-smi: no answer within %ss" % timeout}
-    return {"rc": proc.returncode, "out": out.decode("utf-8", "replace")[-8000:],
-            "err": err.decode("utf-8", "replace")[-4000:]}
 
 
 def _which(name):
@@ -200,7 +183,7 @@ def gpu(spec):
     out = {"nodes": {p: node(p) for p in paths}, "driver_file": _read("/proc/driver/nvidia/version"),
            "libs": libs(), "uid_map": _read("/proc/self/uid_map")}
     if smi is not None:
-        out["smi"] = _finish(smi)
+        out["smi"] = _finish(smi, _SMI_TIMEOUT, "nvidia-smi: no answer within %ss" % _SMI_TIMEOUT, 8000)
     if spec.get("net"):
         out.update(shm=shm(), memlock=memlock(), addresses=addresses(), ifaces=ifaces())
     return out

@@ -16,9 +16,10 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
+
+from .procs import _finish, _start
 
 ROOT = os.environ.get("CTL_GPU_HOST_ROOT", "").rstrip("/")
 _TIMEOUT = 30.0
@@ -33,24 +34,8 @@ def _read(path, limit=65536):
         return None
 
 
-def _start(argv):
-    try:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    except OSError as e:
-        return {"rc": 127, "out": "", "err": "%s: %s" % (argv[0], e.strerror)}
-
-
-def _finish(proc, deadline):
-    if isinstance(proc, dict):
-        return proc
-    try:
-        out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return {"rc": 124, "out": "", "err": "no answer within %ss" % _TIMEOUT}
-    return {"rc": proc.returncode, "out": out.decode("utf-8", "replace")[-65536:],
-            "err": err.decode("utf-8", "replace")[-4000:]}
+def _wait(proc, deadline):
+    return _finish(proc, max(0.1, deadline - time.monotonic()), "no answer within %ss" % _TIMEOUT, 65536)
 
 
 def _nodes():
@@ -102,8 +87,8 @@ def main(argv):
         "machine": platform.machine(),
         "nodes": _nodes(),
     }
-    doc["smi"] = {k: _finish(p, deadline) for k, p in smi.items()}
-    doc["configs"] = {k: _finish(p, deadline) for k, p in configs.items()}
+    doc["smi"] = {k: _wait(p, deadline) for k, p in smi.items()}
+    doc["configs"] = {k: _wait(p, deadline) for k, p in configs.items()}
     owners = {}
     for line in doc["smi"]["apps"]["out"].splitlines() if doc["smi"]["apps"]["rc"] == 0 else []:
         parts = [p.strip() for p in line.split(",")]

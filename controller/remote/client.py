@@ -1,10 +1,10 @@
 """The one client of ctl's agent (controller/farside/agent/) and of the environment probe (probe_env.py).
 
-`Agent(t)` speaks to the agent in one container over one exec per verb: it builds the argv (the agent's
-source travels on stdin, so nothing is installed in the container), adds the container's root (`/`, or
-the stand-in directory of a `local` target), parses every answer, and turns a refusal into the CtlError
-subclass its code names, from one table (`ERRORS`). A reply that is not what the agent writes (no JSON,
-missing keys, a short read) is one line naming the container, never a traceback.
+`Agent.of(t)`, a container's one client for the whole command, speaks to the agent there over one exec per
+verb: it builds the argv (the agent's source travels on stdin, so nothing is installed in the container), adds
+the container's root (`/`, or the stand-in directory of a `local` target), parses every answer, and turns a
+refusal into the CtlError subclass its code names, from one table (`ERRORS`). A reply that is not what the agent
+writes (no JSON, missing keys, a short read) is one line naming the container, never a traceback.
 
 The agent's wire format: `python3 -I -S -c BOOT N VERB ARGS...`; stdin is N bytes of agent source, then
 the verb's input. Positional verbs (hashes, sync, apply) take ROOT first; the others take one JSON
@@ -87,8 +87,12 @@ def agent_argv(verb: str, *args: str) -> list[str]:
     return ["python3", "-I", "-S", "-c", BOOT, str(len(agent_source())), verb, *args]
 
 
+_ONE_CLIENT = threading.Lock()
+
+
 class Agent:
-    """ctl's agent in one container, reached through transport `t`."""
+    """ctl's agent in one container, reached through transport `t`. Commands take the transport's one client,
+    `Agent.of(t)`, rather than building another."""
 
     def __init__(self, t: Transport) -> None:
         self.t = t
@@ -97,6 +101,20 @@ class Agent:
         # The last answer's time as its transport took it: from the request's start to its end being read. A
         # caller's own clock would also count, for requests answered together, the callbacks run before its own.
         self.seconds = 0.0
+
+    @classmethod
+    def of(cls, t: Transport) -> Agent:
+        """The one client of t's agent, made at the first use and kept on t (the Pool hands a command the same
+        transport for a container throughout, so the whole command speaks through one client)."""
+        got = t.agent_client
+        if isinstance(got, Agent):
+            return got
+        with _ONE_CLIENT:  # two threads of a fan-out that share a container make one client, not two
+            if not isinstance(t.agent_client, Agent):
+                t.agent_client = cls(t)
+            made = t.agent_client
+        assert isinstance(made, Agent)
+        return made
 
     # --- building requests -------------------------------------------------------------------------
 
@@ -264,6 +282,42 @@ class Agent:
     def open(self, verb: str, *args: str) -> Duplex:
         """Start a conversation verb (sync); the caller sends `agent_source()` first."""
         return self.t.open(self.argv(verb, args))
+
+    def copy_dir(self, path: str, to: Sequence[tuple[Agent, Sequence[str]]]) -> list[dict[str, Any]]:
+        """Carry the directory `path` (a checkpoint) from this container to the same path in each of `to` (its
+        agent, and the symlinks its container follows), through this machine: packdir's base64 lines here go on
+        to every unpackdir there as a tar stream, unpacked beside its place and checked against its manifest
+        before it is renamed there. Each destination's answer, in order (ok false: that one refused); packdir
+        refusing raises."""
+        import base64
+
+        src = self.t.open(self.argv("packdir", {"dir": path}))
+        src.send(agent_source())
+        dests = []
+        for agent, follow in to:
+            d = agent.t.open(agent.argv("unpackdir", {"dir": path, "follow": list(follow)}))
+            d.send(agent_source())
+            dests.append((agent, d))
+        head = self.json_line(src.readline(timeout=120))
+        if head is None or not head.get("ok"):
+            for _agent, d in dests:  # their input ends here, empty: each refuses it and ends, leaving nothing
+                with contextlib.suppress(CtlError):
+                    d.finish(timeout=60)
+            if head is None:
+                self.fail("packdir", src.finish(timeout=30))
+            src.finish(timeout=30)
+            raise self.error(head)  # a refusal is the first line, not what finish() still reads
+        while True:
+            line = src.readline(timeout=600)
+            if not line:
+                raise ConnectionFailed(f"{self.name}: the stream of {path} ended early")
+            if line.startswith(b"{"):
+                break
+            chunk = base64.b64decode(line)
+            for _agent, d in dests:
+                d.send(chunk)
+        src.finish(timeout=60)
+        return [agent.parse("unpackdir", d.finish(timeout=600)) for agent, d in dests]
 
     def begin_sync(self, store: str, deploy_id: str) -> Sync:
         """Verb sync into `store` as deploy `deploy_id`: the way to the agent starts opening now, on a thread of

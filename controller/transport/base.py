@@ -106,6 +106,9 @@ class Transport(ABC):
     #: The deadline in seconds of a request given no timeout (run, a Duplex's readline/finish, put, get);
     #: None: none. A request past it raises DeadlineExceeded. Follows (stream) have none: keepalives guard them.
     request_timeout: float | None = None
+    #: The client of ctl's agent here, made at its first use and kept with the transport (remote/'s Agent.of), so
+    #: a command speaks to each container's agent through one client. Opaque to this layer.
+    agent_client: object | None = None
 
     @abstractmethod
     def run(

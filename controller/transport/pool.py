@@ -35,6 +35,8 @@ class Pool:
         self._direct: dict[str, SshEndpoint] = {}
         self._relays: dict[str, HostRelay] = {}
         self._direct_relays: dict[str, MuxRelay] = {}
+        # each container's transport as last made: (the container, the host relay it went through, the transport)
+        self._containers: dict[str, tuple[Container, HostRelay | None, Transport]] = {}
         self._lock = threading.Lock()
         self._persist_env = persist_seconds()  # CTL_PERSIST, when set, wins over the inventory's `persist:`
         # CTL_KEEPALIVE_INTERVAL / _COUNT, CTL_CONNECT_TIMEOUT, CTL_TIMEOUT win over each host's keys
@@ -132,6 +134,33 @@ class Pool:
         return str(self.inventory.base_dir / p)
 
     def container(self, ct: Container) -> Transport:
+        """The container's transport: the same object every time this command asks for it (so one client of its
+        agent serves the command: remote/'s Agent.of), unless the way there changed since, a host relay begun
+        for it (share_exec)."""
+        relay = None
+        if ct.spec.transport == "pct":
+            assert ct.host_name is not None
+            if self.persist(ct.host_name):  # a lone container uses the session too
+                self._relay(ct.host_name)
+            with self._lock:
+                relay = self._relays.get(ct.host_name)
+
+        def kept() -> Transport | None:  # (called holding the lock)
+            got = self._containers.get(ct.name)
+            return got[2] if got is not None and got[1] is relay and (got[0] is ct or got[0] == ct) else None
+
+        with self._lock:
+            t = kept()
+        if t is None:
+            made = self._new_container(ct, relay)
+            with self._lock:
+                t = kept()  # another thread's, made meanwhile
+                if t is None:
+                    t = made
+                    self._containers[ct.name] = (ct, relay, t)
+        return t
+
+    def _new_container(self, ct: Container, relay: HostRelay | None) -> Transport:
         spec = ct.spec
         if spec.transport == "local":
             assert ct.root is not None
@@ -147,10 +176,8 @@ class Pool:
                     mux = self._direct_relays[ct.name] = MuxRelay(ep, seconds, note=self.note, warn=self.warn)
             return RelayEndpoint(ep, mux)
         assert ct.host_name is not None and ct.host is not None and spec.vmid is not None
-        if self.persist(ct.host_name):  # a lone container uses the session too
-            self._relay(ct.host_name)
         return PctContainer(ct.name, self.host(ct.host_name), spec.vmid, pct=ct.host.pct,
-                            stage_dir=ct.host.stage_dir, relay=self._relays.get(ct.host_name))
+                            stage_dir=ct.host.stage_dir, relay=relay)
 
     def _direct_ep(self, ct: Container) -> SshEndpoint:
         """The endpoint of a container with its own sshd."""

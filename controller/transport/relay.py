@@ -228,15 +228,17 @@ class HostRelay:
             if self.note is not None:
                 self.note(f"{self.host.name}: {why}; falling back to one exec per container")
             return
-        self._chan = chan
-        self._state = RelayState.UP
-        self.python = str(hello.get("python"))
-        self.staying = speaks_agent(hello)
-        self._reader = threading.Thread(target=self._read_loop, name=f"relay-{self.host.name}", daemon=True)
-        self._reader.start()
+        self._came_up(chan, hello, "relay")
         if self.note is not None:
             self.note(f"{self.host.name}: containers share one exec through ctl's host relay "
                       f"(python {hello.get('python')})")
+
+    def _came_up(self, chan: Any, hello: dict[str, Any], thread: str) -> None:
+        """The relay said hello on chan: it is up, and a thread of its own reads its frames from now on."""
+        self._chan, self._state = chan, RelayState.UP
+        self.python, self.staying = str(hello.get("python")), speaks_agent(hello)
+        self._reader = threading.Thread(target=self._read_loop, name=f"{thread}-{self.host.name}", daemon=True)
+        self._reader.start()
 
     def _read_hello(self, chan: Any) -> dict[str, Any] | None:
         buf = b""
@@ -744,6 +746,15 @@ class _RelayDuplex(Duplex):
             self.relay.stuck = True
         return self.relay._late_error(doing, self.st, timeout)
 
+    def _left(self, doing: str, timeout: float | None, deadline: float | None) -> float | None:
+        """Seconds the caller may still wait (None: no deadline); the relay lost or the time up: raised."""
+        if self.st.dead is not None:
+            raise self._lost(self.st.dead)
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise self._late(doing, timeout or 0.0)  # (a deadline comes only with a timeout)
+        return left
+
     def readline(self, timeout: float | None = None) -> bytes:
         timeout = limit(timeout, self.relay.host.request_timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -753,13 +764,7 @@ class _RelayDuplex(Duplex):
                 if st.code is not None:
                     line, st.out = bytes(st.out), bytearray()
                     return line
-                if st.dead is not None:
-                    raise self._lost(st.dead)
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    assert timeout is not None
-                    raise self._late("reading from", timeout)
-                self.relay._cond.wait(left)
+                self.relay._cond.wait(self._left("reading from", timeout, deadline))
             end = st.out.index(b"\n") + 1
             line = bytes(st.out[:end])
             del st.out[:end]
@@ -774,12 +779,7 @@ class _RelayDuplex(Duplex):
             with self.relay._cond:
                 if st.code is not None or st.over:
                     break
-                if st.dead is not None:
-                    raise self._lost(st.dead)
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                assert timeout is not None
-                raise self._late("waiting for", timeout)
+                left = self._left("waiting for", timeout, deadline)
             st.ended.acquire(timeout=-1 if left is None else left)
         with self.relay._cond:
             if st.code is not None and not st.over:

@@ -52,7 +52,7 @@ from controller.transport.mux.sock import (
     still_trusted,
 )
 from controller.transport.mux.spare import session_env
-from controller.transport.relay import HostRelay, StreamEnded, Submission, _RelayDuplex, speaks_agent
+from controller.transport.relay import HostRelay, StreamEnded, Submission, _RelayDuplex
 from controller.transport.ssh import SshEndpoint
 from controller.transport.wire import Kind, RelayState
 
@@ -183,12 +183,7 @@ class MuxRelay(HostRelay):
             raise ConnectionFailed(f"{self.host.name}: ctl's session at {path} did not answer ({why})",
                                    hint=f"`ctl mux stop`, or remove {path}")
         self.hello = hello
-        self._chan = chan
-        self._state = RelayState.UP
-        self.python = str(hello.get("python"))
-        self.staying = speaks_agent(hello)
-        self._reader = threading.Thread(target=self._read_loop, name=f"mux-{self.host.name}", daemon=True)
-        self._reader.start()
+        self._came_up(chan, hello, "mux")
         if self.note is not None:
             how = "started" if self.started_session else "reused"
             self.note(f"{self.host.name}: {how} ctl's persistent session (pid {hello.get('pid')}, "
