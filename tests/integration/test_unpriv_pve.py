@@ -144,3 +144,24 @@ def test_launch_runs_and_tail(env202: PveEnv) -> None:
     lines = [line for line in tail.stdout.splitlines() if "step=" in line]
     assert [line.split("step=")[1].split()[0] for line in lines] == ["1", "2", "3", "4", "5", "6"], tail.stdout
     assert os.path.getsize(log) > 0
+
+
+def test_a_log_directory_the_host_made_is_refused_in_one_line_and_the_name_released(env202: PveEnv) -> None:
+    """A directory host root made in the rootfs (or a host directory mounted in) is nobody's to the container:
+    its root may not write there. The launch says so in one line and starts nothing; once the directory is the
+    container root's (the hint's chown), the same name launches."""
+    env202.ctl("deploy", "ct202", "--allow-dirty", check=True)
+    logdir = env202.host.rootfs(VMID) / "workspace" / env202.tag
+    logdir.mkdir(mode=0o755)
+    r = env202.ctl("launch", "ct202", "--run", "hostdir1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = r.stderr.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err and "may have started" not in err, err
+    assert (f"run record /workspace/{env202.tag}/train_stdout_hostdir1.log.ctl.json: Permission denied "
+            f"(/workspace/{env202.tag} belongs to uid 65534, no user of this container") in err, err
+    assert "chown it on the host to the container's root, uid 100000" in err, err
+    assert json.loads(env202.ctl("runs", "--json", check=True).stdout) == []  # the claim was released
+    assert list(logdir.iterdir()) == []
+    os.chown(logdir, CT_ROOT, CT_ROOT)
+    r = env202.ctl("launch", "ct202", "--run", "hostdir1", "-f")
+    assert r.returncode == 0 and "finished, exit status 0" in r.stdout, r.stdout + r.stderr
