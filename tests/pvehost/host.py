@@ -467,6 +467,20 @@ class PveHost:
         self._rewrite_state()
         self.start(vmid)
 
+    def ct_root_uid(self, vmid: int) -> int:
+        """The host uid (and gid) of the container's root: 0, or 100000 in an unprivileged one."""
+        from tests.pvehost import rootfs as ctroot  # not at the top: `python -m tests.pvehost.rootfs` imports us
+
+        conf = self.conf_path(vmid).read_text().splitlines()
+        return ctroot.ID_BASE if "unprivileged: 1" in conf else 0
+
+    def own_as_ct_root(self, vmid: int, *paths: Path) -> None:
+        """Give what a test wrote through rootfs(vmid) to the container's root, as if it had made it there (in an
+        unprivileged container, host root's files are nobody's and its root may not change them)."""
+        uid = self.ct_root_uid(vmid)
+        for path in paths:
+            os.lchown(path, uid, uid)
+
     def remove_container(self, vmid: int) -> None:
         """Stop CT `vmid` and remove it: its config, its directory (rootfs and log), its snapshots."""
         node = self.node_of(vmid).name
