@@ -604,6 +604,10 @@ class PveHost:
         why = missing_prerequisites()
         if why:
             raise PveHostError(why)
+        unknown = sorted(set(self.unprivileged) - {v for n in self.nodes for v in n.vmids})
+        if unknown:
+            raise PveHostError(f"unprivileged names CT {', '.join(map(str, unknown))}, which this test host does not "
+                               "have (add_unprivileged adds one of its own)")
         if self.base.exists():
             down(self.base)
         addresses = [n.address for n in self.nodes] + ([self.ct_ssh_address] if self.ct_ssh_vmid else [])
