@@ -73,15 +73,22 @@ def subid_missing(text: str, user: str = "root", base: int = ID_BASE, count: int
     return True
 
 
-def add_subids(files: Sequence[str] = ("/etc/subuid", "/etc/subgid")) -> list[str]:
+SUBID_FILES = ("/etc/subuid", "/etc/subgid")
+
+
+def _read_or_empty(name: str) -> str:
+    try:
+        return Path(name).read_text()
+    except FileNotFoundError:
+        return ""
+
+
+def add_subids(files: Sequence[str] = SUBID_FILES) -> list[str]:
     """Give root the range Proxmox gives it (root:100000:65536) in /etc/subuid and /etc/subgid where it lacks one;
     returns the files changed."""
     changed = []
     for name in files:
-        try:
-            text = Path(name).read_text()
-        except FileNotFoundError:
-            text = ""
+        text = _read_or_empty(name)
         if subid_missing(text):
             with open(name, "a") as f:
                 f.write(("" if not text or text.endswith("\n") else "\n") + f"root:{ID_BASE}:{ID_COUNT}\n")
@@ -89,14 +96,10 @@ def add_subids(files: Sequence[str] = ("/etc/subuid", "/etc/subgid")) -> list[st
     return changed
 
 
-def missing_subids(files: Sequence[str] = ("/etc/subuid", "/etc/subgid")) -> str | None:
+def missing_subids(files: Sequence[str] = SUBID_FILES) -> str | None:
     """Which file lacks root's range (None: both have it)."""
     for name in files:
-        try:
-            text = Path(name).read_text()
-        except FileNotFoundError:
-            text = ""
-        if subid_missing(text):
+        if subid_missing(_read_or_empty(name)):
             return f"{name} gives root no range {ID_BASE}:{ID_COUNT} (scripts/setup.sh adds root:{ID_BASE}:{ID_COUNT})"
     return None
 
