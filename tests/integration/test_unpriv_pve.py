@@ -90,16 +90,19 @@ def test_pct_push_and_pull_map_ownership(pvehost: PveHost, ct202: int, tmp_path:
     r = pvehost.ssh("pve1", "pct", "pull", str(ct202), "/root/pushed.txt", str(out))
     assert r.returncode == 0, r.stderr.decode()
     assert out.read_bytes() == b"pushed\n" and owner_mode(out)[:2] == (0, 0)
-    # A file of host root's inside the rootfs is nobody's to the container: its root cannot read a 0600 one, so
-    # pull fails there (the mapping is real, not a relabelling) and leaves its empty file behind, as pct does.
+    # A host root's file in the rootfs is nobody's to the container: its root may not read a 0600 one (the mapping
+    # is real, not a relabelling). pull still can, as real pct's does: it enters the container's mount namespace
+    # only, as host root (push enters the user namespace too).
     hosts_own = pvehost.rootfs(ct202) / "root" / "hosts-own.txt"
     hosts_own.write_bytes(b"host root's\n")
     hosts_own.chmod(0o600)
-    assert inside(pvehost, "stat", "-c", "%u", "/root/hosts-own.txt").strip() == "65534"
-    out2 = tmp_path / "denied.txt"
+    assert inside(pvehost, "stat", "-c", "%u %g", "/root/hosts-own.txt").split() == ["65534", "65534"]
+    r = pvehost.ssh("pve1", "pct", "exec", str(ct202), "--", "cat", "/root/hosts-own.txt")
+    assert r.returncode == 1 and b"Permission denied" in r.stderr
+    out2 = tmp_path / "hosts-own.txt"
     r = pvehost.ssh("pve1", "pct", "pull", str(ct202), "/root/hosts-own.txt", str(out2))
-    assert r.returncode != 0 and b"Permission denied" in r.stderr
-    assert out2.read_bytes() == b""
+    assert r.returncode == 0, r.stderr.decode()
+    assert out2.read_bytes() == b"host root's\n"
 
 
 def test_deploy_keeps_modes_and_container_ownership(env202: PveEnv) -> None:
