@@ -71,7 +71,7 @@ VENV_PY="$VENV/bin/python"
 # The unprivileged container's rootfs (tests/integration/test_unpriv_pve.py), once per machine: debootstrap from
 # the Debian mirror, a few minutes the first time, nothing after (cached, built under a lock).
 if [ "$(id -u)" -eq 0 ]; then
-  if ! "$VENV_PY" -m tests.pvehost.rootfs >/dev/null; then
+  if ! "$VENV_PY" tests/pvehost/rootfs.py >/dev/null; then
     if [ -n "$ci" ]; then
       echo "setup: CTL_NO_SKIP is set (CI) but the unprivileged test container's rootfs could not be built (above)" >&2
       exit 1

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.farside.common import _pid_alive  # a zombie (an API process not reaped yet) counts as gone
+from tests.pvehost import rootfs as ctroot
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DIR = "/tmp/ctl-pvehost"
@@ -416,8 +417,6 @@ class PveHost:
         Its files belong to host uid 100000 and up, so what container root writes (pct push, ctl's agent) does too;
         files a test writes through `rootfs(vmid)` from the host belong to host root, which the container sees as
         nobody (65534). `remove_container` takes it away again (state.json, `pct list` and inventory() follow)."""
-        from tests.pvehost import rootfs as ctroot  # not at the top: `python -m tests.pvehost.rootfs` imports us
-
         if any(vmid in n.vmids for n in self.nodes):
             raise PveHostError(f"CT {vmid} already exists on this test host")
         spec = next((n for n in self.nodes if n.name == node), None)
@@ -430,7 +429,11 @@ class PveHost:
         ctdir = self.lxcpath(node) / str(vmid)
         ctdir.mkdir()
         root = ctdir / "rootfs"
-        ctroot.unpack(tarball, root)
+        try:
+            ctroot.unpack(tarball, root)
+        except BaseException:
+            shutil.rmtree(ctdir, ignore_errors=True)
+            raise
         uid = ctroot.ID_BASE
         smi = root / "usr" / "bin" / "nvidia-smi"  # where the driver's packages put it
         shutil.copyfile(HERE / "nvidia_smi.py", smi)
@@ -469,8 +472,6 @@ class PveHost:
 
     def ct_root_uid(self, vmid: int) -> int:
         """The host uid (and gid) of the container's root: 0, or 100000 in an unprivileged one."""
-        from tests.pvehost import rootfs as ctroot  # not at the top: `python -m tests.pvehost.rootfs` imports us
-
         conf = self.conf_path(vmid).read_text().splitlines()
         return ctroot.ID_BASE if "unprivileged: 1" in conf else 0
 
@@ -813,8 +814,6 @@ Subsystem sftp {SFTP_SERVER}
         if vmid in self.unprivileged:
             # The idmap pve-container writes for `unprivileged: 1`; the private dirs shifted to the mapped ids as a
             # restore into such a container leaves them (the host's /usr stays host root's: nobody's, inside).
-            from tests.pvehost import rootfs as ctroot  # not at the top: `python -m tests.pvehost.rootfs` imports us
-
             lines[-1:-1] = ctroot.idmap_lines()
             pve["unprivileged"] = "1"
             shift_owners(root, ctroot.ID_BASE, skip=("usr",))

@@ -8,7 +8,7 @@ shifted into the container's uid range the way Proxmox restores a template for a
 `lxc-usernsexec -m u:0:100000:65536 -m g:0:100000:65536 -- tar xpf ...`, so container root's files belong to host
 uid 100000.
 
-    python -m tests.pvehost.rootfs      # root's subuid/subgid range, then build (or find) the tarball and print its
+    python tests/pvehost/rootfs.py      # root's subuid/subgid range, then build (or find) the tarball and print its
                                         # path (scripts/setup.sh runs it)
 """
 
