@@ -815,6 +815,10 @@ Subsystem sftp {SFTP_SERVER}
             # The idmap pve-container writes for `unprivileged: 1`; the private dirs shifted to the mapped ids as a
             # restore into such a container leaves them (the host's /usr stays host root's: nobody's, inside).
             lines[-1:-1] = ctroot.idmap_lines()
+            # Recursive: a container started by pct (in sshd's namespace, /usr/sbin an overlay) may not bind /usr
+            # without what is mounted under it from a user namespace (EINVAL); it then sees pct in /usr/sbin.
+            usr = lines.index("lxc.mount.entry = /usr usr none ro,bind 0 0")
+            lines[usr] = "lxc.mount.entry = /usr usr none ro,rbind 0 0"
             pve["unprivileged"] = "1"
             shift_owners(root, ctroot.ID_BASE, skip=("usr",))
         (ctdir / "config").write_text("\n".join(lines) + "\n")
