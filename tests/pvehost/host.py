@@ -475,12 +475,18 @@ class PveHost:
         conf = self.conf_path(vmid).read_text().splitlines()
         return ctroot.ID_BASE if "unprivileged: 1" in conf else 0
 
-    def own_as_ct_root(self, vmid: int, *paths: Path) -> None:
+    def own_as_ct_root(self, vmid: int, *paths: Path, tree: bool = False) -> None:
         """Give what a test wrote through rootfs(vmid) to the container's root, as if it had made it there (in an
-        unprivileged container, host root's files are nobody's and its root may not change them)."""
+        unprivileged container, host root's files are nobody's and its root may not change them). With tree, also
+        everything under each path that host root owns."""
         uid = self.ct_root_uid(vmid)
         for path in paths:
-            os.lchown(path, uid, uid)
+            todo = [Path(path)]
+            if tree and Path(path).is_dir() and not Path(path).is_symlink():
+                todo += [Path(d) / n for d, dirs, files in os.walk(path) for n in (*dirs, *files)]
+            for p in todo:
+                if p.lstat().st_uid == 0:
+                    os.lchown(p, uid, uid)
 
     def remove_container(self, vmid: int) -> None:
         """Stop CT `vmid` and remove it: its config, its directory (rootfs and log), its snapshots."""
