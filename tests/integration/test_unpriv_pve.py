@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import fill_cache
 from tests.helpers import sha_file
-from tests.integration.conftest import PveEnv
+from tests.integration.conftest import PveEnv, container_venv
 from tests.pvehost import PveHost
 from tests.pvehost import rootfs as ctroot
 
@@ -166,3 +167,22 @@ def test_a_log_directory_the_host_made_is_refused_in_one_line_and_the_name_relea
     env202.host.own_as_ct_root(VMID, logdir)
     r = env202.ctl("launch", "ct202", "--run", "hostdir1", "-f")
     assert r.returncode == 0 and "finished, exit status 0" in r.stdout, r.stdout + r.stderr
+
+
+def test_cache_save_where_container_root_may_not_write_is_one_line(env202: PveEnv) -> None:
+    """A compile cache in a directory the host made (a host directory mounted in, typically): container root may
+    read it but not write its marker or the store beside it. ctl says so in one line, naming the file and why."""
+    inside, _ = container_venv(env202, VMID)
+    cache = f"/workspace/{env202.tag}/inductor"
+    env202.write(containers={"ct202": {"vars": {"venv": inside, "compile_cache_dir": cache,
+                                                "cache_store": f"/workspace/{env202.tag}/caches"}}})
+    host_cache = env202.host.rootfs(VMID) / cache.lstrip("/")
+    fill_cache(host_cache)  # host root's, as a bind mount from the host would be: nobody's inside
+    r = env202.ctl("cache", "save", "ct202", "good")
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = r.stderr.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err and "ctl-agent" not in err, err
+    assert f"cannot save the cache: {cache}/ctl-cache.json.tmp" in err and "Permission denied" in err, err
+    assert f"({cache} belongs to uid 65534, no user of this container" in err, err
+    env202.host.own_as_ct_root(VMID, host_cache.parent, tree=True)
+    assert env202.ctl("cache", "save", "ct202", "good").returncode == 0
