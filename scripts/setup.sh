@@ -4,9 +4,10 @@
 #           nftables (a test drops the test host's loopback traffic; skipped without nft or iptables),
 #           chromium (the headless browser the dashboard's tests drive; skipped without it),
 #           debootstrap (the rootfs of the test host's unprivileged CT 202: Debian bullseye, an older python3;
-#           built once per machine into /var/cache/ctl-tests, with root:100000:65536 in /etc/subuid and /etc/subgid
-#           as on Proxmox: tests/pvehost/rootfs.py), python3-venv where the interpreter cannot make a venv (stock Debian), python3 at /usr/bin (the
-#           containers' interpreter), util-linux's setsid (the local agent's tests)
+#           built once per machine into /var/cache/ctl-tests, with root:100000:65536 in /etc/subuid and
+#           /etc/subgid as on Proxmox: tests/pvehost/rootfs.py), python3-venv where the interpreter cannot make a
+#           venv (stock Debian), python3 at /usr/bin (the containers' interpreter), util-linux's setsid (the local
+#           agent's tests)
 #   CI (CTL_NO_SKIP=1, set by .ci/run, where any skipped test fails the run) needs all of it: setup then fails, naming
 #   why, where it is not root or a package cannot be installed. Elsewhere a missing one is a warning, and the tests
 #   that need it skip, saying why.
