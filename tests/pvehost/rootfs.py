@@ -135,7 +135,10 @@ def ensure(directory: Path | None = None) -> Path:
     why = why_cannot_build()
     if why:
         raise RootfsError(why)
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RootfsError(f"cannot make the cache directory {d} (CTL_TEST_CACHE overrides it): {e.strerror}") from None
     with open(d / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.is_file():
