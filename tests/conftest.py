@@ -131,7 +131,9 @@ def pvehost() -> Iterator[PveHost]:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     start = DEFAULT_PORT + 100 * int(worker) if worker.isdigit() else DEFAULT_PORT
     port = int(os.environ.get("CTL_PVEHOST_PORT") or find_free_port(addresses, start))
-    host = PveHost(base=Path(base), port=port).up(owner_pid=os.getpid())
+    # CTL_PVEHOST_UNPRIVILEGED=200,201: those containers unprivileged, to run whole modules against such ones by hand
+    unpriv = tuple(int(v) for v in os.environ.get("CTL_PVEHOST_UNPRIVILEGED", "").replace(",", " ").split())
+    host = PveHost(base=Path(base), port=port, unprivileged=unpriv).up(owner_pid=os.getpid())
     try:
         yield host
     finally:

@@ -136,4 +136,5 @@ def container_venv(env: PveEnv, vmid: int = 200) -> tuple[str, Path]:
     install_torch(host_path)
     for name, version in GOOD.items():
         add_dist(host_path, name, version)
+    env.host.own_as_ct_root(vmid, host_path.parent, tree=True)  # as if made in the container (unprivileged too)
     return inside, host_path

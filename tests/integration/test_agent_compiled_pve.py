@@ -42,6 +42,7 @@ def test_the_compiled_agent_is_kept_and_only_a_trusted_copy_runs(pve_env: PveEnv
     # A copy the agent's user wrote is what runs (that is the point): this one only leaves a mark and exits.
     mark = rootfs(200) / "root" / env.tag / "ran"
     mark.parent.mkdir(parents=True, exist_ok=True)
+    env.host.own_as_ct_root(200, mark.parent)  # where the planted copy, run as container root, may write
     planted = marshal.dumps(compile(f"open({'/root/' + env.tag + '/ran'!r}, 'w').write('x')\nraise SystemExit(3)",
                                     "planted", "exec"))
     path.write_bytes(planted)
@@ -81,7 +82,8 @@ def test_the_compiled_agent_is_kept_and_only_a_trusted_copy_runs(pve_env: PveEnv
         assert r.returncode == 0, (plant.__name__, r.stdout, r.stderr)
         assert not mark.exists(), plant.__name__
         st = os.lstat(path)
-        assert (st.st_uid, st.st_mode & 0o7777) == (0, 0o600) and not path.is_symlink(), plant.__name__
+        assert (st.st_uid, st.st_mode & 0o7777) == (env.host.ct_root_uid(200), 0o600) and not path.is_symlink(), \
+            plant.__name__
         assert isinstance(marshal.loads(path.read_bytes()), types.CodeType), plant.__name__
     assert elsewhere.read_bytes() == planted  # a symlink's target is never written either
     assert not left.exists() and young.exists()

@@ -30,6 +30,7 @@ def test_save_delete_restore_is_byte_identical_and_keeps_what_was_there(pve_env:
     venv, cache, store = setup(pve_env)
     assert json.loads(pve_env.ctl("cache", "status", "ct200", "--json", check=True).stdout)["exists"] is False
     fill_cache(cache)
+    pve_env.host.own_as_ct_root(200, cache.parent, tree=True)  # what a run in the container wrote
     st = pve_env.ctl("cache", "status", "ct200", check=True).stdout
     assert "fxgraph=3 aotautograd=2 triton=4" in st and "no ctl-cache.json marker" in st
     saved = json.loads(pve_env.ctl("cache", "save", "ct200", "good", "--local", str(tmp_path / "pulled"),
@@ -48,6 +49,7 @@ def test_save_delete_restore_is_byte_identical_and_keeps_what_was_there(pve_env:
     assert tree_hashes(cache) == before
 
     fill_cache(cache, "later")
+    pve_env.host.own_as_ct_root(200, cache, tree=True)
     later = tree_hashes(cache)
     r = pve_env.ctl("cache", "restore", "ct200", "good")
     assert r.returncode == 0 and "the previous cache is kept at" in r.stdout

@@ -78,6 +78,7 @@ def test_a_log_named_with_66_digits_does_not_block_naming(pve_env: PveEnv) -> No
     logs.mkdir(parents=True, exist_ok=True)
     (logs / f"train_stdout_fresh{'9' * 66}.log").write_text("a container wrote this\n")
     (logs / "train_stdout_fresh4.log").write_text("an older run\n")
+    pve_env.host.own_as_ct_root(200, logs, tree=True)  # the container wrote them
     r = pve_env.ctl("launch", "ct200", "-f")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "launched fresh5 on ct200" in r.stdout, r.stdout

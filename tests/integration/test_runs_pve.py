@@ -69,6 +69,7 @@ def test_a_log_started_by_hand_is_never_reused(pve_env: PveEnv) -> None:
     d = pve_env.host.rootfs(201) / "workspace" / pve_env.tag
     d.mkdir(parents=True, exist_ok=True)
     (d / "train_stdout_fresh6.log").write_text("a run started by hand\n")
+    pve_env.host.own_as_ct_root(201, d, d / "train_stdout_fresh6.log")  # a hand in the container made them
     r = pve_env.ctl("launch", "ct201", "--run", "fresh6")
     assert r.returncode == ExitCode.CLOBBER
     assert "never overwritten" in r.stderr

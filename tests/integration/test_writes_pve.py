@@ -24,6 +24,7 @@ def test_symlinked_directory_on_the_path_is_refused_and_nothing_lands(pve_env: P
     (root / "root" / tag).mkdir(parents=True)
     (root / "etc" / "cron.d").mkdir(parents=True, exist_ok=True)
     (root / "root" / tag / "sub").symlink_to("/etc/cron.d")  # what a container user who owns /root/<tag> can do
+    pve_env.host.own_as_ct_root(200, root / "root" / tag, root / "root" / tag / "sub", root / "etc" / "cron.d")
     before = sorted(p.name for p in (root / "etc" / "cron.d").iterdir())
     pve_env.write(payload=[{"src": "emit_metrics.py", "dest": f"/root/{tag}/sub/x"}])
     r = pve_env.ctl("deploy", "ct200", "--allow-dirty")

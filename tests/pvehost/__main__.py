@@ -1,4 +1,5 @@
-"""`python -m tests.pvehost up|down|status [--dir D] [--port P] [--extra-cts N]`: the test host by hand."""
+"""`python -m tests.pvehost up|down|status [--dir D] [--port P] [--extra-cts N] [--unprivileged VMIDS] [--ct202]`:
+the test host by hand."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=int(os.environ.get("CTL_PVEHOST_PORT", DEFAULT_PORT)))
     ap.add_argument("--extra-cts", type=int, default=0, metavar="N",
                     help="N more containers on each node (numbered on from its last), e.g. 18 for 40 in all")
+    ap.add_argument("--unprivileged", default="", metavar="VMIDS",
+                    help="make these default containers unprivileged (comma-separated, e.g. 200,201)")
+    ap.add_argument("--ct202", action="store_true",
+                    help="add CT 202 on pve1: unprivileged, Debian 11 rootfs with python3 3.9 (built once per machine)")
     args = ap.parse_args(argv)
     base = Path(args.dir)
     try:
@@ -27,7 +32,13 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             if args.extra_cts < 0:
                 raise PveHostError(f"--extra-cts must be 0 or more, got {args.extra_cts}")
-            host = PveHost(base=base, port=args.port, extra_cts=args.extra_cts).up()
+            try:
+                unpriv = tuple(int(v) for v in args.unprivileged.replace(",", " ").split())
+            except ValueError:
+                raise PveHostError(f"--unprivileged takes vmids like 200,201, got {args.unprivileged!r}") from None
+            host = PveHost(base=base, port=args.port, extra_cts=args.extra_cts, unprivileged=unpriv).up()
+            if args.ct202:
+                host.add_unprivileged(202, "pve1")
             print(f"up in {time.monotonic() - t0:.1f}s at {host.base}")
             _describe(host)
             inv = _write_inventory(host)

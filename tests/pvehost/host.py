@@ -33,6 +33,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.farside.common import _pid_alive  # a zombie (an API process not reaped yet) counts as gone
+from tests.pvehost import rootfs as ctroot
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DIR = "/tmp/ctl-pvehost"
@@ -157,6 +159,29 @@ def _descendants(roots: set[int], table: dict[int, tuple[int, str]]) -> set[int]
     return found
 
 
+def shift_owners(root: Path, base: int, skip: Sequence[str] = ()) -> None:
+    """Add `base` to the owner and group of root and everything under it (links themselves, not their targets),
+    but for the top-level entries named in skip (mount points: their own directory is shifted, not what is in it)."""
+    def shift(path: str) -> None:
+        st = os.lstat(path)
+        os.lchown(path, base + st.st_uid, base + st.st_gid)
+        if stat.S_ISREG(st.st_mode) and st.st_mode & 0o6000:  # chown clears set-id bits; put them back
+            os.chmod(path, stat.S_IMODE(st.st_mode))
+
+    for dirpath, dirnames, filenames in os.walk(root):
+        if Path(dirpath) == root:
+            for name in skip:
+                if name in dirnames:
+                    dirnames.remove(name)
+                    shift(os.path.join(dirpath, name))
+        shift(dirpath)
+        for name in filenames:
+            shift(os.path.join(dirpath, name))
+        for name in dirnames:
+            if os.path.islink(os.path.join(dirpath, name)):
+                shift(os.path.join(dirpath, name))
+
+
 def _run(argv: Sequence[str], what: str, **kw: Any) -> subprocess.CompletedProcess[str]:
     r = subprocess.run(list(argv), capture_output=True, text=True, **kw)
     if r.returncode != 0:
@@ -177,6 +202,9 @@ class PveHost:
     #: more containers on every node, numbered on from its last (benchmarks: 18 gives 20 a node); each only runs
     #: `sleep`, and starting one costs about 0.1 s at up()
     extra_cts: int = 0
+    #: default containers made unprivileged (the idmap, their private dirs shifted to host uid 100000), for running
+    #: whole modules against such containers: CTL_PVEHOST_UNPRIVILEGED=200,201 in the pvehost fixture
+    unprivileged: tuple[int, ...] = ()
     _host_pub: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     _overlay: bool = field(default=True, repr=False, compare=False)  # up() finds out (_overlay_works)
 
@@ -381,6 +409,99 @@ class PveHost:
                                    + [p for p in pve if p.startswith("lxc.")]) + "\n")
         self.start(vmid)
 
+    def add_unprivileged(self, vmid: int = 202, node: str = "pve1") -> None:
+        """Add CT `vmid` to a running test host and start it: an unprivileged container (`unprivileged: 1`, the
+        idmap pve-container writes: container ids 0..65535 are host ids 100000..165535) with a rootfs of its own,
+        Debian bullseye with python3 3.9 (tests/pvehost/rootfs.py builds it once per machine), loopback only.
+
+        Its files belong to host uid 100000 and up, so what container root writes (pct push, ctl's agent) does too;
+        files a test writes through `rootfs(vmid)` from the host belong to host root, which the container sees as
+        nobody (65534). `remove_container` takes it away again (state.json, `pct list` and inventory() follow)."""
+        if any(vmid in n.vmids for n in self.nodes):
+            raise PveHostError(f"CT {vmid} already exists on this test host")
+        spec = next((n for n in self.nodes if n.name == node), None)
+        if spec is None:
+            raise PveHostError(f"no node {node} on this test host")
+        why = ctroot.missing_subids()
+        if why:
+            raise PveHostError(why)
+        tarball = ctroot.ensure()
+        ctdir = self.lxcpath(node) / str(vmid)
+        ctdir.mkdir()
+        root = ctdir / "rootfs"
+        try:
+            ctroot.unpack(tarball, root)
+        except BaseException:
+            shutil.rmtree(ctdir, ignore_errors=True)
+            raise
+        uid = ctroot.ID_BASE
+        smi = root / "usr" / "bin" / "nvidia-smi"  # where the driver's packages put it
+        shutil.copyfile(HERE / "nvidia_smi.py", smi)
+        smi.chmod(0o755)
+        (root / "etc" / "hostname").write_text(f"ct{vmid}\n")
+        (root / "workspace").mkdir(mode=0o755)
+        for made in (smi, root / "etc" / "hostname", root / "workspace"):
+            os.chown(made, uid, uid)  # as the container's own root made them
+        lines = [
+            f"lxc.uts.name = ct{vmid}",
+            f"lxc.rootfs.path = dir:{root}",
+            "lxc.mount.auto = proc:mixed sys:ro cgroup:mixed",
+            "lxc.net.0.type = empty",
+            "lxc.autodev = 1",
+            "lxc.pty.max = 32",
+            "lxc.apparmor.profile = unconfined",
+            *ctroot.idmap_lines(),
+            f"lxc.log.file = {ctdir / 'lxc.log'}",
+            "lxc.log.level = WARN",
+            # tini from the rootfs reaps orphans, as init.lxc does in the others (which this rootfs cannot run)
+            "lxc.init.cmd = /usr/bin/tini -- /usr/bin/sleep infinity",
+        ]
+        (ctdir / "config").write_text("\n".join(lines) + "\n")
+        pve = {
+            "arch": "amd64", "cores": "8", "features": "nesting=1", "hostname": f"ct{vmid}", "memory": "65536",
+            "net0": (f"name=eth0,bridge=vmbr0,firewall=1,hwaddr=BC:24:11:{vmid >> 8 & 255:02X}:{vmid & 255:02X}:00,"
+                     "ip=dhcp,type=veth"),
+            "ostype": "debian", "rootfs": f"local-zfs:subvol-{vmid}-disk-0,size=100G", "swap": "512",
+            "unprivileged": "1",
+        }
+        self.nodes = tuple(NodeSpec(n.name, n.address, (*n.vmids, vmid)) if n.name == node else n
+                           for n in self.nodes)
+        self.conf_path(vmid).write_text("\n".join(f"{k}: {v}" for k, v in sorted(pve.items())) + "\n")
+        self._rewrite_state()
+        self.start(vmid)
+
+    def ct_root_uid(self, vmid: int) -> int:
+        """The host uid (and gid) of the container's root: 0, or 100000 in an unprivileged one."""
+        conf = self.conf_path(vmid).read_text().splitlines()
+        return ctroot.ID_BASE if "unprivileged: 1" in conf else 0
+
+    def own_as_ct_root(self, vmid: int, *paths: Path, tree: bool = False) -> None:
+        """Give what a test wrote through rootfs(vmid) to the container's root, as if it had made it there (in an
+        unprivileged container, host root's files are nobody's and its root may not change them). With tree, also
+        everything under each path that host root owns."""
+        uid = self.ct_root_uid(vmid)
+        for path in paths:
+            todo = [Path(path)]
+            if tree and Path(path).is_dir() and not Path(path).is_symlink():
+                todo += [Path(d) / n for d, dirs, files in os.walk(path) for n in (*dirs, *files)]
+            for p in todo:
+                if p.lstat().st_uid == 0:
+                    os.lchown(p, uid, uid)
+
+    def remove_container(self, vmid: int) -> None:
+        """Stop CT `vmid` and remove it: its config, its directory (rootfs and log), its snapshots."""
+        node = self.node_of(vmid).name
+        self.stop(vmid)
+        self.conf_path(vmid).unlink(missing_ok=True)
+        shutil.rmtree(self.lxcpath(node) / str(vmid))
+        shutil.rmtree(self.node_dir(node) / "snapshots" / str(vmid), ignore_errors=True)
+        self.nodes = tuple(NodeSpec(n.name, n.address, tuple(v for v in n.vmids if v != vmid)) for n in self.nodes)
+        self._rewrite_state()
+
+    def _rewrite_state(self) -> None:
+        owner = _state(self.base).get("owner_pid")
+        self._write_state(owner if isinstance(owner, int) else None)
+
     def set_gpus(
         self,
         vmid: int,
@@ -490,6 +611,10 @@ class PveHost:
         why = missing_prerequisites()
         if why:
             raise PveHostError(why)
+        unknown = sorted(set(self.unprivileged) - {v for n in self.nodes for v in n.vmids})
+        if unknown:
+            raise PveHostError(f"unprivileged names CT {', '.join(map(str, unknown))}, which this test host does not "
+                               "have (add_unprivileged adds one of its own)")
         if self.base.exists():
             down(self.base)
         addresses = [n.address for n in self.nodes] + ([self.ct_ssh_address] if self.ct_ssh_vmid else [])
@@ -525,6 +650,7 @@ class PveHost:
             "nodes": [{"name": n.name, "address": n.address, "vmids": list(n.vmids)} for n in self.nodes],
             "ct_ssh_vmid": self.ct_ssh_vmid, "ct_ssh_address": self.ct_ssh_address,
             "small_tmpfs": {str(k): v for k, v in self.small_tmpfs.items()},
+            "unprivileged": list(self.unprivileged),
         }
         (self.base / "state.json").write_text(json.dumps(state, indent=1))
 
@@ -691,6 +817,16 @@ Subsystem sftp {SFTP_SERVER}
             (root / "workspace" / "small").mkdir()
             lines.append(f"lxc.mount.entry = tmpfs workspace/small tmpfs size={size},mode=0755 0 0")
             pve["mp0"] = f"local-zfs:subvol-{vmid}-disk-1,mp=/workspace/small,size={size.upper()}"
+        if vmid in self.unprivileged:
+            # The idmap pve-container writes for `unprivileged: 1`; the private dirs shifted to the mapped ids as a
+            # restore into such a container leaves them (the host's /usr stays host root's: nobody's, inside).
+            lines[-1:-1] = ctroot.idmap_lines()
+            # Recursive: a container started by pct (in sshd's namespace, /usr/sbin an overlay) may not bind /usr
+            # without what is mounted under it from a user namespace (EINVAL); it then sees pct in /usr/sbin.
+            usr = lines.index("lxc.mount.entry = /usr usr none ro,bind 0 0")
+            lines[usr] = "lxc.mount.entry = /usr usr none ro,rbind 0 0"
+            pve["unprivileged"] = "1"
+            shift_owners(root, ctroot.ID_BASE, skip=("usr",))
         (ctdir / "config").write_text("\n".join(lines) + "\n")
         conf = [f"{k}: {v}" for k, v in sorted(pve.items())] + pve_raw
         self.conf_path(vmid).write_text("\n".join(conf) + "\n")
@@ -763,7 +899,8 @@ def load(base: str | Path) -> PveHost:
     nodes = tuple(NodeSpec(n["name"], n["address"], tuple(n["vmids"])) for n in st["nodes"])
     return PveHost(base=base, port=st["port"], nodes=nodes, ct_ssh_vmid=st.get("ct_ssh_vmid"),
                    ct_ssh_address=st.get("ct_ssh_address", "127.0.0.4"),
-                   small_tmpfs={int(k): v for k, v in st.get("small_tmpfs", {}).items()})
+                   small_tmpfs={int(k): v for k, v in st.get("small_tmpfs", {}).items()},
+                   unprivileged=tuple(st.get("unprivileged", ())))
 
 
 def leftover_processes(base: Path) -> dict[int, str]:

@@ -381,8 +381,11 @@ def cmd_pull(node: Node, vmid: int, path: str, dest: str, opts: dict[str, str]) 
     with os.fdopen(fd, "wb") as out:
         if "perms" in opts:
             os.fchmod(out.fileno(), int(opts["perms"], 8))
-        argv = node.lxc("lxc-attach", vmid, "--clear-env", "--", "/usr/bin/python3", "-c", PULL_READER,
-                        _ct_path(path))
+        # Real pct enters only the container's mount namespace to open the source, never its user namespace (push
+        # enters both): host root reads what the container's own root may not (a host root's 0600 file in an
+        # unprivileged container). The python3 that runs is the container's.
+        argv = ["nsenter", "-t", str(node.pid(vmid)), "-m", "--", "/usr/bin/python3", "-c", PULL_READER,
+                _ct_path(path)]
         with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env={"PATH": PVE_PATH}) as proc:
             assert proc.stdout is not None and proc.stderr is not None

@@ -4,7 +4,7 @@ import os
 import stat
 
 from .base import json, shutil, tarfile
-from .fs import _describe, _read_json, _sha, _under, _which
+from .fs import _code, _describe, _read_json, _sha, _under, _unmapped_owner, _which
 
 # --- compile caches and venv facts (ctl cache, ctl env sync) --------------------------------------
 
@@ -95,6 +95,14 @@ def cachemark(args):
 
 def cachesave(args):
     """Tar the cache into STORE/NAME.tar.gz with a NAME.json sidecar (sha256, torch build); never overwrites."""
+    try:
+        return _cachesave(args)
+    except OSError as e:  # a cache or store directory container root may not write (unprivileged): one line
+        return {"ok": False, "code": _code(e),
+                "error": "cannot save the cache: %s%s" % (_describe(e), _unmapped_owner(e.filename or ""))}
+
+
+def _cachesave(args):
     root = args["root"]
     d = _under(root, args["dir"])
     store = _under(root, args["store"])

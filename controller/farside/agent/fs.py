@@ -241,6 +241,24 @@ def _describe(e):
     return "%s: %s" % ("ValueError" if isinstance(e, ValueError) else type(e).__name__, e)
 
 
+def _unmapped_owner(path):
+    """A note for a write refused under `path`: when it (or its nearest existing parent) belongs to the kernel's
+    overflow uid, no user of this container owns it. In an unprivileged container (Proxmox's default) that is a
+    directory the host made, or a host directory mounted in, which the container's root may not write."""
+    while path and path != "/" and not os.path.lexists(path):
+        path = os.path.dirname(path)
+    try:
+        uid = os.stat(path).st_uid
+        with open("/proc/sys/kernel/overflowuid") as f:
+            overflow = int(f.read())
+    except (OSError, ValueError):
+        return ""
+    if uid != overflow:
+        return ""
+    return (" (%s belongs to uid %d, no user of this container: in an unprivileged container, one the host made; "
+            "chown it on the host to the container's root, uid 100000 by default)" % (path, uid))
+
+
 def _which(name):
     """shutil.which(name) as it is on POSIX, without importing shutil: with subprocess, ~36 ms of CPU that every
     `ctl status` of a live run paid in each container it polled (Debian's Python 3.11), for one has-session."""

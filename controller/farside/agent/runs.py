@@ -7,7 +7,19 @@ import time
 
 from ..common import _pid_alive
 from .base import glob, json, subprocess
-from .fs import _NOFOLLOW, Refused, _describe, _lexists_at, _opendir, _read_json, _under, _which, hashes
+from .fs import (
+    _NOFOLLOW,
+    Refused,
+    _code,
+    _describe,
+    _lexists_at,
+    _opendir,
+    _read_json,
+    _under,
+    _unmapped_owner,
+    _which,
+    hashes,
+)
 from .logs import _logread
 
 
@@ -363,6 +375,9 @@ def launch(args):
         dfd = _opendir(root, parent, args.get("follow", ()), [])
     except Refused as e:
         return {"ok": False, "error": "log %s: %s" % (args["log"], e), "code": "symlink"}
+    except OSError as e:  # nothing started: say so in one line, and ctl releases the name
+        why = e.strerror + _unmapped_owner(_under(root, parent))
+        return {"ok": False, "error": "log directory %s: %s" % (parent, why), "code": _code(e)}
     try:
         if os.path.lexists(log) or _lexists_at(dfd, name):
             return {"ok": False, "error": "log %s already exists; a log is never overwritten" % args["log"],
@@ -373,6 +388,9 @@ def launch(args):
             fd = os.open(name + ".ctl.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=dfd)
         except FileExistsError:
             return {"ok": False, "error": "run record %s.ctl.json already exists" % args["log"], "code": "clobber"}
+        except OSError as e:
+            why = e.strerror + _unmapped_owner(_under(root, parent))
+            return {"ok": False, "error": "run record %s.ctl.json: %s" % (args["log"], why), "code": _code(e)}
         with os.fdopen(fd, "w") as f:
             json.dump(args["record"], f, indent=2, sort_keys=True, default=str)
     finally:
