@@ -253,7 +253,7 @@ def resolve_baseline(inv: Inventory | None, reg: Registry, run: RunRecord) -> Ba
                                  "(`ctl runs` lists them)") from None
         if base.id != run.id:
             return Baseline(base, "inventory")
-    pick = reg.baseline(run.ct, other_than=run.id)
+    pick = reg.baseline(run.key or run.ct, other_than=run.id)
     return Baseline(pick, "marked good") if pick is not None else None
 
 
