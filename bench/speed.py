@@ -17,10 +17,10 @@ the session has none yet, are started by the timed command) and the command serv
 "hot" run right after the same command, untimed: the session and its staying agents are up, as when a user
 runs `ctl status` again. The row "right after a cold one" runs with the default settings the moment an
 untimed cold run of the same command returned: its host's session is up, the command server that run started as
-it exited is still loading (bench/back_to_back.py times it against another tree). Each row is labelled with the value it ran under. A command that starts a command
-server as it exits (every cold one) is followed by an untimed wait for that server, so that its start-up is
-not the next case's. Client CPU counts the command's own processes and, for a served command, what the
-server's fork of it spent (the server's `cpu_s`).
+it exited is still loading (bench/back_to_back.py times it against another tree). Each row is labelled with the
+value it ran under. A command that starts a command server as it exits (every cold one) is followed by an
+untimed wait for that server, so that its start-up is not the next case's. Client CPU counts the command's own
+processes and, for a served command, what the server's fork of it spent (the server's `cpu_s`).
 
 Needs root, LXC and sshd (like the integration tests). Writes the samples as JSON beside the table.
 """
