@@ -113,6 +113,7 @@ def test_two_checkouts_local_targets_keep_their_own_runs(env: LocalEnv, tmp_path
         assert runs(other) == {"fresh1": second, "fresh3": second, "old1": "loc"}
         assert json.loads(other.ok("--json", "show", "loc/fresh1"))["key"] == second
         assert json.loads(other.ok("--json", "inventory"))["keys"] == {"loc": second}
+        assert [(d["run"], d["key"]) for d in other.status("loc/fresh3")[1]] == [("fresh3", second)]
         # Tail from the second clone reads its own log (its own rate), not the first clone's.
         assert "2.2Ktok/s" in other.ok("tail", "fresh1") and "1.1Ktok/s" in env.ok("tail", "fresh1")
         assert "1.1Ktok/s" not in other.ok("tail", "fresh1")

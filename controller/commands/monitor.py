@@ -291,7 +291,8 @@ class RunStatus:
         v = self.verdict
         return {
             "nodes": list(self.nodes) or None,
-            "ct": self.run.ct, "run": self.run.name, "state": self.run.state, "verdict": v.state.label,
+            "ct": self.run.ct, "key": self.run.key, "run": self.run.name, "state": self.run.state,
+            "verdict": v.state.label,
             "reason": v.reason, "exit_code": int(v.exit_code), "step": v.step, "tok_s": v.tok_s,
             "baseline": self.baseline, "baseline_tok_s": v.baseline_tok_s, "ratio": v.ratio,
             "idle_s": v.idle_s, "crash": v.crash,
