@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.deploy import FILES, TEMPLATE  # noqa: E402
 from bench.speed import CTL, checkout, say  # noqa: E402
+from controller.launch import served  # noqa: E402
 from tests.pvehost import PveHost, find_free_port, missing_prerequisites  # noqa: E402
 
 SETTLE_S = 1.0  # after `mux stop`: the ended session's and server's exits are not the cold run's CPU
@@ -80,6 +81,7 @@ def main() -> int:
         got: dict[str, dict[str, list[float]]] = {n: {c: [] for c in CASES} for n in trees}
         for i in range(args.repeat):
             for name, env in envs.items():
+                _settle(env)
                 _ok([str(CTL), "-i", str(inv), "mux", "stop"], env)
                 time.sleep(SETTLE_S)
                 got[name]["cold"].append(_timed(argv, env))
@@ -99,11 +101,20 @@ def main() -> int:
                 cold = statistics.median(got[name]["cold"])
                 print(f"| {case} | {name if name == 'this' else tree} | {statistics.median(runs):.3f} | "
                       f"{min(runs):.3f} | {statistics.median(runs) / cold:.2f}x |")
+                say(f"{case} {name}: {' '.join(f'{x:.3f}' for x in sorted(runs))}")
     finally:
         for env in envs.values():
             subprocess.run([str(CTL), "mux", "stop"], capture_output=True, env=env)
         host.down()
     return 0
+
+
+def _settle(env: dict[str, str]) -> None:
+    """Wait (untimed) for the command server the last round started: `mux stop` stops only a server that listens,
+    and one still loading would come up during the next cold run and serve its back-to-back command."""
+    deadline = time.time() + 30
+    while time.time() < deadline and not served.servers(env):
+        time.sleep(0.02)
 
 
 def _ok(argv: list[str], env: dict[str, str]) -> None:

@@ -102,33 +102,6 @@ def _preload() -> set[str]:
     return reads
 
 
-def _aside(fn: Any) -> Any:
-    """fn() in a thread of the lowest priority (nice 19: that thread's alone; the server's own, which its commands
-    inherit, stays as it was started). A server starts as the command that found none exits, and the command
-    typed next runs in its own process while it loads: the server's ~0.5 s of imports must not take the CPU that
-    command and the host's session need (on two cores, it made the second command slower than the cold one).
-    CPU nobody else wants still loads it at once."""
-    import threading
-
-    got: list[tuple[bool, Any]] = []
-
-    def run() -> None:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        try:
-            got.append((True, fn()))
-        except BaseException as e:  # raised again in the server's thread, as if it had loaded there
-            got.append((False, e))
-
-    t = threading.Thread(target=run, name="ctl-preload")
-    t.start()
-    t.join()
-    ok, value = got[0]
-    if not ok:
-        raise value
-    return value
-
-
 def main() -> None:
     import fcntl
 
@@ -148,7 +121,7 @@ def main() -> None:
     if served.key(os.environ) != key:
         return _leave(path, lock)  # ctl changed since the command that started this one computed the key
     try:
-        reads = _aside(_preload)
+        reads = _preload()
     except BaseException as e:  # a broken install: commands run in their own process, none starts us again
         if served.key(os.environ) == key:  # (not ctl changing under us: its next command starts a new key's)
             _failed(path, e)
