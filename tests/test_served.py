@@ -5,7 +5,6 @@ a pty, signals. Each test has its own socket directory (XDG_RUNTIME_DIR), so its
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pty
@@ -24,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from controller.launch import served
-from tests.helpers import wait_for
 from tests.served_world import CTL, World
 from tests.served_world import served_world as _served_world
 
@@ -632,44 +630,3 @@ def test_a_server_that_cannot_start_is_not_started_again_and_says_why(world: Wor
     assert "could not start" not in world("mux", "status").stdout and marker.exists()
     assert world("mux", "stop").returncode == 0
     assert not marker.exists()
-
-
-def _held_pid(lock: Path) -> int | None:
-    with contextlib.suppress(OSError, ValueError):
-        pid = int(lock.read_text().strip() or 0)
-        return pid if pid > 0 and Path(f"/proc/{pid}").exists() else None
-    return None
-
-
-def test_a_command_while_its_server_loads_runs_here_and_starts_no_other(world: World) -> None:
-    """The command typed right after the one that started the server (issue 44): the server still loads (held
-    here at a gate in a module it preloads), so the command runs in its own process, and starts no second server
-    (a Python start only to find the lock taken: CPU the commands beside it need)."""
-    lib = _own_copy(world)
-    world.ctl = [str(world.tmp / "bin" / "ctl")]
-    gate = world.tmp / "gate"
-    held = lib / "controller" / "core" / "render.py"
-    held.write_text(held.read_text() + f"\nimport os as _os, time as _time\nwhile not _os.path.exists({str(gate)!r}):"
-                    "\n    _time.sleep(0.01)\n")
-    # Each start of a server a client asks for, as the interpreter's audit hook sees it in the client
-    hook, spawns = world.tmp / "hook", world.tmp / "spawns"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        "import sys\n\n\ndef _seen(event, args):\n"
-        "    if event == 'os.posix_spawn' and 'controller.launch.server' in ' '.join(map(str, args[1])):\n"
-        f"        with open({str(spawns)!r}, 'a') as f:\n            f.write('spawn\\n')\n\n\n"
-        "sys.addaudithook(_seen)\n")
-    world.env["PYTHONPATH"] = str(hook)
-    assert world("config", "path").returncode == 0  # runs here, and starts the server
-    assert spawns.read_text() == "spawn\n"
-    lock = wait_for("the server's lock", lambda: next(iter(world.sockets.glob("cmd-*.sock.lock")), None))
-    server = wait_for("the server to hold its lock", lambda: _held_pid(lock))
-    for _ in range(2):
-        r = world("config", "path")
-        assert r.returncode == 0 and r.stdout.strip().endswith("no-config.yaml"), r.stderr
-    assert spawns.read_text() == "spawn\n" and not list(world.sockets.glob("cmd-*.sock"))
-    gate.touch()
-    up = world.up()
-    assert up["pid"] == server
-    assert world("config", "path").returncode == 0 and world.servers()[0]["served"] == int(up["served"]) + 2  # type: ignore[call-overload]
-    assert spawns.read_text() == "spawn\n"

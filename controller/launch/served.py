@@ -421,7 +421,7 @@ def start_server(argv: list[str]) -> None:
 
         with contextlib.suppress(FileExistsError):
             os.mkdir(d, 0o700)
-        if not ours_alone(os.lstat(d)) or os.path.lexists(socket_path(d, k) + FAILED) or starting(d, k):
+        if not ours_alone(os.lstat(d)) or os.path.lexists(socket_path(d, k) + FAILED):
             return
         log = os.open(os.path.join(d, f"cmd-{k}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW |
                       os.O_CLOEXEC, 0o600)
@@ -441,22 +441,6 @@ def start_server(argv: list[str]) -> None:
             os.close(log)
     except Exception:  # the next command runs here as this one did
         return
-
-
-def starting(d: str, k: str) -> bool:
-    """This key's server is up or starting: the live process whose pid its lock file holds is a server of this
-    socket. The command right after the one that started it finds no socket yet; starting another (a Python
-    start and imports, ~60 ms of CPU, to find the lock taken) would only slow the commands beside it."""
-    path = socket_path(d, k)
-    try:
-        with open(path + ".lock", "rb") as f:
-            pid = int(f.read(32).strip() or b"0")
-        if pid <= 0:
-            return False
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return os.fsencode(path) in f.read().split(b"\0")
-    except (OSError, ValueError):
-        return False
 
 
 def _ask(path: str, doc: dict[str, Any]) -> str | None:

@@ -116,8 +116,6 @@ def main() -> None:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return  # another command started this key's server a moment ago
-    os.ftruncate(lock, 0)
-    os.write(lock, b"%d\n" % os.getpid())  # served.starting: a command meanwhile starts no second server
     if served.key(os.environ) != key:
         return _leave(path, lock)  # ctl changed since the command that started this one computed the key
     try:
