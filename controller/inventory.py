@@ -299,6 +299,12 @@ class Container:
     root: Path | None  # local transport only, absolute
 
     @property
+    def key(self) -> str:
+        """Its identity in the registry, which is the user's and shared by every checkout: the name, and for a
+        `local` target its root too, so each checkout's `local` is a container of its own with its own runs."""
+        return f"{self.name}@{self.root}" if self.spec.transport == "local" else self.name
+
+    @property
     def label(self) -> str:
         if self.spec.transport == "pct":
             return f"{self.name} ({self.host_name}/{self.spec.vmid})"
@@ -355,6 +361,11 @@ class Inventory:
         if spec.root is not None:
             root = (self.base_dir / os.path.expanduser(spec.root)).resolve()
         return Container(name=name, spec=spec, host_name=spec.host, host=host, root=root)
+
+    def keys(self) -> dict[str, str]:
+        """The registry keys that are more than a name (`local` targets'), by container name."""
+        cts = (self.container(n) for n, c in self.model.containers.items() if c.transport == "local")
+        return {ct.name: ct.key for ct in cts}
 
     def job(self, name: str) -> Job:
         spec = self.model.jobs.get(name)

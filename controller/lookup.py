@@ -60,7 +60,7 @@ def recent_run_names(limit: int = 1000) -> list[tuple[str, str]]:
     none: list[tuple[str, str]] = []
     rows = read_only(lambda db: db.execute("SELECT ct, name FROM runs ORDER BY created DESC LIMIT ?",
                                            (limit,)).fetchall(), none)
-    return [(str(ct), str(name)) for ct, name in rows]
+    return [(str(ct).partition("@")[0], str(name)) for ct, name in rows]  # a `local` target's key: NAME@ROOT
 
 
 def containers_ran_in(ref: str | None) -> list[str]:
@@ -75,7 +75,7 @@ def containers_ran_in(ref: str | None) -> list[str]:
             live = sorted(s.value for s in LIVE)
             marks = ", ".join("?" * len(live))
             rows = db.execute(f"SELECT DISTINCT ct FROM runs WHERE state IN ({marks})", live).fetchall()  # noqa: S608
-            return sorted(str(r[0]) for r in rows)
+            return sorted({str(r[0]).partition("@")[0] for r in rows})
         if ref.startswith("#") and ref[1:].isdigit():
             ids = db.execute("SELECT id FROM runs WHERE id = ?", (int(ref[1:]),)).fetchall()
         elif "/" in ref:
@@ -87,7 +87,7 @@ def containers_ran_in(ref: str | None) -> list[str]:
             return []
         (whole,) = db.execute("SELECT COALESCE(member_of, id) FROM runs WHERE id = ?", (ids[0][0],)).fetchone()
         rows = db.execute("SELECT DISTINCT ct FROM runs WHERE id = ? OR member_of = ?", (whole, whole)).fetchall()
-        return sorted(str(r[0]) for r in rows)
+        return sorted({str(r[0]).partition("@")[0] for r in rows})
 
     return read_only(query, [])
 

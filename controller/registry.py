@@ -11,7 +11,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +19,7 @@ from typing import Any
 
 from controller.errors import BusyError, InputError
 from controller.lifecycle import LIVE, Lifecycle
+from controller.scope import Scope, name_of
 from controller.settings import private_dir, private_file, state_dir
 
 SCHEMA = [
@@ -177,6 +178,11 @@ SCHEMA = [
 ]
 
 
+class NoSuchRun(InputError):
+    """A run reference that names no run of the registry (as against one that names several, or another
+    checkout's): a verb that also takes container names says what else the word could have been."""
+
+
 @dataclass(frozen=True)
 class RunRecord:
     """One run as the registry keeps it: where and what it ran (files, vars, environment), and how it went."""
@@ -210,6 +216,8 @@ class RunRecord:
     nodes: int | None = None  # a run across several containers: how many (its `ct` is the job's name)
     member_of: int | None = None  # one node's part of such a run: the run's id
     node_rank: int | None = None  # that node's index in the job (0 hosts the rendezvous)
+    # The container's identity in the registry (`ct` is its name): the name, or NAME@ROOT for a `local` target
+    key: str = ""
 
     @property
     def multi(self) -> bool:
@@ -247,8 +255,10 @@ class _Lease:
 
 
 class Registry:
-    def __init__(self, path: Path | None = None) -> None:
+    def __init__(self, path: Path | None = None, *, here: Mapping[str, str] | None = None) -> None:
         self.path = path or state_dir() / "registry.sqlite3"
+        # With an inventory's keys (`here`), another checkout's rows are neither listed nor found (scope.py)
+        self.scope = Scope(dict(here) if here is not None else None)
         # Private: run records hold commands, variables and rendered scripts (SQLite gives -wal/-shm the db's mode).
         private_dir(self.path.parent)
         for suffix in ("", "-wal", "-shm"):
@@ -335,20 +345,25 @@ class Registry:
             )
 
     def deploys(self, ct: str, *, ok_only: bool = True, limit: int = 20) -> list[DeployRecord]:
-        q = "SELECT * FROM deploys WHERE ct=? AND ok>=? ORDER BY time DESC LIMIT ?"
+        where, args = self.scope.of(ct)
+        q = f"SELECT * FROM deploys WHERE {where} AND ok>=? ORDER BY time DESC LIMIT ?"  # noqa: S608
         return [
             DeployRecord(r["id"], r["ct"], r["kind"], r["time"], r["commit_sha"], bool(r["dirty"]), bool(r["ok"]),
                          json.loads(r["files"]), r["error"])
-            for r in self._db.execute(q, (ct, int(ok_only), limit))
+            for r in self._db.execute(q, (*args, int(ok_only), limit))
         ]
 
     # --- runs ------------------------------------------------------------------------------------
 
     def claim_run(self, name: str, ct: str, **fields: Any) -> RunRecord:
-        """Insert the run in state 'starting'; a second claim of (ct, name) raises BusyError."""
+        """Insert the run in state 'starting' (`ct`: the container's key); a second claim of (ct, name) raises
+        BusyError, as does a name that a row of the container recorded under its bare name holds."""
         cols = {"name": name, "ct": ct, "created": time.time(), "state": Lifecycle.STARTING, **_encode(fields)}
         try:
             with self.tx() as db:
+                where, args = self.scope.of(ct)
+                if db.execute(f"SELECT 1 FROM runs WHERE {where} AND name=?", (*args, name)).fetchone():  # noqa: S608
+                    raise sqlite3.IntegrityError
                 cur = db.execute(
                     f"INSERT INTO runs ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})",  # noqa: S608
                     tuple(cols.values()),
@@ -369,7 +384,9 @@ class Registry:
         try:
             with self.tx() as db:
                 for ct, _host in [(job, None), *nodes]:
-                    row = db.execute("SELECT member_of FROM runs WHERE ct=? AND name=?", (ct, name)).fetchone()
+                    where, args = self.scope.of(ct)
+                    row = db.execute(f"SELECT member_of FROM runs WHERE {where} AND name=?",  # noqa: S608
+                                     (*args, name)).fetchone()
                     if row is not None:
                         what = "a node of another run" if row[0] is not None else "a run"
                         raise BusyError(f"run name {name!r} is taken on {ct} ({what} of that name is in the "
@@ -431,12 +448,9 @@ class Registry:
         if members is None:
             members = ct is not None
         only = "" if members else " AND member_of IS NULL"
-        if ct:
-            rows = self._db.execute(f"SELECT * FROM runs WHERE ct=?{only} ORDER BY created DESC LIMIT ?",  # noqa: S608
-                                    (ct, limit))
-        else:
-            rows = self._db.execute(f"SELECT * FROM runs WHERE 1{only} ORDER BY created DESC LIMIT ?",  # noqa: S608
-                                    (limit,))
+        where, args = self.scope.of(ct) if ct else self.scope.mine()
+        rows = self._db.execute(f"SELECT * FROM runs WHERE {where}{only} ORDER BY created DESC LIMIT ?",  # noqa: S608
+                                (*args, limit))
         return [_run(r) for r in rows]
 
     def live_runs(self, ct: str | None = None) -> list[RunRecord]:
@@ -444,23 +458,28 @@ class Registry:
         across several containers included), or of everything (one row per run). Only those rows are read: a
         registry's history costs nothing here."""
         if ct:
-            rows = self._db.execute(f"SELECT * FROM runs WHERE state IN ({_LIVE_MARKS}) AND ct=? "  # noqa: S608
-                                    "ORDER BY created DESC", (*_LIVE, ct))
+            where, args = self.scope.of(ct)
+            rows = self._db.execute(f"SELECT * FROM runs WHERE state IN ({_LIVE_MARKS}) AND {where} "  # noqa: S608
+                                    "ORDER BY created DESC", (*_LIVE, *args))
         else:
-            rows = self._db.execute(f"SELECT * FROM runs WHERE {_LIVE_WHOLE}", _LIVE)  # noqa: S608
+            where, args = self.scope.mine()
+            rows = self._db.execute(f"SELECT * FROM runs WHERE {where} AND {_LIVE_WHOLE}", (*args, *_LIVE))  # noqa: S608
         return [_run(r) for r in rows]
 
     def live_ids(self) -> list[tuple[int, str]]:
-        """(id, container or job) of the live runs, one row per run, newest first: live_runs without decoding a
-        record (a supervisor asks at each poll which runs to watch)."""
-        return [(rid, ct) for rid, ct in self._db.execute(f"SELECT id, ct FROM runs WHERE {_LIVE_WHOLE}", _LIVE)]  # noqa: S608
+        """(id, container or job name) of the live runs, one row per run, newest first: live_runs without decoding
+        a record (a supervisor asks at each poll which runs to watch)."""
+        where, args = self.scope.mine()
+        rows = self._db.execute(f"SELECT id, ct FROM runs WHERE {where} AND {_LIVE_WHOLE}", (*args, *_LIVE))  # noqa: S608
+        return [(rid, name_of(ct)) for rid, ct in rows]
 
     def latest_whole(self, ct: str, limit: int) -> list[tuple[int, Lifecycle]]:
         """(id, state) of the runs the container's newest `limit` rows belong to (a node's row: its run across
         several containers), newest first, each once; read without decoding a record."""
+        where, args = self.scope.of(ct)
         rows = self._db.execute(
-            "SELECT w.id, w.state, w.created FROM (SELECT COALESCE(member_of, id) AS whole FROM runs WHERE ct=? "
-            "ORDER BY created DESC LIMIT ?) r JOIN runs w ON w.id = r.whole", (ct, limit)).fetchall()
+            f"SELECT w.id, w.state, w.created FROM (SELECT COALESCE(member_of, id) AS whole FROM runs WHERE {where} "  # noqa: S608
+            "ORDER BY created DESC LIMIT ?) r JOIN runs w ON w.id = r.whole", (*args, limit)).fetchall()
         seen: dict[int, tuple[float, Lifecycle]] = {}
         for rid, state, created in rows:
             seen.setdefault(rid, (created, Lifecycle(state)))
@@ -470,9 +489,11 @@ class Registry:
         """(id, container or job) of the runs that are not live and whose last verdict is set and not in
         `terminal` (one row per run): a supervisor saw them go and has not yet seen them end."""
         last = "SELECT to_verdict FROM events e WHERE e.run_id=runs.id AND e.kind='verdict' ORDER BY e.id DESC LIMIT 1"
-        query = f"SELECT id, ct, ({last}) AS v FROM runs WHERE member_of IS NULL AND state NOT IN ({_LIVE_MARKS})"  # noqa: S608
-        rows = self._db.execute(query + " AND v IS NOT NULL AND v != ''", _LIVE).fetchall()
-        return [(rid, ct) for rid, ct, v in rows if v not in terminal]
+        where, args = self.scope.mine()
+        query = (f"SELECT id, ct, ({last}) AS v FROM runs WHERE {where} AND member_of IS NULL "  # noqa: S608
+                 f"AND state NOT IN ({_LIVE_MARKS})")
+        rows = self._db.execute(query + " AND v IS NOT NULL AND v != ''", (*args, *_LIVE)).fetchall()
+        return [(rid, name_of(ct)) for rid, ct, v in rows if v not in terminal]
 
     def whole(self, rec: RunRecord) -> RunRecord:
         """The run a record is part of: a node's row gives its run across several containers, any other itself."""
@@ -480,26 +501,35 @@ class Registry:
 
     def find_run(self, ref: str) -> RunRecord:
         """A run by `NAME`, `CT/NAME` or `#ID`; ambiguous names must be qualified. A node of a run across several
-        containers (`ct300/fresh7`, or its #ID) stands for that whole run: every verb acts on all its nodes."""
+        containers (`ct300/fresh7`, or its #ID) stands for that whole run: every verb acts on all its nodes.
+        Another checkout's run (its `local` at another root) is refused, saying so."""
         if ref.startswith("#") and ref[1:].isdigit():
             row = self._db.execute("SELECT * FROM runs WHERE id=?", (int(ref[1:]),)).fetchone()
             if row is None:
-                raise InputError(f"no run {ref} in the registry ({self.path})")
+                raise NoSuchRun(f"no run {ref} in the registry ({self.path})")
+            if self.scope.elsewhere(row["ct"]):
+                raise self.scope.refusal(ref, row["ct"])
             return self.whole(_run(row))
-        if "/" in ref:
-            ct, name = ref.split("/", 1)
-            rows = list(self._db.execute("SELECT * FROM runs WHERE ct=? AND name=?", (ct, name)))
+        ct, _, name = ref.rpartition("/")
+        if ct:
+            where, args = self.scope.of(ct)
+            rows = list(self._db.execute(f"SELECT * FROM runs WHERE {where} AND name=?", (*args, name)))  # noqa: S608
         else:
             rows = list(self._db.execute("SELECT * FROM runs WHERE name=? AND member_of IS NULL", (ref,)))
+        rows = [r for r in rows if not self.scope.elsewhere(r["ct"])]
         if not rows:
-            raise InputError(f"no run {ref!r} in the registry ({self.path}); `ctl runs` lists them")
+            for (key,) in self._db.execute("SELECT ct FROM runs WHERE name=?", (name,)):
+                if self.scope.elsewhere(key) and (not ct or name_of(key) == ct):
+                    raise self.scope.refusal(ref, key)
+            raise NoSuchRun(f"no run {ref!r} in the registry ({self.path}); `ctl runs` lists them")
         if len(rows) > 1:
             cts = ", ".join(f"{r['ct']}/{r['name']}" for r in rows)
             raise InputError(f"run name {ref!r} is ambiguous: {cts}")
         return self.whole(_run(rows[0]))
 
     def names(self, ct: str) -> list[str]:
-        return [r[0] for r in self._db.execute("SELECT name FROM runs WHERE ct=?", (ct,))]
+        where, args = self.scope.of(ct)
+        return [r[0] for r in self._db.execute(f"SELECT name FROM runs WHERE {where}", args)]  # noqa: S608
 
     def mark_good(self, run_id: int, good: bool = True) -> None:
         with self.tx() as db:
@@ -512,12 +542,14 @@ class Registry:
         skip = -1 if other_than is None else other_than
         where = "good=1 AND member_of IS NULL AND id!=?"
         if ct is not None:
-            row = self._db.execute(f"SELECT * FROM runs WHERE {where} AND ct=? ORDER BY created DESC LIMIT 1",  # noqa: S608
-                                   (skip, ct)).fetchone()
+            of, args = self.scope.of(ct)
+            row = self._db.execute(f"SELECT * FROM runs WHERE {where} AND {of} ORDER BY created DESC LIMIT 1",  # noqa: S608
+                                   (skip, *args)).fetchone()
             if row is not None:
                 return _run(row)
-        row = self._db.execute(f"SELECT * FROM runs WHERE {where} ORDER BY created DESC LIMIT 1",  # noqa: S608
-                               (skip,)).fetchone()
+        mine, args = self.scope.mine()
+        row = self._db.execute(f"SELECT * FROM runs WHERE {where} AND {mine} ORDER BY created DESC LIMIT 1",  # noqa: S608
+                               (skip, *args)).fetchone()
         return _run(row) if row is not None else None
 
     # --- metrics ---------------------------------------------------------------------------------
@@ -843,4 +875,6 @@ def _run(row: sqlite3.Row | None) -> RunRecord:
     d["dirty"] = bool(d.get("dirty"))
     d["good"] = bool(d.get("good"))
     d["state"] = Lifecycle(d["state"])
+    d["key"] = d["ct"]
+    d["ct"] = name_of(d["ct"])
     return RunRecord(**d)

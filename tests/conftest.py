@@ -390,24 +390,35 @@ class LocalEnv:
         self.inventory.write_text(yaml.safe_dump(doc))
 
 
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[LocalEnv]:
-    """Deployed and ready to launch; its tmux server is killed afterwards. Needs tmux: its users skip without."""
-    shutil.copy(FAKE, tmp_path / "emit_metrics.py")
-    (tmp_path / "start_training.sh.j2").write_text(START)
-    tmux_dir = tmp_path / "tmux"
-    tmux_dir.mkdir()
-    e = LocalEnv(tmp_path, tmp_path / "root", tmp_path / "inventory.yaml", dict(
-        os.environ, CTL_STATE_DIR=str(tmp_path / "state"), TMUX_TMPDIR=str(tmux_dir), PYTHONPATH=str(REPO)))
+    def end(self) -> None:
+        """Kill its tmux server and what its runs left: a run's training has its own process group, which
+        outlives its tmux session."""
+        subprocess.run(["tmux", "kill-server"], env=self.env, capture_output=True)
+        for pid_file in (self.root / "workspace").glob("*.log.pid"):
+            with contextlib.suppress(ValueError, OSError):
+                os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
+
+
+def local_env(checkout: Path, state: Path, tmux_dir: Path) -> LocalEnv:
+    """A checkout's inventory with its `local` target under checkout/root, deployed, using the registry in
+    `state` and the tmux server in `tmux_dir` (two checkouts of one user share both)."""
+    shutil.copy(FAKE, checkout / "emit_metrics.py")
+    (checkout / "start_training.sh.j2").write_text(START)
+    tmux_dir.mkdir(exist_ok=True)
+    e = LocalEnv(checkout, checkout / "root", checkout / "inventory.yaml", dict(
+        os.environ, CTL_STATE_DIR=str(state), TMUX_TMPDIR=str(tmux_dir), PYTHONPATH=str(REPO)))
     e.root.mkdir()
     e.write_inventory()
     e.ok("deploy", "--allow-dirty")
+    return e
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[LocalEnv]:
+    """Deployed and ready to launch; its tmux server is killed afterwards. Needs tmux: its users skip without."""
+    e = local_env(tmp_path, tmp_path / "state", tmp_path / "tmux")
     try:
         yield e
     finally:
-        subprocess.run(["tmux", "kill-server"], env=e.env, capture_output=True)
-        # A run's training has its own process group, which outlives its tmux session: end what a test left.
-        for pid_file in (e.root / "workspace").glob("*.log.pid"):
-            with contextlib.suppress(ValueError, OSError):
-                os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
+        e.end()
 

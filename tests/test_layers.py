@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "controller"
-BOTTOM = {"errors", "names", "settings", "lifecycle", "inventory", "registry", "schema", "yamlpos", "lookup", "files",
-          "farside"}
+BOTTOM = {"errors", "names", "settings", "lifecycle", "inventory", "registry", "scope", "schema", "yamlpos", "lookup",
+          "files", "farside"}
 LAYERS = ["launch", "cli", "web", "commands", "remote", "transport", "core"]
 # What each layer may import from controller/ (besides the bottom and itself).
 ALLOWED = {

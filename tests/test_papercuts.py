@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from controller.errors import ExitCode
-from tests.conftest import LocalEnv
+from controller.registry import Registry
+from tests.conftest import LocalEnv, local_env
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
@@ -87,3 +89,44 @@ def test_deploy_without_names_needs_all_when_the_inventory_has_several(env: Loca
     assert r.returncode == ExitCode.INPUT and "has 2: loc2, loc), or pass --all" in r.stderr, r.stderr
     out = env.ok("deploy", "--all", "--allow-dirty")
     assert out.startswith("deploying to all 2 containers") and "loc2" in out
+
+
+def test_two_checkouts_local_targets_keep_their_own_runs(env: LocalEnv, tmp_path: Path) -> None:
+    """Two clones of a project, one user: one registry (state dir) and one tmux server, a `loc` target each
+    under its own root. Each sees, tails and stops its own runs only; a run recorded before roots were part of
+    a target's identity (bare `loc`) stays readable from both."""
+    (tmp_path / "clone2").mkdir()
+    other = local_env(tmp_path / "clone2", tmp_path / "state", tmp_path / "tmux")
+    try:
+        env.launch("fresh1", "--tok-s 1100 --steps 3 --interval 0 --jitter 0", follow=True)
+        env.launch("fresh2", "--tok-s 1100 --steps 3 --interval 0 --jitter 0", follow=True)
+        # The same name in the second clone is a run of its own, not "already exists".
+        other.launch("fresh1", "--tok-s 2200 --steps 3 --interval 0 --jitter 0", follow=True)
+        other.launch("fresh3", "--tok-s 2200 --steps 3 --interval 0 --jitter 0", follow=True)
+        old = Registry(tmp_path / "state" / "registry.sqlite3").claim_run("old1", "loc")  # as main recorded it
+
+        def runs(e: LocalEnv) -> dict[str, str]:
+            return {r["name"]: r["key"] for r in json.loads(e.ok("--json", "runs"))}
+
+        first, second = f"loc@{env.root.resolve()}", f"loc@{other.root.resolve()}"
+        assert runs(env) == {"fresh1": first, "fresh2": first, "old1": "loc"}
+        assert runs(other) == {"fresh1": second, "fresh3": second, "old1": "loc"}
+        assert json.loads(other.ok("--json", "show", "loc/fresh1"))["key"] == second
+        assert json.loads(other.ok("--json", "inventory"))["keys"] == {"loc": second}
+        assert [(d["run"], d["key"]) for d in other.status("loc/fresh3")[1]] == [("fresh3", second)]
+        # Tail from the second clone reads its own log (its own rate), not the first clone's.
+        assert "2.2Ktok/s" in other.ok("tail", "fresh1") and "1.1Ktok/s" in env.ok("tail", "fresh1")
+        assert "1.1Ktok/s" not in other.ok("tail", "fresh1")
+        for verb in (["tail", "fresh2"], ["show", "fresh2"], ["status", "fresh2"], ["stop", "fresh2"],
+                     ["tail", "loc/fresh2"]):
+            r = other.ctl(*verb)
+            assert r.returncode == ExitCode.INPUT, (verb, r.stdout, r.stderr)
+            ref = verb[1]
+            assert r.stderr.strip() == (f"ctl: error: run {ref!r} is another checkout's: it ran in loc at "
+                                        f"{env.root.resolve()}, and this inventory's loc is {other.root.resolve()}"
+                                        ), verb
+        assert json.loads(env.ok("--json", "show", "fresh2"))["state"] == "finished"  # `stop` touched nothing
+        for e in (env, other):
+            assert json.loads(e.ok("--json", "show", "old1"))["id"] == old.id
+    finally:
+        other.end()

@@ -260,9 +260,16 @@ def _plain_cell(markup: str) -> tuple[str, int] | None:
 
 
 def _registry() -> Registry:
+    """The registry as this inventory sees it (another checkout's `local` runs are not its own); a command that
+    only reads the registry still works where the inventory does not load, seeing every row."""
+    from controller.errors import CtlError
     from controller.registry import Registry
 
-    return Registry()
+    try:
+        here: dict[str, str] | None = _inv().keys()
+    except CtlError:
+        here = None
+    return Registry(here=here)
 
 
 @contextmanager

@@ -34,7 +34,8 @@ def inventory_cmd(ctx: typer.Context) -> None:
     if OPTS.json:
         from controller.schema import dump
 
-        _out({"path": str(inv.path), **dump(m)})
+        # keys: each container's identity in the registry (a `local` target's includes its root)
+        _out({"path": str(inv.path), **dump(m), "keys": {n: inv.container(n).key for n in m.containers}})
         return
     _table(f"hosts ({inv.path})", ["host", "address", "port", "user", "api"],
            [[n, h.address, h.port, h.user, h.api.url if h.api else "-"] for n, h in m.hosts.items()])

@@ -249,6 +249,7 @@ def status_cmd(
     (21 SLOW, 22 STALLED, 5 UNREACHABLE, 20 CRASHED)."""
     from controller.commands import monitor
     from controller.core.metrics import exit_code_for
+    from controller.registry import NoSuchRun
 
     stall_s = _duration(stall_after, "--stall-after")
     _ratio(slow_ratio)
@@ -264,8 +265,8 @@ def status_cmd(
     for ref in [w for w in containers or [] if w not in named]:
         try:
             rec = reg.find_run(ref)
-        except InputError as e:
-            if "/" in ref or ref.startswith("#") or "ambiguous" in str(e):
+        except NoSuchRun:
+            if "/" in ref or ref.startswith("#"):
                 raise
             raise InputError(f"{ref!r} is neither a container, group or job of {inv.path} nor a run of the "
                              "registry (`ctl runs` lists them)") from None
@@ -273,7 +274,7 @@ def status_cmd(
             seen.add(rec.id)
             recs.append(rec)
     for ct in inv.select(named) if named or not containers else []:
-        mine = reg.latest_whole(ct.name, 50)  # a node's part of a run stands for the whole run
+        mine = reg.latest_whole(ct.key, 50)  # a node's part of a run stands for the whole run
         for rid in [rid for rid, state in mine if state.live] or [rid for rid, _ in mine[:1]]:
             if rid not in seen:
                 seen.add(rid)

@@ -208,7 +208,7 @@ def tail_cmd(
         if run:
             rec = reg.find_run(f"{ct.name}/{run}")
         else:
-            recs = reg.runs(ct.name, limit=1)
+            recs = reg.runs(ct.key, limit=1)
             if not recs:
                 raise CtlError(f"{ct.name}: no runs recorded; `ctl launch {ct.name}` starts one")
             rec = recs[0]

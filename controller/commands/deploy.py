@@ -206,7 +206,7 @@ def deploy(
     if reply.partial:  # what stays replaced, and only that: `ctl deploy --rollback` restores it
         files = [f for f in files if f["dest"] in set(reply.replaced)]
     if reg is not None:
-        reg.add_deploy(DeployRecord(deploy_id, ct.name, "partial" if reply.partial else "deploy", time.time(),
+        reg.add_deploy(DeployRecord(deploy_id, ct.key, "partial" if reply.partial else "deploy", time.time(),
                                     manifest.commit, manifest.dirty, reply.ok, files, reply.error))
     if not reply.ok and moved and not reply.partial:
         shown = ", ".join(str(entries[i]["dest"]) for i in moved if 0 <= i < len(entries))
@@ -244,7 +244,7 @@ def _file_plan(f: PinnedFile, h: dict[str, Any] | None, ct: str = "") -> FilePla
 
 def check(inv: Inventory, ct: Container, t: Transport, reg: Registry | None) -> list[FilePlan]:
     """Drift: container files against the last successful deploy (or the pins if none). Fixes nothing."""
-    last = reg.deploys(ct.name, limit=1) if reg is not None else []
+    last = reg.deploys(ct.key, limit=1) if reg is not None else []
     if last:
         want = {f["dest"]: (f["sha256"], f["mode"]) for f in last[0].files}
     else:
@@ -269,7 +269,7 @@ def rollback(ct: Container, t: Transport, reg: Registry) -> DeployResult:
     t0 = time.monotonic()
     # The last deploy that replaced files: a complete one, or a partial one (those it left replaced); a failed
     # deploy that put everything back replaced nothing. A rollback of a rollback re-applies what it undid.
-    history = [d for d in reg.deploys(ct.name, ok_only=False, limit=50) if d.ok or d.kind == "partial"][:1]
+    history = [d for d in reg.deploys(ct.key, ok_only=False, limit=50) if d.ok or d.kind == "partial"][:1]
     if not history:
         raise InputError(f"{ct.name}: no deploy recorded in {reg.path}; nothing to roll back")
     last = history[0]
@@ -296,7 +296,7 @@ def rollback(ct: Container, t: Transport, reg: Registry) -> DeployResult:
              for e, f in zip(entries, restore, strict=True)]
     if reply.partial:
         files = [f for f in files if f["dest"] in set(reply.replaced)]
-    reg.add_deploy(DeployRecord(deploy_id, ct.name, "partial" if reply.partial else "rollback", time.time(),
+    reg.add_deploy(DeployRecord(deploy_id, ct.key, "partial" if reply.partial else "rollback", time.time(),
                                 last.commit_sha, last.dirty, reply.ok, files, reply.error))
     if not reply.ok:
         raise reply.refusal(agent, _failure_suffix(reply, deploy_id))

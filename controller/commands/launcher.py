@@ -94,9 +94,9 @@ def launch(
     slot = gpupreflight.request(ct, env_req)  # the GPU checks ride in the environment probe's slot
     if name is None:
         probed = probe(inv, ct, t, manifest, None, env=slot)
-        name = next_of_series(inv, reg, [ct.name], agent.need(probed, "series_logs", list))
+        name = next_of_series(inv, reg, [ct.key], agent.need(probed, "series_logs", list))
     rp = paths_for(inv, name)
-    rec = reg.claim_run(name, ct.name, host=ct.host_name, session=rp.session, log_path=rp.log, run_dir=rp.run_dir,
+    rec = reg.claim_run(name, ct.key, host=ct.host_name, session=rp.session, log_path=rp.log, run_dir=rp.run_dir,
                         **(lineage or {}))
     try:
         if probed is None:
@@ -272,10 +272,10 @@ def launch_job(
         docs[ct.name], gpus[ct.name] = gpupreflight.unwrap(ct, docs[ct.name], None)
     if name is None:
         logs = [n for d in docs.values() for n in d.get("series_logs", []) if isinstance(n, str)]
-        name = next_of_series(inv, reg, [job.name, *(ct.name for ct in nodes)], logs)
+        name = next_of_series(inv, reg, [job.name, *(ct.key for ct in nodes)], logs)
         rp = paths_for(inv, name)
     assert rp is not None
-    run, members = reg.claim_job_run(name, job.name, [(ct.name, ct.host_name) for ct in nodes], session=rp.session,
+    run, members = reg.claim_job_run(name, job.name, [(ct.key, ct.host_name) for ct in nodes], session=rp.session,
                                      log_path=rp.log, run_dir=rp.run_dir, **(lineage or {}))
     by_node = {m.ct: m for m in members}
     checks: dict[str, list[Check]] = {}

@@ -253,7 +253,7 @@ def resolve_baseline(inv: Inventory | None, reg: Registry, run: RunRecord) -> Ba
                                  "(`ctl runs` lists them)") from None
         if base.id != run.id:
             return Baseline(base, "inventory")
-    pick = reg.baseline(run.ct, other_than=run.id)
+    pick = reg.baseline(run.key or run.ct, other_than=run.id)
     return Baseline(pick, "marked good") if pick is not None else None
 
 
@@ -291,7 +291,8 @@ class RunStatus:
         v = self.verdict
         return {
             "nodes": list(self.nodes) or None,
-            "ct": self.run.ct, "run": self.run.name, "state": self.run.state, "verdict": v.state.label,
+            "ct": self.run.ct, "key": self.run.key, "run": self.run.name, "state": self.run.state,
+            "verdict": v.state.label,
             "reason": v.reason, "exit_code": int(v.exit_code), "step": v.step, "tok_s": v.tok_s,
             "baseline": self.baseline, "baseline_tok_s": v.baseline_tok_s, "ratio": v.ratio,
             "idle_s": v.idle_s, "crash": v.crash,

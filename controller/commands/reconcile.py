@@ -111,7 +111,7 @@ def _reconcile(reg: Registry, r: RunRecord, st: dict[str, Any]) -> RunRecord | N
 
 def live(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> list[RunRecord]:
     """Runs the registry believes live on this CT, confirmed by asking the container (one round trip)."""
-    candidates = reg.live_runs(ct.name)
+    candidates = reg.live_runs(ct.key)
     if not candidates:
         return []
     return [r for r in refresh(inv, ct, t, reg, candidates) if r.state.live]

@@ -227,7 +227,7 @@ def live_runs(inv: Inventory, ct: Container, t: Target, pool: Pool, reg: Registr
     """Runs the registry believes live on this CT, confirmed by asking the container (reconcile.refresh)."""
     from controller.commands import reconcile
 
-    believed = reg.live_runs(ct.name)
+    believed = reg.live_runs(ct.key)
     if not believed:
         return []
     try:

@@ -120,7 +120,7 @@ def used_by_runs(reg: Registry | None, ct: str) -> set[str]:
 def prune(ct: Container, t: Transport, reg: Registry | None, *, dry_run: bool = False) -> StoreReport:
     listing = _listing(t)
     base = _report(ct, listing)
-    keep, delete = plan(listing, ct.spec.store_keep, used_by_runs(reg, ct.name))
+    keep, delete = plan(listing, ct.spec.store_keep, used_by_runs(reg, ct.key))
     sizes = {**listing.get("temps", {}), **listing.get("objects", {})}
     deleted: tuple[str, ...] = ()
     if delete and not dry_run:
