@@ -174,6 +174,11 @@ SCHEMA = [
     );
     CREATE INDEX exports_run ON exports(run_id, id);
     """,
+    # version 9: when an operator asked a run to stop, recorded before the first signal: a supervisor poll that
+    # sees the training end under that signal calls it stopped, never a crash to relaunch
+    """
+    ALTER TABLE runs ADD COLUMN stop_asked REAL;
+    """,
 ]
 
 
@@ -210,6 +215,7 @@ class RunRecord:
     nodes: int | None = None  # a run across several containers: how many (its `ct` is the job's name)
     member_of: int | None = None  # one node's part of such a run: the run's id
     node_rank: int | None = None  # that node's index in the job (0 hosts the rendezvous)
+    stop_asked: float | None = None  # when `ctl stop` (or a runbook's stop) asked it to end, before any signal
 
     @property
     def multi(self) -> bool:
@@ -402,6 +408,13 @@ class Registry:
                 (*enc.values(), run_id),
             )
         return self.run_by_id(run_id)
+
+    def ask_stop(self, run_id: int) -> None:
+        """Record that an operator asked the run (and, for a run across several containers, each of its nodes)
+        to stop, before any signal is sent: whatever ends the training after this is the operator's doing."""
+        with self.tx() as db:
+            db.execute("UPDATE runs SET stop_asked=? WHERE (id=? OR member_of=?) AND stop_asked IS NULL",
+                       (time.time(), run_id, run_id))
 
     def release_run(self, run_id: int) -> None:
         """Forget a claim whose launch never reached the container (refused by preflight); a run across several

@@ -374,9 +374,10 @@ def _undo_start(inv: Inventory, pool: Pool, reg: Registry, job: Job, run: RunRec
     return node_error(job.name, str(culprit.error), culprit.exit_code or int(ExitCode.FAILURE), tail)
 
 
-def stop_job(inv: Inventory, pool: Pool, reg: Registry, run: RunRecord, grace: float = 30) -> tuple[RunRecord,
-                                                                                           list[Outcome[Any]]]:
-    """SIGINT every live node's training (escalating as `ctl stop` does), in parallel; the run is STOPPED."""
+def stop_job(inv: Inventory, pool: Pool, reg: Registry, run: RunRecord, grace: float = 30, *,
+             by_operator: bool = False) -> tuple[RunRecord, list[Outcome[Any]]]:
+    """SIGINT every live node's training (escalating as `ctl stop` does), in parallel; the run is STOPPED.
+    `by_operator`: the stop is recorded as asked, on the run and every node, before the first signal."""
     members = reg.members(run.id)
     live = [m for m in members if m.state.live]
     if not live and not run.state.live:
@@ -384,6 +385,8 @@ def stop_job(inv: Inventory, pool: Pool, reg: Registry, run: RunRecord, grace: f
     missing = [m.ct for m in live if m.ct not in inv.model.containers]
     if missing:
         raise InputError(f"run {run.name}: node(s) {', '.join(missing)} are no longer in {inv.path}")
+    if by_operator:
+        reg.ask_stop(run.id)
     by_ct = {m.ct: m for m in live}
     outcomes = fanout(pool, [inv.container(m.ct) for m in live],
                       lambda ct, t: reconcile.stop(inv, ct, t, reg, by_ct[ct.name], grace=grace))

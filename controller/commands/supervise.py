@@ -149,7 +149,10 @@ class Supervisor:
             return UNREACHABLE
         if st.run.state == Lifecycle.STOPPED:
             return "stopped"
-        return st.verdict.state.label
+        label = st.verdict.state.label
+        if st.run.stop_asked is not None and label in ("crashed", "finished"):
+            return "stopped"  # ended under an operator's `ctl stop` whose record is not written yet
+        return label
 
     def _judge(self, pool: Pool, st: RunStatus, verdict: str, out: Poll) -> None:
         run = st.run
@@ -168,7 +171,7 @@ class Supervisor:
             # one more round trip, for verdicts someone acts on only (a first sight of a healthy run is not one)
             "last_lines": self._last_lines(pool, run) if verdict not in HEALTHY_FIRST_SIGHT | {UNREACHABLE} else [],
         }
-        wanted = self.s.policy.wants(verdict) and run.state != Lifecycle.STOPPED
+        wanted = self.s.policy.wants(verdict) and run.state != Lifecycle.STOPPED and run.stop_asked is None
         action = "none"
         if wanted:
             action = self._plan(run, verdict)
@@ -242,9 +245,9 @@ class Supervisor:
             held, holder = self.reg.take_lease(LEASE, self.holder, self.lease_ttl())
             if not held:
                 raise BusyError(f"lost the supervisor lease to {holder and holder['holder']}: stopping")
-            if row["state"] == "planned" and failed.state == Lifecycle.STOPPED:
-                # `ctl stop` raced the poll: its signal ended the training, the poll saw an exit and called it a
-                # crash, then the stop recorded what it was. An operator's stop is never undone by a relaunch.
+            if row["state"] == "planned" and (failed.state == Lifecycle.STOPPED or failed.stop_asked is not None):
+                # An operator asked for the stop (recorded before its first signal) after this relaunch was
+                # planned: an operator's stop is never undone by a relaunch.
                 self._refuse(failed, f"refused: {failed.note or 'stopped by the operator'}")
                 continue
             try:
