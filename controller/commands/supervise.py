@@ -37,7 +37,7 @@ from controller.commands.monitor import RunStatus, statuses
 from controller.commands.notify import Deliverer
 from controller.core.metrics import RunState
 from controller.core.supervision import UNREACHABLE, Event, Policy, Sink, backoff_s, summary_line
-from controller.errors import BusyError, ConnectionFailed, CtlError, DriftError, InputError, InventoryError
+from controller.errors import BusyError, ConnectionFailed, CtlError, DiskError, DriftError, InputError, InventoryError
 from controller.inventory import Container, Inventory
 from controller.lifecycle import Lifecycle
 from controller.registry import Registry, RunRecord
@@ -272,7 +272,8 @@ class Supervisor:
 
     def _relaunch_job(self, pool: Pool, failed: RunRecord, row: dict[str, Any], out: Poll) -> None:
         """A run across several containers is restarted whole: every node, from the newest complete checkpoint
-        any node holds, copied first to the nodes that lack it (each resumes from its own copy)."""
+        any node holds, copied first to the nodes that lack it (each resumes from its own copy). A node whose
+        disk cannot hold that copy makes it the next older complete step, down to one every node holds."""
         if row["state"] == "launching" and row["new_name"]:
             name = str(row["new_name"])
             adopted = self._adopt_job(pool, failed.ct, name)
@@ -288,10 +289,19 @@ class Supervisor:
             self.reg.set_restart(failed.id, state="launching", new_name=name)
             _die_if("launching")
         found = launcher.find_checkpoint(self.inv, pool, self.reg, failed)
+        while found is not None:
+            try:
+                launcher.spread_checkpoint(self.inv, pool, failed.ct, found)
+                break
+            except DiskError as e:
+                self._record(failed.id, Event(
+                    "checkpoint_skipped", f"{failed.ct}/{failed.name}", failed.ct, failed.host, None, None,
+                    f"{failed.ct}/{failed.name}: not resuming from step {found['step']}: {e}",
+                    "an older complete step"), notify=False)
+                found = launcher.find_checkpoint(self.inv, pool, self.reg, failed, below=int(found["step"]))
         env = {"CTL_PARENT_RUN": failed.name}
         lineage: dict[str, Any] = {"parent_id": failed.id}
         if found is not None:
-            launcher.spread_checkpoint(self.inv, pool, failed.ct, found)
             env["CTL_RESUME_FROM"] = str(found["dir"])
             lineage.update(resumed_from=found["dir"], resumed_step=int(found["step"]))
         got = launcher.launch_job(self.inv, pool, self.reg, failed.ct, name, extra_env=env, lineage=lineage)
