@@ -55,6 +55,7 @@ NODE_OF = {"ct200": "pve1", "ct201": "pve1", "ct300": "pve2", "ct301": "pve2"}
 RUN_FAULTS = ("kill9", "nodekill", "oom", "stall", "ctstop", "opstop", "diskfull")  # on one container's run
 FAULTS = (*RUN_FAULTS, "freeze", "sshd", "session", "supkill", "reglock")
 CKPT_BYTES = 131072
+AGENT_ARGV = b"\0-I\0-S\0-c\0"  # how ctl starts its agents and relays: python3 -I -S -c BOOT N [VERB ...]
 START = f"""#!/usr/bin/env bash
 exec python3 {{{{ payload["ckpt_trainer.py"] }}}} --interval 0.5 --ckpt-every 8 --ckpt-bytes {CKPT_BYTES}
 """
@@ -112,7 +113,8 @@ class Soak:
         return subprocess.run([sys.executable, "-m", "controller", "-i", str(self.work / "inventory.yaml"), *args],
                               capture_output=True, text=True, timeout=timeout, env=self.env, cwd=self.work)
 
-    def set_up(self) -> None:
+    def set_up(self, units: list[str] | None = None) -> None:
+        """The inventory, a deploy and a launch of each of `units` (default: every one)."""
         import shutil
 
         shutil.copy(REPO / "tests" / "fakepayload" / "ckpt_trainer.py", self.work / "ckpt_trainer.py")
@@ -134,10 +136,11 @@ class Soak:
                      {"template": "start.sh.j2", "dest": f"/root/{self.tag}/start_training.sh", "mode": "0755"}],
             runs={"series": "c", "session": self.tag, "log": f"/workspace/{self.tag}/train_{{run}}.log",
                   "dir": f"/workspace/{self.tag}/runs/{{run}}"})
-        r = self.ctl("deploy", *CTS, "--allow-dirty")
+        units = self.units if units is None else units
+        r = self.ctl("deploy", *(ct for u in units for ct in self.nodes_of(u)), "--allow-dirty")
         if r.returncode != 0:
             raise SystemExit(f"chaos: deploy failed:\n{r.stdout}{r.stderr}")
-        for unit in self.units:
+        for unit in units:
             self.launch(unit)
 
     @property
@@ -244,8 +247,6 @@ class Soak:
                                                      for c in self.nodes_of(u)) and self.live_run(u) is not None]
             if not free:
                 return None
-            if kind == "opstop":  # open: a job's stop racing a poll is still relaunched (see bench/RESULTS.md)
-                free = [u for u in free if u != JOB]
             if kind == "nodekill":  # kill -9 of one node of the job
                 free = [u for u in free if u == JOB]
             if not free:
@@ -546,17 +547,15 @@ class Soak:
             ck = self.in_ct(ct, r["resumed_from"]) if ct in CTS else None
             if ck is not None and complete(ck) is None:
                 self.violation(f"{ct}/{r['name']} resumed from {r['resumed_from']}, not a complete checkpoint")
-            newest = 0
-            x = by_id.get(r["parent_id"])
-            while x is not None and ct in CTS:
-                for d in self.in_ct(ct, f"{x['run_dir']}/checkpoints").glob("step_*"):
-                    s = complete(d)
-                    if s is not None and d.stat().st_mtime < r["created"]:
-                        newest = max(newest, s)
-                x = by_id.get(x["parent_id"])
+            if ct not in CTS:
+                continue
+            # a node of a job resumes from the newest step that every node of it held complete (one node's disk
+            # may be too full to take a copy of a newer one)
+            held = [self.complete_steps(c, r, by_id) for c in (JOB_NODES if r["member_of"] is not None else (ct,))]
+            newest = max(set.intersection(*held), default=0)
             if newest > int(r["resumed_step"] or 0):
                 self.violation(f"{ct}/{r['name']} resumed from step {r['resumed_step']} but step {newest} was "
-                               f"complete")
+                               f"complete" + (" on every node" if len(held) > 1 else ""))
         # nothing lost: checkpoints seen stay; every log keeps the bytes its copy has
         for ct in CTS:
             base = self.in_ct(ct, f"/workspace/{self.tag}/runs")
@@ -599,6 +598,57 @@ class Soak:
         for rec in restarts:
             if rec["state"] == "done" and rec["new_run_id"] not in by_id:
                 self.violation(f"restart of run {rec['failed_run_id']} names a run that is not there")
+
+    def complete_steps(self, ct: str, r: dict[str, Any], by_id: dict[int, dict[str, Any]]) -> set[int]:
+        """The steps complete in `ct` before run `r` was created, in the checkpoint directories of its lineage."""
+        steps: set[int] = set()
+        x = by_id.get(r["parent_id"])
+        while x is not None:
+            for d in self.in_ct(ct, f"{x['run_dir']}/checkpoints").glob("step_*"):
+                s = complete(d)
+                if s is not None and d.stat().st_mtime < r["created"]:
+                    steps.add(s)
+            x = by_id.get(x["parent_id"])
+        return steps
+
+    def leftovers(self) -> list[tuple[int, str]]:
+        """ctl's agents in this soak's containers (matched by the container's pid namespace) and its relays on the
+        test host's nodes (matched by the SSH connection their sshd gave them): (pid, where and what)."""
+        spaces: dict[str, str] = {}
+        for ct in CTS:
+            with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):  # a stopped CT holds none
+                spaces[os.readlink(f"/proc/{self.init_pid(ct)}/ns/pid")] = ct
+        ends = {f" {n.address} {self.host.port}" for n in self.host.nodes}
+        out = []
+        for d in Path("/proc").iterdir():
+            try:
+                if not d.name.isdigit() or AGENT_ARGV not in (cmd := (d / "cmdline").read_bytes()):
+                    continue
+                where = spaces.get(os.readlink(d / "ns" / "pid"))
+                if where is None:
+                    env = (d / "environ").read_bytes().split(b"\0")
+                    conn = next((x[15:].decode() for x in env if x.startswith(b"SSH_CONNECTION=")), "")
+                    if not any(conn.endswith(e) for e in ends):
+                        continue
+                    where = f"the relay of {conn.split()[2]}"
+                argv = cmd.rstrip(b"\0").split(b"\0")
+                out.append((int(d.name), f"{where}: {' '.join(a.decode(errors='replace') for a in argv[5:7])}"))
+            except OSError:
+                continue
+        return out
+
+    def check_leftovers(self, settle_s: float = 60) -> None:
+        """With every supervisor stopped and the soak's sessions ended, no agent or relay of ctl may be left: they
+        end when their stdin does. Each one still there after `settle_s` (a hang detector) is a violation."""
+        from controller.transport import mux
+
+        with contextlib.suppress(Exception):  # what is left is what counts, whatever stop said
+            mux.stop(timeout=10, grace=0, state=self.work / "state")
+        deadline = time.time() + settle_s
+        while (left := self.leftovers()) and time.time() < deadline:
+            time.sleep(0.5)
+        for pid, what in left:
+            self.violation(f"pid {pid}, {what}, is left with no run and no session to own it")
 
     def final_checks(self, runs: list[dict[str, Any]]) -> None:
         r = self.ctl("--json", "runs")
@@ -757,6 +807,8 @@ def soak(host: PveHost, work: Path, seed: int, minutes: float, *, interval: floa
                 last_check = time.time()
         time.sleep(2 * interval + 2)
         s.check(final=True)
+        s.tear_down()
+        s.check_leftovers()
     finally:
         s.tear_down()
         if job:  # the containers back in their own network namespaces, as the test host has them
