@@ -98,7 +98,9 @@ class Soak:
     frozen: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # node -> (from, to)
     freeze_windows: list[tuple[str, float, float]] = field(default_factory=list)
     busy: set[str] = field(default_factory=set)
-    samples: dict[int, list[tuple[float, int, int]]] = field(default_factory=dict)  # sup pid -> (t, rss, fds)
+    # sup pid -> (t, rss, descriptors but the registry's, the registry's)
+    samples: dict[int, list[tuple[float, int, int, int]]] = field(default_factory=dict)
+    fds: dict[int, tuple[dict[str, int], dict[str, int]]] = field(default_factory=dict)  # pid -> first, last kinds
     seen_ckpts: set[Path] = field(default_factory=set)
     seen_rows: tuple[set[int], set[int]] = field(default_factory=lambda: (set(), set()))
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -266,8 +268,7 @@ class Soak:
             self.spawn(f, self._run_fault, f, unit, run, node_run, rng.uniform(5, 15))
             return f
         if kind in ("freeze", "sshd"):
-            nodes = [n for n in ("pve1", "pve2") if n not in self.frozen
-                     and not any(NODE_OF[c] == n for c in self.busy)]
+            nodes = [n for n in ("pve1", "pve2") if n not in self.frozen and not self.near(n) & self.busy]
             if not nodes:
                 return None
             node = rng.choice(nodes)
@@ -275,14 +276,18 @@ class Soak:
             secs = rng.uniform(*self.freeze_s) if kind == "freeze" else 0.0
             if kind == "freeze":
                 self.frozen[node] = (now, None)
-            for ct in CTS:
-                if NODE_OF[ct] == node:
-                    self.busy.add(ct)
+            self.busy.update(self.near(node))
             self.spawn(f, self._node_fault, f, secs)
             return f
         f = Fault(kind, kind, now)
         self.spawn(f, self._global_fault, f)
         return f
+
+    def near(self, node: str) -> set[str]:
+        """The CTs a fault of `node` reaches: its own, and every node of a unit that has one there (the job spans
+        both hosts: a second node fault while the first holds it would be judged against a run already
+        UNREACHABLE)."""
+        return {c for u in self.units if any(NODE_OF[x] == node for x in self.nodes_of(u)) for c in self.nodes_of(u)}
 
     def spawn(self, f: Fault, fn: Any, *args: Any) -> None:
         """The fault in a thread of its own; a failure of the harness itself is said, never swallowed."""
@@ -400,9 +405,7 @@ class Soak:
                 self._wait_polled(f)
         finally:
             self.frozen.pop(node, None)
-            for ct in CTS:
-                if NODE_OF[ct] == node:
-                    self.busy.discard(ct)
+            self.busy.difference_update(self.near(node))
 
     def _wait_back(self, f: Fault, node: str) -> None:
         """Detected: an UNREACHABLE verdict of a run on the node; recovered: a verdict out of it after the thaw."""
@@ -592,7 +595,10 @@ class Soak:
             try:
                 rss = next(int(x.split()[1]) for x in Path(f"/proc/{pid}/status").read_text().splitlines()
                            if x.startswith("VmRSS:"))
-                self.samples.setdefault(pid, []).append((time.time(), rss, len(os.listdir(f"/proc/{pid}/fd"))))
+                kinds = fd_kinds(pid, self.work / "state" / "registry.sqlite3")
+                self.samples.setdefault(pid, []).append((time.time(), rss, sum(kinds.values()) - kinds["registry"],
+                                                         kinds["registry"]))
+                self.fds[pid] = (self.fds.get(pid, (kinds, kinds))[0], kinds)
             except (OSError, StopIteration):
                 pass
         for rec in restarts:
@@ -662,16 +668,22 @@ class Soak:
         for pid, s in self.samples.items():
             if len(s) < 8:
                 continue
-            # Growth that goes on, not warm-up: the registry keeps one SQLite connection (its database, WAL and
-            # shared-memory files) for each thread that ever ran at once, so the first polls open a few; a leak shows
-            # as the last quarter above the most the first half ever held.
+            # Growth that goes on, not warm-up: a leak shows as the last quarter above the most the first half
+            # ever held (a session reconnecting after a fault holds its socket again, so the first half's most).
             q = len(s) // 4
             first, last = s[:len(s) // 2], s[-q:]
-            for i, what in ((1, "RSS"), (2, "open descriptors")):
+            for i, what in ((1, "RSS"), (2, "open descriptors (the registry's aside)")):
                 a, b = max(x[i] for x in first), statistics.mean(x[i] for x in last)
                 if b > a * 1.10 + (2 if i == 2 else 0):
                     self.violation(f"supervisor {pid}: {what} grew {a:.0f} (the first half's most) -> {b:.0f} "
                                    "(the last quarter's mean; > 10 %)")
+            # The registry keeps one SQLite connection (the database and its WAL: 2 descriptors; the shared-memory
+            # file once a process) for each thread that ever used it at once, kept for the next thread: as many as
+            # the most threads of one poll (one per container, the main one, the notifier), never more.
+            most = 2 * (len(CTS) + 2) + 1
+            if max(x[3] for x in s) > most:
+                self.violation(f"supervisor {pid}: {max(x[3] for x in s)} registry descriptors, more than the "
+                               f"{most} of one SQLite connection for each thread that can use it at once")
 
     # --- the figure ------------------------------------------------------------------------------
 
@@ -692,6 +704,10 @@ class Soak:
         for f in self.faults:
             if f.recovered is None or f.note.startswith("harness"):
                 lines.append(f"  not recovered: {f.kind} on {f.target} at t+{f.t0 - self.t_start:.0f}s: {f.note}")
+        for pid, s in self.samples.items():
+            first, last = self.fds[pid]
+            lines.append(f"supervisor {pid}: {len(s)} samples over {s[-1][0] - s[0][0]:.0f} s; RSS {s[0][1]} -> "
+                         f"{s[-1][1]} kB (most {max(x[1] for x in s)}); descriptors {first} -> {last}")
         lines.append(f"invariant violations: {len(self.violations)}")
         lines.extend(f"  {v}" for v in self.violations)
         return "\n".join(lines)
@@ -713,6 +729,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def fd_kinds(pid: int, registry: Path) -> dict[str, int]:
+    """A process's open descriptors by kind: the registry's SQLite files, sockets, pipes, other files."""
+    out = {"registry": 0, "socket": 0, "pipe": 0, "other": 0}
+    for n in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{n}")
+            kind = ("registry" if target.startswith(str(registry)) else "socket" if target.startswith("socket:")
+                    else "pipe" if target.startswith("pipe:") else "other")
+            out[kind] += 1
+    return out
 
 
 def with_signal(pid: int, sig: int) -> None:
