@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import sqlite3
@@ -102,6 +101,8 @@ class Soak:
     # sup pid -> (t, rss, descriptors but the registry's, the registry's)
     samples: dict[int, list[tuple[float, int, int, int]]] = field(default_factory=dict)
     fds: dict[int, tuple[dict[str, int], dict[str, int]]] = field(default_factory=dict)  # pid -> first, last kinds
+    killed: set[int] = field(default_factory=set)  # supervisors the soak killed (supkill)
+    exits: list[tuple[float, int, int]] = field(default_factory=list)  # (time, pid, code) of those that ended alone
     seen_ckpts: set[Path] = field(default_factory=set)
     seen_rows: tuple[set[int], set[int]] = field(default_factory=lambda: (set(), set()))
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -220,9 +221,19 @@ class Soak:
         except (OSError, ValueError, TypeError):
             return None
 
+    def pid_spaces(self) -> dict[str, str]:
+        """The pid namespace of each running CT of this soak's host -> the CT (what tells its processes from those
+        of another test host's CT of the same VMID on this machine)."""
+        spaces: dict[str, str] = {}
+        for ct in CTS:
+            with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):  # a stopped CT holds none
+                spaces[os.readlink(f"/proc/{self.init_pid(ct)}/ns/pid")] = ct
+        return spaces
+
     def trainers(self) -> dict[str, set[str]]:
         """CT -> the CTL_RUN of every ckpt_trainer process in it (seen from the host's /proc)."""
         out: dict[str, set[str]] = {ct: set() for ct in CTS}
+        spaces = self.pid_spaces()
         for d in Path("/proc").iterdir():
             if not d.name.isdigit():
                 continue
@@ -230,13 +241,11 @@ class Soak:
                 if f"/root/{self.tag}/ckpt_trainer.py".encode() not in (d / "cmdline").read_bytes():
                     continue
                 env = dict(x.split(b"=", 1) for x in (d / "environ").read_bytes().split(b"\0") if b"=" in x)
-                cgroup = (d / "cgroup").read_text()
+                ct = spaces.get(os.readlink(d / "ns" / "pid"))
             except OSError:
                 continue
-            m = re.search(r"lxc\.payload\.(\d+)", cgroup)  # lxc.payload.VMID-N: the container's cgroup
-            for ct, vmid in CTS.items():
-                if m and int(m.group(1)) == vmid:
-                    out[ct].add(env.get(b"CTL_RUN", b"?").decode())
+            if ct is not None:
+                out[ct].add(env.get(b"CTL_RUN", b"?").decode())
         return out
 
     # --- faults ----------------------------------------------------------------------------------
@@ -485,13 +494,16 @@ class Soak:
         if pid is None or before is None:
             f.note = "no lease holder"
             return
+        with self.lock:
+            self.killed.add(pid)
         with_signal(pid, signal.SIGKILL)
         f.t_end = time.time()
         for p in self.sups:
             if p.pid == pid:
                 p.wait()
-        self.sups = [p for p in self.sups if p.poll() is None]
-        self.sups.append(self.start_supervisor(standby=True))  # the killed one comes back as the standby
+        with self.lock:
+            self.sups = [p for p in self.sups if p.poll() is None]
+            self.sups.append(self.start_supervisor(standby=True))  # the killed one comes back as the standby
         while time.time() < f.t0 + 120:
             row = self.lease()
             if row and row["holder"] != before["holder"]:
@@ -499,6 +511,17 @@ class Soak:
                 return
             time.sleep(0.3)
         f.note = "nobody took the lease over"
+
+    def restart_exited(self) -> None:
+        """A supervisor that ended on its own (it lost its lease, or failed) is started again as a standby, as
+        the systemd unit's Restart=on-failure does; each such end is said and counted."""
+        with self.lock:
+            for p in [p for p in self.sups if p.poll() is not None and p.pid not in self.killed]:
+                self.exits.append((time.time(), p.pid, int(p.returncode)))
+                self.note(f"supervisor {p.pid} exited {p.returncode} on its own (supervise.log says why); "
+                          "started again as a standby")
+                self.sups.remove(p)
+                self.sups.append(self.start_supervisor(standby=True))
 
     # --- invariants ------------------------------------------------------------------------------
 
@@ -623,10 +646,7 @@ class Soak:
     def leftovers(self) -> list[tuple[int, str]]:
         """ctl's agents in this soak's containers (matched by the container's pid namespace) and its relays on the
         test host's nodes (matched by the SSH connection their sshd gave them): (pid, where and what)."""
-        spaces: dict[str, str] = {}
-        for ct in CTS:
-            with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):  # a stopped CT holds none
-                spaces[os.readlink(f"/proc/{self.init_pid(ct)}/ns/pid")] = ct
+        spaces = self.pid_spaces()
         ends = {f" {n.address} {self.host.port}" for n in self.host.nodes}
         out = []
         for d in Path("/proc").iterdir():
@@ -711,6 +731,8 @@ class Soak:
             first, last = self.fds[pid]
             lines.append(f"supervisor {pid}: {len(s)} samples over {s[-1][0] - s[0][0]:.0f} s; RSS {s[0][1]} -> "
                          f"{s[-1][1]} kB (most {max(x[1] for x in s)}); descriptors {first} -> {last}")
+        lines.append(f"supervisors that ended on their own (started again as standbys): {len(self.exits)}"
+                     + "".join(f"; pid {pid} exit {code} at t+{t - self.t_start:.0f}s" for t, pid, code in self.exits))
         lines.append(f"invariant violations: {len(self.violations)}")
         lines.extend(f"  {v}" for v in self.violations)
         return "\n".join(lines)
@@ -823,6 +845,7 @@ def soak(host: PveHost, work: Path, seed: int, minutes: float, *, interval: floa
     def checker() -> None:
         while not done.wait(5):
             try:
+                s.restart_exited()
                 s.check()
             except Exception as e:  # a check that cannot run checks nothing: said, and counted
                 s.violation(f"the invariant check failed: {type(e).__name__}: {e}")
@@ -853,6 +876,7 @@ def soak(host: PveHost, work: Path, seed: int, minutes: float, *, interval: floa
         s.check_leftovers()
     finally:
         done.set()
+        checking.join(timeout=120)
         s.tear_down()
         if job:  # the containers back in their own network namespaces, as the test host has them
             for ct in JOB_NODES:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.errors import BusyError, InputError
+from controller.errors import BusyError, InputError, RegistryLocked
 from controller.lifecycle import LIVE, Lifecycle
 from controller.settings import private_dir, private_file, state_dir
 
@@ -312,7 +312,13 @@ class Registry:
         lock hands over as soon as the transaction ends. Other processes still wait on SQLite's."""
         db = self._db
         with self._writer:
-            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e):
+                    raise
+                raise RegistryLocked(f"{self.path}: held by another writer past SQLite's 30 s wait ({e}); "
+                                     "nothing written") from None
             try:
                 yield db
             except BaseException:

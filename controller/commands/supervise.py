@@ -37,7 +37,16 @@ from controller.commands.monitor import RunStatus, statuses
 from controller.commands.notify import Deliverer
 from controller.core.metrics import RunState
 from controller.core.supervision import UNREACHABLE, Event, Policy, Sink, backoff_s, summary_line
-from controller.errors import BusyError, ConnectionFailed, CtlError, DiskError, DriftError, InputError, InventoryError
+from controller.errors import (
+    BusyError,
+    ConnectionFailed,
+    CtlError,
+    DiskError,
+    DriftError,
+    InputError,
+    InventoryError,
+    RegistryLocked,
+)
 from controller.inventory import Container, Inventory
 from controller.lifecycle import Lifecycle
 from controller.registry import Registry, RunRecord
@@ -399,11 +408,19 @@ class Supervisor:
 
     # --- the loop ----------------------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event, on_poll: Callable[[Poll], None] | None = None) -> None:
+    def run(self, stop: threading.Event, on_poll: Callable[[Poll], None] | None = None,
+            on_skip: Callable[[str], None] | None = None) -> None:
         while not stop.is_set():
-            p = self.poll()
-            if on_poll is not None:
-                on_poll(p)
+            try:
+                p = self.poll()
+            except RegistryLocked as e:
+                # Another writer held the registry past SQLite's wait: this poll recorded nothing, so the next
+                # one judges the same runs again (and steps down if the lease went to a standby meanwhile)
+                if on_skip is not None:
+                    on_skip(f"poll skipped: {e}")
+            else:
+                if on_poll is not None:
+                    on_poll(p)
             stop.wait(self.s.interval_s)
 
 
