@@ -8,6 +8,7 @@ UNIQUE constraint, so of two concurrent launches of one name exactly one wins. N
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -182,6 +183,9 @@ SCHEMA = [
 ]
 
 
+WAIT_ENV = "CTL_REGISTRY_WAIT_S"  # test hook: how long a writer waits for another to let go (default 30 s)
+
+
 @dataclass(frozen=True)
 class RunRecord:
     """One run as the registry keeps it: where and what it ran (files, vars, environment), and how it went."""
@@ -281,10 +285,11 @@ class Registry:
             with self._conns_lock:
                 db = self._free.pop() if self._free else None
             if db is None:
-                db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+                wait = float(os.environ.get(WAIT_ENV) or 30)
+                db = sqlite3.connect(self.path, timeout=wait, isolation_level=None, check_same_thread=False)
                 db.row_factory = sqlite3.Row
                 db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA busy_timeout=30000")
+                db.execute(f"PRAGMA busy_timeout={int(wait * 1000)}")
                 db.execute("PRAGMA foreign_keys=ON")
                 with self._conns_lock:
                     self._conns.append(db)
@@ -317,7 +322,7 @@ class Registry:
             except sqlite3.OperationalError as e:
                 if "locked" not in str(e):
                     raise
-                raise RegistryLocked(f"{self.path}: held by another writer past SQLite's 30 s wait ({e}); "
+                raise RegistryLocked(f"{self.path}: held by another writer past SQLite's wait ({e}); "
                                      "nothing written") from None
             try:
                 yield db

@@ -303,6 +303,44 @@ def test_one_supervisor_per_state_directory(sup: LocalEnv) -> None:
     assert holder.returncode == 0 and "runs keep training" in out
 
 
+def test_reglock_past_sqlites_wait_skips_a_poll_instead_of_ending_the_supervisor(sup: LocalEnv) -> None:
+    """The soak's overlapping reglocks held the registry past SQLite's wait and the supervisor died with a
+    traceback. Now the poll is skipped, said on stderr, and the next one goes on once the writer lets go (the
+    wait is cut to 0.5 s here: CTL_REGISTRY_WAIT_S)."""
+    cmd = [sys.executable, "-m", "controller", "-i", str(sup.inventory), "supervise", "--interval", "1s"]
+    errors = sup.dir / "supervise.err"
+    with errors.open("w") as err:
+        holder = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=sup.dir,
+                                  env=faulthandler_env({**sup.env, "CTL_REGISTRY_WAIT_S": "0.5"}))
+    registry = sup.dir / "state" / "registry.sqlite3"
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().startswith("supervising loc")
+        writer = sqlite3.connect(registry, isolation_level=None)
+        writer.execute("BEGIN EXCLUSIVE")  # another writer, holding it
+        try:
+            wait_for("a skipped poll", lambda: "ctl: poll skipped: " in errors.read_text(), timeout=30)
+        finally:
+            writer.execute("ROLLBACK")
+            writer.close()
+            released = time.time()
+        assert holder.poll() is None, errors.read_text()  # still supervising
+        assert "held by another writer past SQLite's wait" in errors.read_text()
+
+        def renewed() -> bool:
+            db = sqlite3.connect(registry)
+            try:
+                row = db.execute("SELECT expires FROM leases WHERE name='supervise'").fetchone()
+            finally:
+                db.close()
+            return row is not None and row[0] - 10 > released  # a poll after the writer let go (lease 10 s)
+
+        wait_for("a poll after the writer let go", renewed, timeout=30)
+    finally:
+        out, _err = interrupt(holder, 30)
+    assert holder.returncode == 0 and "runs keep training" in out
+
+
 class _Receiver(http.server.BaseHTTPRequestHandler):
     """Records each request as it arrives, then answers 204, or first waits for `release` (a hanging sink)."""
 
