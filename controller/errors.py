@@ -119,6 +119,10 @@ class BusyError(CtlError):
     exit_code = ExitCode.BUSY
 
 
+class RegistryLocked(BusyError):
+    """Another writer held the registry past SQLite's wait (30 s): nothing was written (exit 9)."""
+
+
 class ClobberError(CtlError):
     """The command would overwrite a log, cache, record or checkpoint: refused, whatever --force says (exit 10)."""
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.errors import BusyError, InputError
+from controller.errors import BusyError, InputError, RegistryLocked
 from controller.lifecycle import LIVE, Lifecycle
 from controller.scope import Scope, name_of
-from controller.settings import private_dir, private_file, state_dir
+from controller.settings import private_dir, private_file, registry_wait, state_dir
 
 SCHEMA = [
     # version 1
@@ -175,6 +175,11 @@ SCHEMA = [
     );
     CREATE INDEX exports_run ON exports(run_id, id);
     """,
+    # version 9: when an operator asked a run to stop, recorded before the first signal: a supervisor poll that
+    # sees the training end under that signal calls it stopped, never a crash to relaunch
+    """
+    ALTER TABLE runs ADD COLUMN stop_asked REAL;
+    """,
 ]
 
 
@@ -218,6 +223,7 @@ class RunRecord:
     node_rank: int | None = None  # that node's index in the job (0 hosts the rendezvous)
     # The container's identity in the registry (`ct` is its name): the name, or NAME@ROOT for a `local` target
     key: str = ""
+    stop_asked: float | None = None  # when `ctl stop` (or a runbook's stop) asked it to end, before any signal
 
     @property
     def multi(self) -> bool:
@@ -285,10 +291,11 @@ class Registry:
             with self._conns_lock:
                 db = self._free.pop() if self._free else None
             if db is None:
-                db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+                wait = registry_wait()
+                db = sqlite3.connect(self.path, timeout=wait, isolation_level=None, check_same_thread=False)
                 db.row_factory = sqlite3.Row
                 db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA busy_timeout=30000")
+                db.execute(f"PRAGMA busy_timeout={int(wait * 1000)}")
                 db.execute("PRAGMA foreign_keys=ON")
                 with self._conns_lock:
                     self._conns.append(db)
@@ -316,7 +323,13 @@ class Registry:
         lock hands over as soon as the transaction ends. Other processes still wait on SQLite's."""
         db = self._db
         with self._writer:
-            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e):
+                    raise
+                raise RegistryLocked(f"{self.path}: held by another writer past SQLite's wait ({e}); "
+                                     "nothing written") from None
             try:
                 yield db
             except BaseException:
@@ -419,6 +432,13 @@ class Registry:
                 (*enc.values(), run_id),
             )
         return self.run_by_id(run_id)
+
+    def ask_stop(self, run_id: int) -> None:
+        """Record that an operator asked the run (and, for a run across several containers, each of its nodes)
+        to stop, before any signal is sent: whatever ends the training after this is the operator's doing."""
+        with self.tx() as db:
+            db.execute("UPDATE runs SET stop_asked=? WHERE (id=? OR member_of=?) AND stop_asked IS NULL",
+                       (time.time(), run_id, run_id))
 
     def release_run(self, run_id: int) -> None:
         """Forget a claim whose launch never reached the container (refused by preflight); a run across several

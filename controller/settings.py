@@ -34,6 +34,7 @@ KEEPALIVE_COUNT = "CTL_KEEPALIVE_COUNT"  # unanswered probes in a row after whic
 CONNECT_TIMEOUT = "CTL_CONNECT_TIMEOUT"  # seconds for TCP connect, SSH banner and authentication
 TIMEOUT = "CTL_TIMEOUT"  # deadline in seconds of every request that is not a follow (0: none)
 FOLLOW_RECONNECT = "CTL_FOLLOW_RECONNECT"  # seconds `tail -f` keeps trying to reconnect to a silent host
+REGISTRY_WAIT = "CTL_REGISTRY_WAIT_S"  # seconds a registry write waits for another writer to let go
 
 DEFAULT_INVENTORY = "inventory.yaml"
 DEFAULT_CHECKPOINT_GLOB = "checkpoints/**/*.pt"  # step_N/drafter.pt, train_state.pt (and older step_N.pt)
@@ -339,6 +340,12 @@ def connect_timeout() -> float | None:
 def request_timeout() -> float | None:
     """CTL_TIMEOUT: the deadline of one request (0: none); None when unset (the host's `timeout:` decides)."""
     return _seconds(TIMEOUT, allow_zero=True)
+
+
+def registry_wait() -> float:
+    """CTL_REGISTRY_WAIT_S: how long a registry writer waits for another one (30 s unless set)."""
+    value = _seconds(REGISTRY_WAIT, allow_zero=False)
+    return 30.0 if value is None else value
 
 
 def follow_reconnect() -> float:

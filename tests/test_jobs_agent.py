@@ -124,3 +124,17 @@ def test_a_checkpoint_travels_verified_and_never_replaces_one(tmp_path: Path, ca
     refused = agent_mod.unpackdir({"dir": str(other)}, io.BytesIO(bad))
     assert refused["ok"] is False and refused["code"] == "verify" and "does not match its sha256" in refused["error"]
     assert not other.exists() and os.listdir(other.parent) == []  # nothing half-copied is left
+
+
+def test_ckptscan_below_a_step_answers_the_newest_complete_one_under_it(tmp_path: Path) -> None:
+    """A job relaunch whose newest step one node cannot hold asks for the newest complete step under it; the
+    same question about one step (below step + 1) answers that step when it is complete there."""
+    base = tmp_path / "runs" / "r1" / "checkpoints"
+    for step in (8, 16, 24):
+        make_checkpoint(base / f"step_{step}", step)
+    (base / "step_16" / "manifest.json").unlink()  # half-written: never an answer
+    dirs = [{"run": "r1", "dir": str(base)}]
+    assert agent_mod.ckptscan({"dirs": dirs})["found"]["step"] == 24
+    assert agent_mod.ckptscan({"dirs": dirs, "below": 24})["found"]["step"] == 8  # 16 is not complete
+    assert agent_mod.ckptscan({"dirs": dirs, "below": 25})["found"]["step"] == 24
+    assert agent_mod.ckptscan({"dirs": dirs, "below": 8})["found"] is None

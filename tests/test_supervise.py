@@ -124,6 +124,27 @@ def test_a_killed_run_is_relaunched_from_its_last_complete_checkpoint(sup: Local
     assert "fresh1 (failed 137) -> fresh2 (stopped" in tree and "from step 5" in tree
 
 
+def test_opstop_stop_asked_before_its_signal_wins_the_race_with_a_poll(sup: LocalEnv) -> None:
+    """The soak's opstop race: `ctl stop`'s SIGINT ends the training and a poll sees the exit before the stop has
+    recorded STOPPED (here the stop dies right after its signal, the widest form of that window). The stop was
+    asked in the registry before the signal, so the poll calls it stopped and nothing is ever relaunched."""
+    sup.ok("launch", "loc", "--run", "fresh1")
+    args = ("--restart", "on-failure:2", "--backoff", "0.1s")
+    assert supervise(sup, *args).returncode == 0
+    cmd = [sys.executable, "-m", "controller", "-i", str(sup.inventory), "stop", "fresh1", "--grace", "5"]
+    died = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=sup.dir,
+                          env={**sup.env, "CTL_TEST_DIE_AT": "stop_signalled"})
+    assert died.returncode == 137, died.stdout + died.stderr
+    assert (sup.root / "workspace" / "train_stdout_fresh1.log.exit").exists()  # the signal ended the training
+    shown = json.loads(sup.ok("--json", "show", "fresh1"))
+    assert shown["state"] == "running" and shown["stop_asked"] is not None, shown  # STOPPED never recorded
+    seen = supervise(sup, *args)
+    assert seen.returncode == 0 and "-> STOPPED" in seen.stdout and "relaunch" not in seen.stdout, seen.stdout
+    assert restart_rows(sup) == []  # not even planned: no relaunch can come on a later poll
+    assert [r["name"] for r in json.loads(sup.ok("--json", "runs"))] == ["fresh1"]
+    assert not [e for e in events(sup, "fresh1") if e["kind"] in ("restart", "refused")]
+
+
 @pytest.mark.parametrize("step", ["planned", "launching", "launched"])
 def test_a_supervisor_killed_mid_restart_relaunches_exactly_once(sup: LocalEnv, step: str) -> None:
     sup.ok("launch", "loc", "--run", "fresh1")
@@ -277,6 +298,44 @@ def test_one_supervisor_per_state_directory(sup: LocalEnv) -> None:
         second = supervise(sup)
         assert second.returncode == ExitCode.BUSY
         assert "another supervisor holds" in second.stderr and "--standby" in second.stderr
+    finally:
+        out, _err = interrupt(holder, 30)
+    assert holder.returncode == 0 and "runs keep training" in out
+
+
+def test_reglock_past_sqlites_wait_skips_a_poll_instead_of_ending_the_supervisor(sup: LocalEnv) -> None:
+    """The soak's overlapping reglocks held the registry past SQLite's wait and the supervisor died with a
+    traceback. Now the poll is skipped, said on stderr, and the next one goes on once the writer lets go (the
+    wait is cut to 0.5 s here: CTL_REGISTRY_WAIT_S)."""
+    cmd = [sys.executable, "-m", "controller", "-i", str(sup.inventory), "supervise", "--interval", "1s"]
+    errors = sup.dir / "supervise.err"
+    with errors.open("w") as err:
+        holder = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=sup.dir,
+                                  env=faulthandler_env({**sup.env, "CTL_REGISTRY_WAIT_S": "0.5"}))
+    registry = sup.dir / "state" / "registry.sqlite3"
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().startswith("supervising loc")
+        writer = sqlite3.connect(registry, isolation_level=None)
+        writer.execute("BEGIN EXCLUSIVE")  # another writer, holding it
+        try:
+            wait_for("a skipped poll", lambda: "ctl: poll skipped: " in errors.read_text(), timeout=30)
+        finally:
+            writer.execute("ROLLBACK")
+            writer.close()
+            released = time.time()
+        assert holder.poll() is None, errors.read_text()  # still supervising
+        assert "held by another writer past SQLite's wait" in errors.read_text()
+
+        def renewed() -> bool:
+            db = sqlite3.connect(registry)
+            try:
+                row = db.execute("SELECT expires FROM leases WHERE name='supervise'").fetchone()
+            finally:
+                db.close()
+            return row is not None and row[0] - 10 > released  # a poll after the writer let go (lease 10 s)
+
+        wait_for("a poll after the writer let go", renewed, timeout=30)
     finally:
         out, _err = interrupt(holder, 30)
     assert holder.returncode == 0 and "runs keep training" in out

@@ -331,7 +331,7 @@ def stop_cmd(
     if rec.multi:
         with session(inv) as pool:
             rec = reconcile.refresh_all(inv, reg, pool, [rec]).runs[0]
-            rec, stopped = launcher.stop_job(inv, pool, reg, rec, grace=grace)
+            rec, stopped = launcher.stop_job(inv, pool, reg, rec, grace=grace, by_operator=True)
         if OPTS.json:
             _out({**_redacted(rec), "nodes": [_redacted(m) for m in reg.members(rec.id)]})
         else:
@@ -345,7 +345,7 @@ def stop_cmd(
     with session(inv) as pool:
         t = pool.container(ct)
         rec = reconcile.refresh(inv, ct, t, reg, [rec])[0]
-        rec = reconcile.stop(inv, ct, t, reg, rec, grace=grace)
+        rec = reconcile.stop(inv, ct, t, reg, rec, grace=grace, by_operator=True)
     if OPTS.json:
         _out(_redacted(rec))
     else:

@@ -116,7 +116,10 @@ def supervise_cmd(
         if once:
             sup.poll()
         else:
-            sup.run(stop)
+            def skipped(why: str) -> None:
+                sys.stderr.write(f"ctl: {why}\n")
+
+            sup.run(stop, on_skip=skipped)
     except KeyboardInterrupt:
         if not OPTS.json:
             con.print("supervisor stopped; the runs keep training", markup=False)

@@ -40,7 +40,7 @@ from controller.commands.preflight import (
 from controller.commands.reconcile import TEARDOWN_GRACE_S, UNKNOWN_OUTCOME
 from controller.core import series
 from controller.core.redact import redact_rendered, redact_text, redact_vars, secret_values
-from controller.errors import BusyError, ConnectionFailed, CtlError, ExitCode, InputError
+from controller.errors import BusyError, ConnectionFailed, CtlError, DiskError, ExitCode, InputError
 from controller.inventory import Container, Inventory, Job
 from controller.lifecycle import Lifecycle
 from controller.names import check_name
@@ -374,9 +374,10 @@ def _undo_start(inv: Inventory, pool: Pool, reg: Registry, job: Job, run: RunRec
     return node_error(job.name, str(culprit.error), culprit.exit_code or int(ExitCode.FAILURE), tail)
 
 
-def stop_job(inv: Inventory, pool: Pool, reg: Registry, run: RunRecord, grace: float = 30) -> tuple[RunRecord,
-                                                                                           list[Outcome[Any]]]:
-    """SIGINT every live node's training (escalating as `ctl stop` does), in parallel; the run is STOPPED."""
+def stop_job(inv: Inventory, pool: Pool, reg: Registry, run: RunRecord, grace: float = 30, *,
+             by_operator: bool = False) -> tuple[RunRecord, list[Outcome[Any]]]:
+    """SIGINT every live node's training (escalating as `ctl stop` does), in parallel; the run is STOPPED.
+    `by_operator`: the stop is recorded as asked, on the run and every node, before the first signal."""
     members = reg.members(run.id)
     live = [m for m in members if m.state.live]
     if not live and not run.state.live:
@@ -384,6 +385,8 @@ def stop_job(inv: Inventory, pool: Pool, reg: Registry, run: RunRecord, grace: f
     missing = [m.ct for m in live if m.ct not in inv.model.containers]
     if missing:
         raise InputError(f"run {run.name}: node(s) {', '.join(missing)} are no longer in {inv.path}")
+    if by_operator:
+        reg.ask_stop(run.id)
     by_ct = {m.ct: m for m in live}
     outcomes = fanout(pool, [inv.container(m.ct) for m in live],
                       lambda ct, t: reconcile.stop(inv, ct, t, reg, by_ct[ct.name], grace=grace))
@@ -409,16 +412,19 @@ def next_job_name(inv: Inventory, pool: Pool, reg: Registry, job_name: str) -> s
     return next_of_series(inv, reg, [job.name, *(c.name for c in job.nodes)], logs)
 
 
-def find_checkpoint(inv: Inventory, pool: Pool, reg: Registry, failed: RunRecord) -> dict[str, Any] | None:
+def find_checkpoint(inv: Inventory, pool: Pool, reg: Registry, failed: RunRecord, *,
+                    below: int | None = None) -> dict[str, Any] | None:
     """The newest complete checkpoint of the failed run or its ancestors, looked for on every node (the node
-    that writes checkpoints is torchrun's choice): {"dir", "step", "run", "node"}, or None."""
+    that writes checkpoints is torchrun's choice): {"dir", "step", "run", "node"}, or None. `below`: only
+    steps under that one."""
     template = inv.model.runs.checkpoints
     dirs = [{"run": r.name, "dir": template.replace("{dir}", r.run_dir).replace("{run}", r.name)}
             for r in reversed(reg.lineage(failed.id)) if r.run_dir]
     if not dirs:
         return None
     job = inv.job(failed.ct)
-    got = fanout(pool, list(job.nodes), lambda ct, t: Agent.of(t).call("ckptscan", {"dirs": dirs}, timeout=600))
+    scan: dict[str, Any] = {"dirs": dirs} if below is None else {"dirs": dirs, "below": below}
+    got = fanout(pool, list(job.nodes), lambda ct, t: Agent.of(t).call("ckptscan", scan, timeout=600))
     best: dict[str, Any] | None = None
     for o in got:
         found = (o.value or {}).get("found")
@@ -437,7 +443,8 @@ def spread_checkpoint(inv: Inventory, pool: Pool, job_name: str, found: dict[str
     path, step = str(found["dir"]), int(found["step"])
     parent = path.rstrip("/").rsplit("/", 1)[0]
     scans = fanout(pool, [c for c in job.nodes if c.name != found["node"]],
-                   lambda ct, t: Agent.of(t).call("ckptscan", {"dirs": [{"run": "", "dir": parent}]}, timeout=600))
+                   lambda ct, t: Agent.of(t).call("ckptscan", {"dirs": [{"run": "", "dir": parent}], "below": step + 1},
+                                               timeout=600))  # that step, complete, or an older one
     lacking = [inv.container(o.ct) for o in scans
                if not (o.ok and ((o.value or {}).get("found") or {}).get("step") == step
                        and ((o.value or {}).get("found") or {}).get("dir") == path)]
@@ -445,8 +452,12 @@ def spread_checkpoint(inv: Inventory, pool: Pool, job_name: str, found: dict[str
         return []
     src = Agent.of(pool.container(inv.container(str(found["node"]))))
     answers = src.copy_dir(path, [(Agent.of(pool.container(ct)), ct.spec.follow_symlinks) for ct in lacking])
-    for ct, doc in zip(lacking, answers, strict=True):
-        if not doc.get("ok"):
-            raise node_error(job_name, f"{ct.name}: copying checkpoint {path} from {found['node']}: "
-                                       f"{doc.get('error')}", int(ExitCode.VERIFY))
+    failures = [(ct.name, doc) for ct, doc in zip(lacking, answers, strict=True) if not doc.get("ok")]
+    for name, doc in failures:  # a full disk first: the caller may pick an older step that every node holds
+        why = f"{job_name}: {name}: copying checkpoint {path} from {found['node']}: {doc.get('error')}"
+        if doc.get("code") == "disk":
+            raise DiskError(why)
+    if failures:
+        raise node_error(job_name, f"{failures[0][0]}: copying checkpoint {path} from {found['node']}: "
+                                   f"{failures[0][1].get('error')}", int(ExitCode.VERIFY))
     return [ct.name for ct in lacking]

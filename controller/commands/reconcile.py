@@ -8,6 +8,7 @@ its nodes (a node that ended badly makes it CRASHED and its survivors are stoppe
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
@@ -24,6 +25,7 @@ from controller.transport.base import Transport, limit
 from controller.transport.pool import Pool
 
 UNKNOWN_OUTCOME = "launch outcome unknown"  # note of a `starting` run whose launch got no answer
+DIE_AT = "CTL_TEST_DIE_AT"  # test hook: `stop_signalled` ends the process right after the agent's stop returns
 
 
 LAUNCH_GRACE_S = 120.0  # a `starting` run with no trace in its container after this long was never started
@@ -118,17 +120,22 @@ def live(inv: Inventory, ct: Container, t: Transport, reg: Registry) -> list[Run
 
 
 def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRecord, grace: float = 30, *,
-         term_first: bool = False) -> RunRecord:
+         term_first: bool = False, by_operator: bool = False) -> RunRecord:
     """SIGINT the training's process group, `grace` seconds, SIGTERM, SIGKILL; then whatever of the run is left
     in the container (torchrun's workers, each in a session of its own). `term_first`: no SIGINT (a node whose
-    peer died cannot finish a step anyway)."""
+    peer died cannot finish a step anyway). `by_operator`: the stop is recorded as asked before the first
+    signal, so a supervisor that sees the training end under it never relaunches it."""
     if not run.state.live:
         raise InputError(f"run {run.name} on {ct.name} is not running (state: {run.state})")
+    if by_operator:
+        reg.ask_stop(run.id)
     deadline = limit(None, t.request_timeout)  # the agent waits up to `grace` after SIGINT and after SIGTERM
     args = {"log": run.log_path, "session": run.session, "grace": grace, "run": run.name}
     if term_first:
         args["term_first"] = True
     doc = Agent.of(t).call("stop", args, timeout=None if deadline is None else deadline + 3 * grace + 30)
+    if os.environ.get(DIE_AT) == "stop_signalled":
+        os._exit(137)
     if doc.get("alive"):
         raise CtlError(f"{ct.name}: run {run.name} survived SIGINT, SIGTERM and SIGKILL")
     note = "stopped by ctl stop (" + " -> ".join(signal_steps(doc.get("signals"))) + ")"
@@ -291,6 +298,16 @@ def settle(inv: Inventory, reg: Registry, pool: Pool, run: RunRecord, members: l
     """Record the run's state from its (just refreshed) nodes. A node that ended badly while others live makes
     the run CRASHED, naming it and its signature, and stops the survivors now (teardown)."""
     state = aggregate(members)
+    if state == Lifecycle.CRASHED and run.stop_asked is not None:
+        # The operator's stop ended a node first (its SIGINT is an exit like any other): the run is stopped,
+        # not crashed, and its other nodes go with it
+        if any(m.state.live for m in members):
+            teardown(inv, pool, reg, members, "stopped by ctl stop")
+        if not run.state.live:
+            return run
+        ended = [m.ended for m in members if m.ended]
+        return reg.update_run(run.id, state=Lifecycle.STOPPED, ended=max(ended) if ended else time.time(),
+                              note="stopped by ctl stop")
     if state == run.state and not (state == Lifecycle.CRASHED and any(m.state.live for m in members)):
         return run
     fields: dict[str, Any] = {"state": state}

@@ -130,11 +130,11 @@ class Actions:
         rec = self._run(a["run"])
         if rec.multi:  # a run across a job's nodes: every node stopped, as `ctl stop` does
             rec = reconcile.refresh_all(self.inv, self.reg, self.pool, [rec]).runs[0]
-            rec, _nodes = launcher.stop_job(self.inv, self.pool, self.reg, rec, grace=a["grace"])
+            rec, _nodes = launcher.stop_job(self.inv, self.pool, self.reg, rec, grace=a["grace"], by_operator=True)
             return Done(f"{rec.ct}/{rec.name}: {rec.state} ({rec.note})")
         ct, t = self._ct(rec.ct)
         rec = reconcile.refresh(self.inv, ct, t, self.reg, [rec])[0]
-        rec = reconcile.stop(self.inv, ct, t, self.reg, rec, grace=a["grace"])
+        rec = reconcile.stop(self.inv, ct, t, self.reg, rec, grace=a["grace"], by_operator=True)
         return Done(f"{rec.ct}/{rec.name}: {rec.state} ({rec.note})")
 
     def mark_good(self, a: Mapping[str, Any], dry: bool) -> Any:

@@ -37,7 +37,16 @@ from controller.commands.monitor import RunStatus, statuses
 from controller.commands.notify import Deliverer
 from controller.core.metrics import RunState
 from controller.core.supervision import UNREACHABLE, Event, Policy, Sink, backoff_s, summary_line
-from controller.errors import BusyError, ConnectionFailed, CtlError, DriftError, InputError, InventoryError
+from controller.errors import (
+    BusyError,
+    ConnectionFailed,
+    CtlError,
+    DiskError,
+    DriftError,
+    InputError,
+    InventoryError,
+    RegistryLocked,
+)
 from controller.inventory import Container, Inventory
 from controller.lifecycle import Lifecycle
 from controller.registry import Registry, RunRecord
@@ -149,7 +158,10 @@ class Supervisor:
             return UNREACHABLE
         if st.run.state == Lifecycle.STOPPED:
             return "stopped"
-        return st.verdict.state.label
+        label = st.verdict.state.label
+        if st.run.stop_asked is not None and label in ("crashed", "finished"):
+            return "stopped"  # ended under an operator's `ctl stop` whose record is not written yet
+        return label
 
     def _judge(self, pool: Pool, st: RunStatus, verdict: str, out: Poll) -> None:
         run = st.run
@@ -168,7 +180,7 @@ class Supervisor:
             # one more round trip, for verdicts someone acts on only (a first sight of a healthy run is not one)
             "last_lines": self._last_lines(pool, run) if verdict not in HEALTHY_FIRST_SIGHT | {UNREACHABLE} else [],
         }
-        wanted = self.s.policy.wants(verdict) and run.state != Lifecycle.STOPPED
+        wanted = self.s.policy.wants(verdict) and run.state != Lifecycle.STOPPED and run.stop_asked is None
         action = "none"
         if wanted:
             action = self._plan(run, verdict)
@@ -242,9 +254,9 @@ class Supervisor:
             held, holder = self.reg.take_lease(LEASE, self.holder, self.lease_ttl())
             if not held:
                 raise BusyError(f"lost the supervisor lease to {holder and holder['holder']}: stopping")
-            if row["state"] == "planned" and failed.state == Lifecycle.STOPPED:
-                # `ctl stop` raced the poll: its signal ended the training, the poll saw an exit and called it a
-                # crash, then the stop recorded what it was. An operator's stop is never undone by a relaunch.
+            if row["state"] == "planned" and (failed.state == Lifecycle.STOPPED or failed.stop_asked is not None):
+                # An operator asked for the stop (recorded before its first signal) after this relaunch was
+                # planned: an operator's stop is never undone by a relaunch.
                 self._refuse(failed, f"refused: {failed.note or 'stopped by the operator'}")
                 continue
             try:
@@ -290,7 +302,8 @@ class Supervisor:
 
     def _relaunch_job(self, pool: Pool, failed: RunRecord, row: dict[str, Any], out: Poll) -> None:
         """A run across several containers is restarted whole: every node, from the newest complete checkpoint
-        any node holds, copied first to the nodes that lack it (each resumes from its own copy)."""
+        any node holds, copied first to the nodes that lack it (each resumes from its own copy). A node whose
+        disk cannot hold that copy makes it the next older complete step, down to one every node holds."""
         claimed = self._claim(failed, row, out, adopt=lambda name: self._adopt_job(pool, failed.ct, name),
                               stop=lambda run: launcher.stop_job(self.inv, pool, self.reg, run, grace=30)[0],
                               next_name=lambda: launcher.next_job_name(self.inv, pool, self.reg, failed.ct))
@@ -298,10 +311,19 @@ class Supervisor:
             return
         failed, name = claimed
         found = launcher.find_checkpoint(self.inv, pool, self.reg, failed)
+        while found is not None:
+            try:
+                launcher.spread_checkpoint(self.inv, pool, failed.ct, found)
+                break
+            except DiskError as e:
+                self._record(failed.id, Event(
+                    "checkpoint_skipped", f"{failed.ct}/{failed.name}", failed.ct, failed.host, None, None,
+                    f"{failed.ct}/{failed.name}: not resuming from step {found['step']}: {e}",
+                    "an older complete step"), notify=False)
+                found = launcher.find_checkpoint(self.inv, pool, self.reg, failed, below=int(found["step"]))
         env = {"CTL_PARENT_RUN": failed.name}
         lineage: dict[str, Any] = {"parent_id": failed.id}
         if found is not None:
-            launcher.spread_checkpoint(self.inv, pool, failed.ct, found)
             env["CTL_RESUME_FROM"] = str(found["dir"])
             lineage.update(resumed_from=found["dir"], resumed_step=int(found["step"]))
         got = launcher.launch_job(self.inv, pool, self.reg, failed.ct, name, extra_env=env, lineage=lineage)
@@ -394,11 +416,19 @@ class Supervisor:
 
     # --- the loop ----------------------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event, on_poll: Callable[[Poll], None] | None = None) -> None:
+    def run(self, stop: threading.Event, on_poll: Callable[[Poll], None] | None = None,
+            on_skip: Callable[[str], None] | None = None) -> None:
         while not stop.is_set():
-            p = self.poll()
-            if on_poll is not None:
-                on_poll(p)
+            try:
+                p = self.poll()
+            except RegistryLocked as e:
+                # Another writer held the registry past SQLite's wait: this poll recorded nothing, so the next
+                # one judges the same runs again (and steps down if the lease went to a standby meanwhile)
+                if on_skip is not None:
+                    on_skip(f"poll skipped: {e}")
+            else:
+                if on_poll is not None:
+                    on_poll(p)
             stop.wait(self.s.interval_s)
 
 

@@ -61,7 +61,7 @@ def backoff_s(base_s: float, restarts_so_far: int) -> float:
 class Event:
     """One verdict change (or a supervisor action) of one run."""
 
-    kind: str  # verdict | restart | gave_up | refused | notify_failed | supervisor
+    kind: str  # verdict | restart | gave_up | refused | checkpoint_skipped | notify_failed | supervisor
     run: str  # CT/NAME
     ct: str
     host: str | None

@@ -100,9 +100,11 @@ def ckptscan(args):
     """The newest complete checkpoint under the given directories, tried in order (a failed run's own, then its
     ancestors'): a step_N/ directory whose manifest.json is there and whose files match its sha256s. A
     directory without its manifest (half-written when the run died) or with a wrong hash is skipped, and
-    the reply says why."""
+    the reply says why. With "below": only steps under it (the newest step some node could not hold was
+    refused, so an older one is wanted)."""
     import re
     root = args.get("root", "/")
+    below = args.get("below")
     skipped = []
     for item in args.get("dirs", []):
         base = _under(root, item["dir"])
@@ -112,6 +114,8 @@ def ckptscan(args):
             continue
         steps = sorted(((int(m.group(1)), n) for n in names if (m := re.fullmatch(r"step_(\d+)", n))), reverse=True)
         for step, name in steps:
+            if below is not None and step >= below:
+                continue
             d = os.path.join(base, name)
             why = _ckpt_problem(d)
             if why is None:
