@@ -184,8 +184,7 @@ SCHEMA = [
 
 
 class NoSuchRun(InputError):
-    """A run reference that names no run of the registry (as against one that names several, or another
-    checkout's): a verb that also takes container names says what else the word could have been."""
+    """A run reference naming no run (not several, not another checkout's): a verb may say what else it could be."""
 
 
 @dataclass(frozen=True)
@@ -897,4 +896,5 @@ def _run(row: sqlite3.Row | None) -> RunRecord:
     d["state"] = Lifecycle(d["state"])
     d["key"] = d["ct"]
     d["ct"] = name_of(d["ct"])
-    return RunRecord(**d)
+    # A later ctl's columns (its registry, read by this one after a downgrade) are left out, not a TypeError.
+    return RunRecord(**{k: v for k, v in d.items() if k in RunRecord.__dataclass_fields__})

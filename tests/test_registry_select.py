@@ -71,3 +71,28 @@ def test_live_runs_read_no_record_of_the_history(tmp_path: Path, monkeypatch: py
     assert reg.latest_whole("ct200", 50)[0] == (live.id, Lifecycle.STARTING)
     assert reg.live_ids() == [(live.id, "ct200")]
     assert len(decoded) == 2  # the live run, once for each call of live_runs; none of the 300 finished ones
+
+
+def test_a_later_ctls_registry_stays_readable_by_this_one(tmp_path: Path) -> None:
+    """A registry a newer ctl migrated (a schema version past this one's, a column this one does not know) read
+    after a downgrade: the runs come back as they were, the unknown column left out, not a TypeError."""
+    import sqlite3
+
+    from controller.registry import SCHEMA
+
+    path = tmp_path / "registry.sqlite3"
+    reg = Registry(path)
+    run = reg.claim_run("fresh1", "ct200", created=1000.0)
+    reg.update_run(run.id, state=Lifecycle.FINISHED)
+    reg.close()
+    with sqlite3.connect(path) as db:
+        db.execute("ALTER TABLE runs ADD COLUMN a_later_ctls_column TEXT")
+        db.execute("UPDATE runs SET a_later_ctls_column='x'")
+        db.execute(f"PRAGMA user_version={len(SCHEMA) + 1}")
+    again = Registry(path)
+    try:
+        (got,) = again.runs("ct200")
+        assert (got.id, got.name, got.ct, got.state) == (run.id, "fresh1", "ct200", Lifecycle.FINISHED)
+        assert again.run_by_id(run.id).name == "fresh1"
+    finally:
+        again.close()
