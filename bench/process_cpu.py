@@ -39,6 +39,7 @@ CASES = {
     "status1": ["status", "ct200"],
     "status20": ["status", "live20"],
     "supervise20": ["supervise", "--once", "live20"],
+    "deploy1": ["deploy", "ct200", "--allow-dirty"],  # unchanged: the plan and its answer (the deploy inventory)
 }
 KINDS = ("ctl", "session", "sshd", "relay", "agent", "tmux", "other")
 ROUNDS = 4  # each tree's runs of a case come in this many turns, the trees alternating
@@ -155,7 +156,8 @@ def main() -> int:
             for _ in range(ROUNDS):
                 for name, tree in trees.items():
                     r = subprocess.run([sys.executable, __file__, "--driver", str(tree), str(per_round), "--",
-                                        "-i", str(b.inv_runs), *CASES[case]],
+                                        "-i", str(b.inv_deploy if CASES[case][0] == "deploy" else b.inv_runs),
+                                        *CASES[case]],
                                        env=envs[name], capture_output=True, text=True)
                     if r.returncode != 0:
                         raise SystemExit(f"bench: {name}: {case}: {r.stderr[-800:]}")
