@@ -3,11 +3,9 @@
 #   system: openssh (the test host's sshd and `ssh -t` for attach), lxc (the test host's containers), tmux,
 #           nftables (a test drops the test host's loopback traffic; skipped without nft or iptables),
 #           chromium (the headless browser the dashboard's tests drive; skipped without it),
-#           debootstrap (the rootfs of the test host's unprivileged CT 202: Debian bullseye, an older python3;
-#           built once per machine into /var/cache/ctl-tests, with root:100000:65536 in /etc/subuid and
-#           /etc/subgid as on Proxmox: tests/pvehost/rootfs.py), python3-venv where the interpreter cannot make a
-#           venv (stock Debian), python3 at /usr/bin (the containers' interpreter), util-linux's setsid (the local
-#           agent's tests)
+#           debootstrap (scripts/test.sh builds with it the rootfs of the test host's unprivileged CT 202),
+#           python3-venv where the interpreter cannot make a venv (stock Debian), python3 at /usr/bin (the
+#           containers' interpreter), util-linux's setsid (the local agent's tests)
 #   CI (CTL_NO_SKIP=1, set by .ci/run, where any skipped test fails the run) needs all of it: setup then fails, naming
 #   why, where it is not root or a package cannot be installed. Elsewhere a missing one is a warning, and the tests
 #   that need it skip, saying why.
@@ -69,15 +67,4 @@ VENV_PY="$VENV/bin/python"
 # writes and decodes with it). Pinned, and WITHOUT its dependencies: its own pins would bring datasets, requests
 # and tqdm and replace this venv's torch and transformers, while dflash.model needs only those two.
 "$VENV_PY" -m pip install -q --disable-pip-version-check --no-deps "dflash==0.1.0" >&2
-# The unprivileged container's rootfs (tests/integration/test_unpriv_pve.py), once per machine: debootstrap from
-# the Debian mirror, a few minutes the first time, nothing after (cached, built under a lock).
-if [ "$(id -u)" -eq 0 ]; then
-  if ! "$VENV_PY" tests/pvehost/rootfs.py >/dev/null; then
-    if [ -n "$ci" ]; then
-      echo "setup: CTL_NO_SKIP is set (CI) but the unprivileged test container's rootfs could not be built (above)" >&2
-      exit 1
-    fi
-    echo "setup: warning: no rootfs for the unprivileged test container; tests/integration/test_unpriv_pve.py skips" >&2
-  fi
-fi
 echo "$VENV_PY"

@@ -9,7 +9,7 @@ shifted into the container's uid range the way Proxmox restores a template for a
 uid 100000.
 
     python tests/pvehost/rootfs.py      # root's subuid/subgid range, then build (or find) the tarball and print its
-                                        # path (scripts/setup.sh runs it)
+                                        # path (scripts/test.sh runs it)
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def missing_subids(files: Sequence[str] = SUBID_FILES) -> str | None:
     """Which file lacks root's range (None: both have it)."""
     for name in files:
         if subid_missing(_read_or_empty(name)):
-            return f"{name} gives root no range {ID_BASE}:{ID_COUNT} (scripts/setup.sh adds root:{ID_BASE}:{ID_COUNT})"
+            return (f"{name} gives root no range {ID_BASE}:{ID_COUNT} (`python tests/pvehost/rootfs.py` as root adds "
+                    f"root:{ID_BASE}:{ID_COUNT})")
     return None
 
 
