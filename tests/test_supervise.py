@@ -151,7 +151,7 @@ def test_a_supervisor_killed_mid_restart_relaunches_exactly_once(sup: LocalEnv, 
     supervise(sup, "--restart", "on-failure", "--backoff", "1s")
     kill_trainer(sup, "fresh1")
     wait_for("the exit status", lambda: (sup.root / "workspace" / "train_stdout_fresh1.log.exit").exists(), 30)
-    die = {"CTL_SUPERVISE_DIE_AT": step}
+    die = {"CTL_TEST_DIE_AT": step}
     first = supervise(sup, "--restart", "on-failure", "--backoff", "0.1s", extra_env=die)
     if step != "planned":  # the restart itself happens on the poll after the backoff
         time.sleep(0.2)

@@ -25,7 +25,9 @@ from controller.transport.base import Transport, limit
 from controller.transport.pool import Pool
 
 UNKNOWN_OUTCOME = "launch outcome unknown"  # note of a `starting` run whose launch got no answer
-DIE_AT = "CTL_TEST_DIE_AT"  # test hook: `stop_signalled` ends the process right after the agent's stop returns
+# Test hook: the process ends abruptly (exit 137) at the step named here: stop_signalled (the agent's stop returned),
+# or a supervisor's restart at planned, launching or launched (commands/supervise.py)
+DIE_AT = "CTL_TEST_DIE_AT"
 
 
 LAUNCH_GRACE_S = 120.0  # a `starting` run with no trace in its container after this long was never started
@@ -134,8 +136,7 @@ def stop(inv: Inventory, ct: Container, t: Transport, reg: Registry, run: RunRec
     if term_first:
         args["term_first"] = True
     doc = Agent.of(t).call("stop", args, timeout=None if deadline is None else deadline + 3 * grace + 30)
-    if os.environ.get(DIE_AT) == "stop_signalled":
-        os._exit(137)
+    die_if("stop_signalled")
     if doc.get("alive"):
         raise CtlError(f"{ct.name}: run {run.name} survived SIGINT, SIGTERM and SIGKILL")
     note = "stopped by ctl stop (" + " -> ".join(signal_steps(doc.get("signals"))) + ")"
@@ -365,3 +366,8 @@ def settle_now(inv: Inventory, reg: Registry, pool: Pool, run: RunRecord) -> Run
     members = [r for o in fresh if o.value for r in o.value] or members
     members.sort(key=lambda m: m.node_rank or 0)
     return settle(inv, reg, pool, reg.run_by_id(run.id), members)
+
+
+def die_if(step: str) -> None:
+    if os.environ.get(DIE_AT) == step:
+        os._exit(137)

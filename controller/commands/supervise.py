@@ -58,7 +58,6 @@ LEASE = "supervise"
 TERMINAL = frozenset({"finished", "crashed", "stopped"})
 HEALTHY_FIRST_SIGHT = frozenset({"ok", "warmup", "no-baseline"})  # recorded, not worth waking anyone for
 MAX_ATTEMPTS = 3
-DIE_AT = "CTL_SUPERVISE_DIE_AT"  # test hook: exit abruptly at a step of a restart (planned|launching|launched)
 
 
 @dataclass(frozen=True)
@@ -236,7 +235,7 @@ class Supervisor:
         plan = self.reg.plan_restart(run.id, {"verdict": verdict, "not_before": time.time() + wait, "attempts": 0})
         if plan is None:
             return "restart already planned"
-        _die_if("planned")
+        reconcile.die_if("planned")
         return f"relaunch as the next run of the series in {wait:.0f}s, from its last complete checkpoint"
 
     def _restarts(self, pool: Pool, out: Poll) -> None:
@@ -297,7 +296,7 @@ class Supervisor:
             failed = stop(failed)
         name = next_name()
         self.reg.set_restart(failed.id, state="launching", new_name=name)
-        _die_if("launching")
+        reconcile.die_if("launching")
         return failed, name
 
     def _relaunch_job(self, pool: Pool, failed: RunRecord, row: dict[str, Any], out: Poll) -> None:
@@ -327,7 +326,7 @@ class Supervisor:
             env["CTL_RESUME_FROM"] = str(found["dir"])
             lineage.update(resumed_from=found["dir"], resumed_step=int(found["step"]))
         got = launcher.launch_job(self.inv, pool, self.reg, failed.ct, name, extra_env=env, lineage=lineage)
-        _die_if("launched")
+        reconcile.die_if("launched")
         self._launched(failed, got.run, out)
 
     def _adopt_job(self, pool: Pool, job: str, name: str) -> RunRecord | None:
@@ -370,7 +369,7 @@ class Supervisor:
             env["CTL_RESUME_FROM"] = t.path(found["dir"])
             lineage.update(resumed_from=found["dir"], resumed_step=int(found["step"]))
         rec = launcher.launch(self.inv, ct, t, self.reg, name, extra_env=env, lineage=lineage).run
-        _die_if("launched")
+        reconcile.die_if("launched")
         self._launched(failed, rec, out)
 
     def _adopt(self, ct: Container, t: Transport, name: str) -> RunRecord | None:
@@ -430,11 +429,6 @@ class Supervisor:
                 if on_poll is not None:
                     on_poll(p)
             stop.wait(self.s.interval_s)
-
-
-def _die_if(step: str) -> None:
-    if os.environ.get(DIE_AT) == step:
-        os._exit(137)
 
 
 def lineages(reg: Registry, recs: list[RunRecord]) -> Iterator[list[RunRecord]]:
