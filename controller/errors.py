@@ -120,7 +120,8 @@ class BusyError(CtlError):
 
 
 class RegistryLocked(BusyError):
-    """Another writer held the registry past SQLite's wait (30 s): nothing was written (exit 9)."""
+    """Another writer held the registry past SQLite's wait (CTL_REGISTRY_WAIT_S, 30 s unless set): nothing was
+    written (exit 9)."""
 
 
 class ClobberError(CtlError):
