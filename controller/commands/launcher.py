@@ -412,14 +412,20 @@ def next_job_name(inv: Inventory, pool: Pool, reg: Registry, job_name: str) -> s
     return next_of_series(inv, reg, [job.name, *(c.name for c in job.nodes)], logs)
 
 
+def checkpoint_dirs(inv: Inventory, reg: Registry, failed: RunRecord) -> list[dict[str, str]]:
+    """Where the failed run and its ancestors keep checkpoints, newest run first: the agent's ckptscan tries them
+    in that order."""
+    template = inv.model.runs.checkpoints
+    return [{"run": r.name, "dir": template.replace("{dir}", r.run_dir).replace("{run}", r.name)}
+            for r in reversed(reg.lineage(failed.id)) if r.run_dir]
+
+
 def find_checkpoint(inv: Inventory, pool: Pool, reg: Registry, failed: RunRecord, *,
                     below: int | None = None) -> dict[str, Any] | None:
     """The newest complete checkpoint of the failed run or its ancestors, looked for on every node (the node
     that writes checkpoints is torchrun's choice): {"dir", "step", "run", "node"}, or None. `below`: only
     steps under that one."""
-    template = inv.model.runs.checkpoints
-    dirs = [{"run": r.name, "dir": template.replace("{dir}", r.run_dir).replace("{run}", r.name)}
-            for r in reversed(reg.lineage(failed.id)) if r.run_dir]
+    dirs = checkpoint_dirs(inv, reg, failed)
     if not dirs:
         return None
     job = inv.job(failed.ct)

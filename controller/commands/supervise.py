@@ -402,11 +402,7 @@ class Supervisor:
 
     def _checkpoint(self, t: Transport, failed: RunRecord) -> dict[str, Any] | None:
         """The newest complete checkpoint of the failed run or, failing that, of its ancestors."""
-        template = self.inv.model.runs.checkpoints
-        dirs = []
-        for r in reversed(self.reg.lineage(failed.id)):
-            if r.run_dir:
-                dirs.append({"run": r.name, "dir": template.replace("{dir}", r.run_dir).replace("{run}", r.name)})
+        dirs = launcher.checkpoint_dirs(self.inv, self.reg, failed)
         if not dirs:
             return None
         doc = Agent.of(t).call("ckptscan", {"dirs": dirs}, timeout=600)
