@@ -24,7 +24,8 @@ fi
 NO_MKDOCS_2_WARNING=1 "$PY" -m mkdocs build --strict --quiet --site-dir site
 # Three workers (pytest-xdist), a test file per worker at a time, on CI's 2 cores: most integration tests wait on
 # sshd, LXC, tmux and deadlines rather than compute, so a third file beside two fills the waits (a whole run used
-# 1.2 of the 2 cores so, and took 9:45 against 20:44 with two: bench/RESULTS.md). Each worker
+# 1.2 of the 2 cores so, and took 9:45 on a quiet machine; the two-worker figure, 20:44, was taken beside other
+# work, so the two are not a ratio: bench/RESULTS.md). Each worker
 # brings up its own Proxmox test host (tests/conftest.py gives each its own port range). CTL_TEST_WORKERS=0 runs
 # everything in one process.
 exec "$PY" -m pytest -q -p no:cacheprovider -n "${CTL_TEST_WORKERS:-3}" --dist loadfile "$@"
