@@ -40,3 +40,22 @@ def sha_bytes(b: bytes) -> str:
 
 def sha_file(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+# Runs one command line in this process as `ctl` does (launch.main.run_here), with every Agent made counted by
+# the name of its container; the counts are written to the file named first when the command exits.
+COUNTED = """
+import atexit, collections, json, sys
+from controller.remote import client
+made = collections.Counter()
+plain = client.Agent.__init__
+def counted(self, t):
+    made[t.name] += 1
+    plain(self, t)
+client.Agent.__init__ = counted
+out = sys.argv.pop(1)
+atexit.register(lambda: open(out, "w").write(json.dumps(made)))
+from controller.launch.main import run_here
+sys.argv[0] = "ctl"
+run_here()
+"""

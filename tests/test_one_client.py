@@ -21,24 +21,7 @@ from controller.remote.client import Agent
 from controller.transport.local import LocalContainer
 from controller.transport.pool import Pool
 from tests.conftest import LocalEnv
-
-# Runs one command line in this process as `ctl` does (launch.main.run_here), with every Agent made counted by
-# the name of its container; the counts are written to the file named first when the command exits.
-COUNTED = """
-import atexit, collections, json, sys
-from controller.remote import client
-made = collections.Counter()
-plain = client.Agent.__init__
-def counted(self, t):
-    made[t.name] += 1
-    plain(self, t)
-client.Agent.__init__ = counted
-out = sys.argv.pop(1)
-atexit.register(lambda: open(out, "w").write(json.dumps(made)))
-from controller.launch.main import run_here
-sys.argv[0] = "ctl"
-run_here()
-"""
+from tests.helpers import COUNTED
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")

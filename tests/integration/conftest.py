@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import GOOD, add_dist, end_sessions, install_torch
+from tests.integration.jobnet import job, shared_net  # noqa: F401 (fixtures: CT 200 and CT 300 as the nodes of a job)
 from tests.pvehost import PveHost
 
 # --------------------------------------------------------------------------------------------

@@ -10,10 +10,9 @@ import sys
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import COUNTED, wait_for
 from tests.integration.conftest import PveEnv
-from tests.integration.test_multinode_pve import Job, job, shared_net  # noqa: F401 (fixtures: CT 200 and 300 as a job)
-from tests.test_one_client import COUNTED
+from tests.integration.jobnet import Job  # its fixtures (job: CT 200 and 300 as a job): conftest.py
 
 pytestmark = pytest.mark.pvehost
 
@@ -36,7 +35,7 @@ def test_a_deploy_and_a_launch_make_one_agent_client_per_container(pve_env: PveE
     pve_env.ctl("stop", f"one{persist or 'x'}", "--grace", "5")
 
 
-def test_a_job_launch_speaks_to_each_node_through_one_agent_client(job: Job) -> None:  # noqa: F811
+def test_a_job_launch_speaks_to_each_node_through_one_agent_client(job: Job) -> None:
     """`ctl launch JOB` fans out to its nodes several times (preflight, the series, the claim, the start, the
     look after): each time the Pool gives the same transport for a node, so one client serves it throughout."""
     job.ok("deploy", "pair", "--allow-dirty")

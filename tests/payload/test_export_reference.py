@@ -211,7 +211,7 @@ def test_a_taught_target_gives_a_rising_accept_len_and_is_built_once(ran: LocalE
     """The tiny target is taught progressions (a random target's next tokens follow no rule: accept_len stays 1),
     then the drafter trains on them and accept_len climbs. The taught target is stored in the run's cache: a
     later run with the same teaching loads the same weights (same sha256) instead of teaching it again."""
-    from tests.payload.test_pipeline_run import torchrun
+    from tests.payload.helpers import torchrun
 
     log = (ran.root / "workspace" / "train_stdout_fresh1.log").read_text().splitlines()
     assert "data: synthetic progressions (seed 0)" in log
